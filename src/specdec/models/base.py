@@ -1,0 +1,42 @@
+"""The model contract the engine relies on (the lean decoder and the transformers adapter both meet it)."""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+
+class Cache(Protocol):
+    lengths: Tensor                                    # [R] committed slots per row
+
+    def commit(self, rows: Tensor, keep: Tensor, num_keep: Tensor) -> None: ...
+    def truncate(self, rows: Tensor, lengths: Tensor) -> None: ...
+
+
+class CausalLM(Protocol):
+    """Scores tokens at explicit positions; knows nothing of speculation.
+
+    forward writes T scratch rows per sequence after its committed length; the
+    caller keeps what it wants with `cache.commit` (a chain prefix or a tree path).
+    """
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def max_seq_len(self) -> int: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def device(self) -> torch.device: ...
+
+    def new_cache(self, rows: int, slots: int) -> Cache: ...
+
+    def forward(self, tokens: Tensor, positions: Tensor, cache: Cache, rows: Tensor,
+                tree_mask: Tensor | None = None) -> Tensor:
+        """tokens, positions [B, T]; rows [B]; tree_mask [B, T, T] or None (causal) -> hidden [B, T, H]."""
+        ...
+
+    def lm_head(self, hidden: Tensor) -> Tensor:
+        """hidden [..., H] -> float32 logits [..., V]."""
+        ...

@@ -1,0 +1,213 @@
+"""A lean decoder-only transformer (Llama family and Gemma 3), gpt-fast style.
+
+Explicit positions into a static KV cache, one mask built per forward, no
+framework. Models know nothing of speculation beyond "score these tokens at
+these positions under this mask".
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..cache import KVCache
+from .config import ModelConfig
+
+
+def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """RMSNorm computed in float32, returned in x's dtype. (GGUF stores Gemma's 1+w already.)"""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * w.float()).to(x.dtype)
+
+
+def rope_tables(head_dim: int, base: float, max_len: int) -> tuple[Tensor, Tensor]:
+    """cos, sin [max_len, head_dim // 2] in float32."""
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    ang = torch.arange(max_len, dtype=torch.float64)[:, None] * inv[None, :]
+    return ang.cos().float(), ang.sin().float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+    """x [B, H, T, hd]; cos, sin [B, 1, T, hd/2] (float32)."""
+    xf = x.float()
+    if interleaved:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    else:
+        half = xf.shape[-1] // 2
+        x1, x2 = xf[..., :half], xf[..., half:]
+        out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.to(x.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        qkv_out = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+        self.wqkv = nn.Parameter(torch.empty(qkv_out, cfg.dim))                 # fused q, k, v
+        self.wo = nn.Parameter(torch.empty(cfg.dim, cfg.n_heads * cfg.head_dim))
+        self.w13 = nn.Parameter(torch.empty(2 * cfg.hidden_dim, cfg.dim))      # fused gate, up
+        self.w2 = nn.Parameter(torch.empty(cfg.dim, cfg.hidden_dim))
+        self.attn_norm = nn.Parameter(torch.ones(cfg.dim))
+        self.ffn_norm = nn.Parameter(torch.ones(cfg.dim))
+        if cfg.qk_norm:
+            self.q_norm = nn.Parameter(torch.ones(cfg.head_dim))
+            self.k_norm = nn.Parameter(torch.ones(cfg.head_dim))
+        if cfg.sandwich_norm:
+            self.post_attn_norm = nn.Parameter(torch.ones(cfg.dim))
+            self.post_ffn_norm = nn.Parameter(torch.ones(cfg.dim))
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache: KVCache,
+                rows: Tensor, kv_len: int, contiguous: bool) -> Tensor:
+        cfg = self.cfg
+        B, T, _ = x.shape
+        h = rms_norm(x, self.attn_norm, cfg.norm_eps)
+        qkv = F.linear(h, self.wqkv)                                            # [B, T, (nh+2nkv)*hd]
+        q, k, v = qkv.split([cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim,
+                             cfg.n_kv_heads * cfg.head_dim], dim=-1)
+        q = q.view(B, T, cfg.n_heads, cfg.head_dim).transpose(1, 2)            # [B, nh, T, hd]
+        k = k.view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)         # [B, nkv, T, hd]
+        v = v.view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
+        if cfg.qk_norm:
+            q = rms_norm(q, self.q_norm, cfg.norm_eps)
+            k = rms_norm(k, self.k_norm, cfg.norm_eps)
+        q = apply_rope(q, cos, sin, cfg.rope_interleaved)
+        k = apply_rope(k, cos, sin, cfg.rope_interleaved)
+        cache.write(self.layer, rows, k, v)
+        kc, vc = cache.read(self.layer, rows, kv_len, contiguous)              # [B, nkv, S, hd]
+        o = attention(q, kc, vc, mask, cfg.scale)                              # [B, nh, T, hd]
+        o = F.linear(o.transpose(1, 2).reshape(B, T, -1), self.wo)
+        if cfg.sandwich_norm:
+            o = rms_norm(o, self.post_attn_norm, cfg.norm_eps)
+        x = x + o
+        h = rms_norm(x, self.ffn_norm, cfg.norm_eps)
+        gate, up = F.linear(h, self.w13).chunk(2, dim=-1)
+        act = F.gelu(gate, approximate="tanh") if cfg.gelu else F.silu(gate)
+        o = F.linear(act * up, self.w2)
+        if cfg.sandwich_norm:
+            o = rms_norm(o, self.post_ffn_norm, cfg.norm_eps)
+        return x + o
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """Grouped-query attention without copying k/v per head.
+
+    q [B, nh, T, hd], k/v [B, nkv, S, hd], mask [B, T, S] bool -> [B, nh, T, hd].
+    """
+    B, nh, T, hd = q.shape
+    nkv, S = k.shape[1], k.shape[2]
+    g = nh // nkv
+    qg = q.reshape(B, nkv, g * T, hd)                                           # heads of a group share k/v
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale              # [B, nkv, g*T, S]
+    scores = scores.view(B, nkv, g, T, S).masked_fill(~mask[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(B, nkv, g * T, S)
+    return torch.matmul(probs, v).view(B, nh, T, hd)
+
+
+class Transformer(nn.Module):
+    """forward(tokens, positions, cache, rows, tree_mask) -> final-normed hidden [B, T, H]."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.dim))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.dim))
+        self.output = nn.Parameter(torch.empty(0))          # empty: tied to `embed`
+        cos, sin = rope_tables(cfg.head_dim, cfg.rope_base, cfg.max_seq_len)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        if cfg.sliding_window > 0:
+            lcos, lsin = rope_tables(cfg.head_dim, cfg.rope_local_base, cfg.max_seq_len)
+            self.register_buffer("lcos", lcos, persistent=False)
+            self.register_buffer("lsin", lsin, persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.max_seq_len
+
+    def new_cache(self, rows: int, slots: int) -> KVCache:
+        c = self.config
+        return KVCache(c.n_layers, rows, c.n_kv_heads, min(slots, c.max_seq_len), c.head_dim,
+                       self.dtype, self.device)
+
+    def embed_tokens(self, tokens: Tensor) -> Tensor:
+        x = F.embedding(tokens, self.embed)
+        if self.config.embed_scale != 1.0:
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        return x
+
+    def lm_head(self, hidden: Tensor) -> Tensor:
+        """hidden [..., H] -> float32 logits [..., V]."""
+        w = self.output if self.output.numel() else self.embed
+        return F.linear(hidden, w).float()
+
+    def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache, rows: Tensor,
+                tree_mask: Tensor | None = None) -> Tensor:
+        """tokens, positions [B, T]; rows [B] cache rows; tree_mask [B, T, T] (None: causal chain).
+
+        Writes T scratch rows per sequence; the caller commits what it keeps.
+        """
+        B, T = tokens.shape
+        cache.check_room(rows, T)
+        lengths = cache.lengths[rows]                                          # [B]
+        kv_len = int(lengths.max()) + T
+        contiguous = bool(rows.numel() == 1 or torch.equal(rows, torch.arange(int(rows[0]), int(rows[0]) + B, device=rows.device)))
+        mask, kpos = self._mask(lengths, positions, T, kv_len, tree_mask)
+        x = self.embed_tokens(tokens)
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, T, hd/2]
+        if self.config.sliding_window > 0:
+            lcos, lsin = self.lcos[positions][:, None], self.lsin[positions][:, None]
+            local = mask & (positions[:, :, None] - kpos[:, None, :] < self.config.sliding_window)
+        for i, layer in enumerate(self.layers):
+            if self.config.is_local(i):
+                x = layer(x, lcos, lsin, local, cache, rows, kv_len, contiguous)
+            else:
+                x = layer(x, cos, sin, mask, cache, rows, kv_len, contiguous)
+        return rms_norm(x, self.norm, self.config.norm_eps)
+
+    @staticmethod
+    def _mask(lengths: Tensor, positions: Tensor, T: int, kv_len: int,
+              tree_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Visibility [B, T, kv_len] and key positions [B, kv_len]."""
+        B = lengths.shape[0]
+        dev = lengths.device
+        j = torch.arange(kv_len, device=dev)
+        mask = (j[None, None, :] < lengths[:, None, None]).expand(B, T, kv_len).clone()
+        if tree_mask is None:
+            tree_mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril().expand(B, T, T)
+        scratch = lengths[:, None] + torch.arange(T, device=dev)               # [B, T]
+        mask.scatter_(2, scratch[:, None, :].expand(B, T, T), tree_mask)
+        kpos = j.expand(B, kv_len).clone()
+        kpos.scatter_(1, scratch, positions)
+        return mask, kpos
+
+
+def init_random(model: Transformer, seed: int = 0, std: float = 0.02) -> Transformer:
+    """Random weights for tests (norms at one)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.numel() == 0:
+                continue
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model

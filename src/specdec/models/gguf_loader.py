@@ -1,0 +1,111 @@
+"""Load a lean `Transformer` from a GGUF file (weights dequantized with `gguf`)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import SpecdecError
+from .config import ModelConfig
+from .decoder import Transformer
+
+SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
+
+
+def open_gguf(path: str | Path):
+    """A `gguf.GGUFReader`, or a clear error for a missing or corrupt file."""
+    import gguf
+
+    p = Path(path)
+    if not p.is_file():
+        raise SpecdecError(f"GGUF file not found: {p}")
+    try:
+        return gguf.GGUFReader(p)
+    except Exception as e:  # the reader raises many kinds on garbage
+        raise SpecdecError(f"not a readable GGUF file: {p} ({type(e).__name__}: {e})") from None
+
+
+def field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def config_from_gguf(reader, name: str, max_seq_len: int | None = None) -> ModelConfig:
+    arch = field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise SpecdecError(f"unsupported architecture {arch!r} in GGUF; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    a = arch
+    n_heads = int(field(reader, f"{a}.attention.head_count"))
+    dim = int(field(reader, f"{a}.embedding_length"))
+    head_dim = int(field(reader, f"{a}.attention.key_length", dim // n_heads))
+    emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    vocab = int(field(reader, f"{a}.vocab_size", int(emb.shape[1])))
+    ctx = int(field(reader, f"{a}.context_length"))
+    common = dict(
+        vocab_size=vocab, dim=dim, n_layers=int(field(reader, f"{a}.block_count")),
+        n_heads=n_heads, n_kv_heads=int(field(reader, f"{a}.attention.head_count_kv", n_heads)),
+        head_dim=head_dim, hidden_dim=int(field(reader, f"{a}.feed_forward_length")),
+        max_seq_len=min(ctx, max_seq_len) if max_seq_len else ctx,
+        norm_eps=float(field(reader, f"{a}.attention.layer_norm_rms_epsilon")),
+        rope_base=float(field(reader, f"{a}.rope.freq_base", 10000.0)), name=name,
+    )
+    if arch == "llama":
+        return ModelConfig(**common, rope_interleaved=True)
+    return ModelConfig(**common, rope_interleaved=False, embed_scale=dim ** 0.5, qk_norm=True,
+                       sandwich_norm=True, gelu=True,
+                       sliding_window=int(field(reader, f"{a}.attention.sliding_window", 0)),
+                       sliding_pattern=6, rope_local_base=10000.0)
+
+
+_LAYER_MAP = {
+    "attn_output": "wo", "ffn_down": "w2", "attn_norm": "attn_norm", "ffn_norm": "ffn_norm",
+    "attn_q_norm": "q_norm", "attn_k_norm": "k_norm", "post_attention_norm": "post_attn_norm",
+    "post_ffw_norm": "post_ffn_norm",
+}
+
+
+def load_gguf(path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
+              name: str | None = None, max_seq_len: int | None = None) -> Transformer:
+    """Build the decoder and fill it with the file's dequantized weights."""
+    from gguf.quants import dequantize
+
+    reader = open_gguf(path)
+    cfg = config_from_gguf(reader, name or Path(path).stem, max_seq_len)
+    raw: dict[str, np.ndarray] = {}
+    try:
+        for t in reader.tensors:
+            raw[t.name] = dequantize(t.data, t.tensor_type).reshape([int(s) for s in reversed(t.shape)])
+    except Exception as e:
+        raise SpecdecError(f"corrupt tensor data in GGUF {path}: {type(e).__name__}: {e}") from None
+
+    def take(key: str) -> torch.Tensor:
+        if key not in raw:
+            raise SpecdecError(f"GGUF {path} lacks tensor {key!r}")
+        return torch.from_numpy(np.ascontiguousarray(raw.pop(key), dtype=np.float32))
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    sd: dict[str, torch.Tensor] = {"embed": take("token_embd.weight"), "norm": take("output_norm.weight")}
+    sd["output"] = take("output.weight") if "output.weight" in raw else torch.empty(0)
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        sd[f"layers.{i}.wqkv"] = torch.cat([take(p + "attn_q.weight"), take(p + "attn_k.weight"), take(p + "attn_v.weight")])
+        sd[f"layers.{i}.w13"] = torch.cat([take(p + "ffn_gate.weight"), take(p + "ffn_up.weight")])
+        for src, dst in _LAYER_MAP.items():
+            if p + src + ".weight" in raw:
+                sd[f"layers.{i}.{dst}"] = take(p + src + ".weight")
+    model = model.to_empty(device=device)
+    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=False)
+    if missing or unexpected:
+        raise SpecdecError(f"GGUF {path} does not fit the {cfg.name} layout: missing {missing}, unexpected {unexpected}")
+    # rope tables are buffers built on meta; rebuild them for the real device
+    fresh = Transformer.__new__(Transformer)
+    from .decoder import rope_tables
+    model.cos, model.sin = (t.to(device) for t in rope_tables(cfg.head_dim, cfg.rope_base, cfg.max_seq_len))
+    if cfg.sliding_window > 0:
+        model.lcos, model.lsin = (t.to(device) for t in rope_tables(cfg.head_dim, cfg.rope_local_base, cfg.max_seq_len))
+    del fresh
+    return model.eval().requires_grad_(False)
