@@ -1,0 +1,199 @@
+"""Public API: `load()` a target with a speculative method, then `generate` / `stream`."""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence as Seq
+
+import torch
+
+from .draft_length import MAX_DRAFT_TOKENS, POLICIES, make_policy
+from .engine import Engine, Request
+from .errors import SpecdecError
+from .metrics import Counters
+from .models.base import CausalLM
+from .models.gguf_loader import load_gguf
+from .models.registry import DEFAULT_MODEL, resolve
+from .models.tokenizer import Tokenizer
+from .proposers.base import NoProposer, Proposer
+from .proposers.draft_model import DraftModelProposer
+from .proposers.ngram import NgramProposer
+from .sampling import SamplingParams
+
+METHODS = ("none", "ngram", "draft")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+Prompt = str | list[int]
+
+
+@dataclass
+class Result:
+    text: str
+    tokens: list[int]               # generated token ids (EOS included when it ended the text)
+    metrics: dict
+    finish_reason: str              # "stop" (EOS or stop string) or "length"
+    prompt_tokens: int
+
+
+def parse_dtype(dtype: str) -> torch.dtype:
+    if dtype not in DTYPES:
+        raise SpecdecError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def parse_device(device: str) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise SpecdecError(f"unknown device {device!r}; use cpu or cuda[:N]") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SpecdecError("device cuda requested but no CUDA device is available")
+    if dev.type not in ("cpu", "cuda"):
+        raise SpecdecError(f"unsupported device {device!r}; use cpu or cuda[:N]")
+    return dev
+
+
+def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu") -> tuple[CausalLM, Tokenizer, str]:
+    """A lean decoder and its tokenizer from a registered name or a GGUF path."""
+    dt, dev = parse_dtype(dtype), parse_device(device)
+    name, path = resolve(name_or_path)
+    model = load_gguf(path, dt, dev, name=name)
+    return model, Tokenizer.from_gguf(Path(path)), name
+
+
+class Generator:
+    """A target model, a proposer and a draft-length policy, ready to generate."""
+
+    def __init__(self, target: CausalLM, tokenizer: Tokenizer, proposer: Proposer, policy_name: str = "fixed",
+                 num_draft_tokens: int = 4, name: str = "model") -> None:
+        make_policy(policy_name, num_draft_tokens)          # validate early
+        self.target, self.tokenizer, self.proposer = target, tokenizer, proposer
+        self.policy_name, self.num_draft_tokens, self.name = policy_name, num_draft_tokens, name
+        self.method = proposer.name
+
+    # ---- input handling -------------------------------------------------------------
+    def _encode(self, prompt: Prompt, chat: bool) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise SpecdecError("empty prompt")
+            return self.tokenizer.encode(prompt, chat)
+        ids = list(prompt)
+        if not ids:
+            raise SpecdecError("empty prompt")
+        if not all(isinstance(t, int) and 0 <= t < self.target.vocab_size for t in ids):
+            raise SpecdecError(f"token ids must be integers in [0, {self.target.vocab_size})")
+        return ids
+
+    def _requests(self, prompts: list[Prompt], max_new_tokens: int, params: SamplingParams,
+                  stop: Seq[str], chat: bool, truncate: bool) -> list[Request]:
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
+            raise SpecdecError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if isinstance(stop, str):
+            stop = (stop,)
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise SpecdecError("stop strings must be non-empty strings")
+        limit = self.target.max_seq_len - max_new_tokens - 2 * MAX_DRAFT_TOKENS - 2
+        if limit <= 0:
+            raise SpecdecError(f"max_new_tokens={max_new_tokens} leaves no room in the context of {self.target.max_seq_len}")
+        reqs = []
+        for p in prompts:
+            ids = self._encode(p, chat)
+            if len(ids) > limit:
+                if not truncate:
+                    raise SpecdecError(f"prompt of {len(ids)} tokens is longer than the {limit} the context window "
+                                       f"({self.target.max_seq_len}) allows with max_new_tokens={max_new_tokens}; "
+                                       "shorten it or ask for truncation (truncate=True / --truncate)")
+                ids = ids[-limit:]
+            reqs.append(Request(ids, max_new_tokens, params, tuple(stop)))
+        return reqs
+
+    def engine(self, rows: int, slots: int) -> Engine:
+        policy = make_policy(self.policy_name, self.num_draft_tokens) if self.method != "none" else make_policy("fixed", 1)
+        eng = Engine(self.target, self.proposer, policy, self.tokenizer.decode, self.tokenizer.eos_ids)
+        eng.allocate(rows, min(slots, self.target.max_seq_len))
+        return eng
+
+    def _run(self, prompts: list[Prompt], max_new_tokens: int, params: SamplingParams, stop: Seq[str],
+             chat: bool, truncate: bool) -> Iterator[tuple[int, str, Engine, list]]:
+        reqs = self._requests(prompts, max_new_tokens, params, stop, chat, truncate)
+        slots = max(len(r.prompt) for r in reqs) + max_new_tokens + 2 * MAX_DRAFT_TOKENS + 2
+        eng = self.engine(len(reqs), slots)
+        seqs = [eng.add(r) for r in reqs]
+        index = {id(s): i for i, s in enumerate(seqs)}
+        with torch.inference_mode():
+            while eng.busy:
+                for seq, piece in eng.step():
+                    yield index[id(seq)], piece, eng, seqs
+
+    # ---- public -----------------------------------------------------------------------
+    def generate(self, prompt: Prompt | list[Prompt], max_new_tokens: int = 128, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop: Seq[str] = (),
+                 chat: bool = True, truncate: bool = False) -> Result | list[Result]:
+        """One prompt (text or token ids) -> Result; a list of prompts -> list of Results."""
+        single = isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], int))
+        if isinstance(prompt, list) and not prompt:
+            raise SpecdecError("empty prompt list")
+        prompts = [prompt] if single else list(prompt)
+        params = SamplingParams(temperature, top_k, top_p, seed)
+        seqs: list = []
+        for _, _, _, seqs in self._run(prompts, max_new_tokens, params, stop, chat and self.tokenizer.has_chat_template or chat, truncate):
+            pass
+        results = [self._result(s) for s in seqs]
+        return results[0] if single else results
+
+    def stream(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+               top_k: int = 0, seed: int = 0, stop: Seq[str] = (), chat: bool = True,
+               truncate: bool = False) -> Iterator[str]:
+        """Yield text pieces as tokens are committed. `last_result` holds the Result afterwards."""
+        params = SamplingParams(temperature, top_k, top_p, seed)
+        for _, piece, _, seqs in self._run([prompt], max_new_tokens, params, stop, chat, truncate):
+            if piece:
+                yield piece
+            self.last_result = self._result(seqs[0])
+
+    def _result(self, s) -> Result:
+        return Result(s.text, s.generated, s.counters.as_dict(self.method != "none"), s.finish_reason,
+                      len(s.request.prompt))
+
+
+def make_proposer(method: str, target: CausalLM, target_tok: Tokenizer, draft_model: str | CausalLM | None,
+                  dtype: str, device: str) -> Proposer:
+    if method == "none":
+        return NoProposer()
+    if method == "ngram":
+        return NgramProposer()
+    if method == "draft":
+        if draft_model is None:
+            raise SpecdecError("method 'draft' needs a draft model: draft_model=NAME|PATH (--draft-model)")
+        if isinstance(draft_model, str):
+            draft, draft_tok, _ = load_model(draft_model, dtype, device)
+            if draft_tok.vocab != target_tok.vocab:
+                raise SpecdecError(f"draft model {draft_model!r} has a different vocabulary than the target; "
+                                   "a draft must share the target's tokenizer")
+        else:
+            draft = draft_model
+        if draft.vocab_size != target.vocab_size:
+            raise SpecdecError(f"draft vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size})")
+        if _params(draft) > _params(target):
+            warnings.warn("the draft model is larger than the target: speculation will likely be slower", stacklevel=3)
+        return DraftModelProposer(draft)
+    raise SpecdecError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
+
+
+def _params(m: CausalLM) -> int:
+    return sum(p.numel() for p in m.parameters()) if isinstance(m, torch.nn.Module) else 0
+
+
+def load(model: str = DEFAULT_MODEL, method: str = "none", dtype: str = "float32", device: str = "cpu",
+         draft_model: str | CausalLM | None = None, num_draft_tokens: int = 4,
+         draft_policy: str = "fixed") -> Generator:
+    """Load a target (registered name or .gguf path) with a speculative method."""
+    if method not in METHODS:
+        raise SpecdecError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
+    if draft_policy not in POLICIES:
+        raise SpecdecError(f"unknown draft policy {draft_policy!r}; choose one of: {', '.join(POLICIES)}")
+    make_policy(draft_policy, num_draft_tokens)
+    target, tok, name = load_model(model, dtype, device)
+    proposer = make_proposer(method, target, tok, draft_model, dtype, device)
+    return Generator(target, tok, proposer, draft_policy, num_draft_tokens, name)

@@ -1,0 +1,1 @@
+"""Benchmark prompt suites (Spec-Bench style) read from installed data wheels."""

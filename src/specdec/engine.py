@@ -1,0 +1,232 @@
+"""The one loop: propose -> score -> verify -> commit, for a batch of sequences.
+
+Sequences join (`add`) and leave (finished) at step boundaries, each with its
+own sampling parameters, random streams, stop conditions and metrics. Every
+sequence accepts its own number of drafts; nothing assumes batch size 1.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from .draft_length import DraftPolicy, Fixed
+from .errors import SpecdecError
+from .metrics import Counters
+from .models.base import CausalLM
+from .proposers.base import ActiveBatch, NoProposer, Proposer
+from .sampling import BatchSampling, SamplingParams, make_rng, to_probs, uniforms
+from .verify import Draft, Verdict, verify
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class Sequence:
+    """A request being decoded: its row in the caches, output so far, metrics."""
+    request: Request
+    row: int
+    tokens: list[int] = field(default_factory=list)        # prompt + generated
+    text: str = ""                                           # text emitted so far (stop strings cut)
+    finish_reason: str = ""                                  # "", "stop" or "length"
+    counters: Counters = field(default_factory=Counters)
+    started: float = 0.0
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[len(self.request.prompt):]
+
+    @property
+    def done(self) -> bool:
+        return bool(self.finish_reason)
+
+
+class Engine:
+    def __init__(self, target: CausalLM, proposer: Proposer, policy: DraftPolicy,
+                 decode: Callable[[list[int]], str], eos_ids: frozenset[int]) -> None:
+        self.target, self.proposer, self.policy = target, proposer, policy
+        self.decode, self.eos_ids = decode, eos_ids
+        self.speculative = not isinstance(proposer, NoProposer)
+        self.active: list[Sequence] = []
+        self.pending: list[Sequence] = []
+        self.rngs: dict[int, tuple[torch.Generator, torch.Generator]] = {}
+        self.rows = 0
+        self.slots = 0
+
+    # ---- capacity -----------------------------------------------------------------
+    def allocate(self, rows: int, slots: int) -> None:
+        """Caches for `rows` concurrent sequences of up to `slots` tokens (+ draft scratch)."""
+        self.rows, self.slots = rows, slots
+        self.cache = self.target.new_cache(rows, slots)
+        self.proposer.allocate(rows, slots)
+        self.free = list(range(rows))
+        self.active, self.pending = [], []
+
+    def add(self, request: Request) -> Sequence:
+        """Queue a request; it is prefilled at the next step boundary."""
+        if not self.free:
+            raise SpecdecError("no free slot: the batch is full")
+        need = len(request.prompt) + request.max_new_tokens + 1
+        if need > self.slots:
+            raise SpecdecError(f"prompt ({len(request.prompt)} tokens) + max_new_tokens ({request.max_new_tokens}) "
+                               f"exceeds the context of {self.slots} tokens")
+        seq = Sequence(request, self.free.pop(0), list(request.prompt), started=time.perf_counter())
+        s = request.sampling.seed
+        self.rngs[seq.row] = (make_rng(s), make_rng(s + 0x9E3779B1))
+        self.pending.append(seq)
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        """Stop a sequence (client gone): frees its slot at once."""
+        if seq in self.pending:
+            self.pending.remove(seq)
+        if seq in self.active:
+            self.active.remove(seq)
+        if not seq.done:
+            seq.finish_reason = "cancelled"
+            self.free.append(seq.row)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.active or self.pending)
+
+    # ---- one step -----------------------------------------------------------------
+    def step(self) -> list[tuple[Sequence, str]]:
+        """Prefill newcomers, or run one speculative step for the active batch.
+
+        Returns (sequence, newly emitted text) for every sequence that emitted text or finished.
+        """
+        if self.pending:
+            seqs, self.pending = self.pending, []
+            self._prefill(seqs)
+            self.active.extend(seqs)
+        elif self.active:
+            self._speculate(self.active)
+        else:
+            return []
+        events = []
+        for seq in list(self.active):
+            piece = self._emit(seq)
+            if piece or seq.done:
+                events.append((seq, piece))
+            if seq.done:
+                self.active.remove(seq)
+                self.free.append(seq.row)
+                seq.counters.wall_seconds = time.perf_counter() - seq.started
+        return events
+
+    def _batch(self, seqs: list[Sequence]) -> ActiveBatch:
+        dev = self.target.device
+        return ActiveBatch(torch.tensor([s.row for s in seqs], device=dev), [s.tokens for s in seqs],
+                           BatchSampling.of([s.request.sampling for s in seqs], dev),
+                           [self.rngs[s.row][1] for s in seqs])
+
+    def _prefill(self, seqs: list[Sequence]) -> None:
+        t0 = time.perf_counter()
+        batch = self._batch(seqs)
+        dev = self.target.device
+        lens = torch.tensor([len(s.tokens) for s in seqs], device=dev)
+        inp = torch.zeros(len(seqs), int(lens.max()), dtype=torch.long, device=dev)
+        for i, s in enumerate(seqs):
+            inp[i, :len(s.tokens)] = torch.tensor(s.tokens)
+        self.cache.truncate(batch.rows, torch.zeros_like(batch.rows))
+        pos = torch.arange(inp.shape[1], device=dev).expand_as(inp)
+        hidden = self.target(inp, pos, self.cache, batch.rows)                # [B, P, H]
+        self.cache.commit(batch.rows, pos, lens)
+        last = hidden[torch.arange(len(seqs), device=dev), lens - 1]           # [B, H]
+        p = to_probs(self.target.lm_head(last)[:, None], batch.sampling)       # [B, 1, V]
+        u = uniforms([self.rngs[s.row][0] for s in seqs], 1, dev)
+        verdict = verify(Draft(torch.empty(len(seqs), 0, dtype=torch.long, device=dev)), p, u[:, :0], u[:, 0])
+        self.proposer.start(batch.rows, [list(s.tokens) for s in seqs])
+        dt = time.perf_counter() - t0
+        for i, s in enumerate(seqs):
+            s.tokens.append(int(verdict.tokens[i, 0]))
+            s.counters.record_step(0, 0, 1)
+            s.counters.target_seconds += dt
+            self._check_stop(s)
+
+    def _speculate(self, seqs: list[Sequence]) -> None:
+        dev = self.target.device
+        batch = self._batch(seqs)
+        B = len(seqs)
+        room = min(min(s.request.max_new_tokens - len(s.generated) for s in seqs) - 1,
+                   min(self.slots - len(s.tokens) - 1 for s in seqs))
+        k = max(0, min(self.policy.choose(), room)) if self.speculative else 0
+        t0 = time.perf_counter()
+        draft = self.proposer.propose(batch, k) if k > 0 else Draft(torch.empty(B, 0, dtype=torch.long, device=dev))
+        k = draft.tokens.shape[1]
+        t1 = time.perf_counter()
+        pending = torch.tensor([s.tokens[-1] for s in seqs], device=dev)
+        inp = torch.cat([pending[:, None], draft.tokens.clamp(min=0)], 1)       # [B, k+1]
+        base = self.cache.lengths[batch.rows]
+        pos = base[:, None] + torch.arange(k + 1, device=dev)
+        hidden = self.target(inp, pos, self.cache, batch.rows)                 # [B, k+1, H]
+        p = to_probs(self.target.lm_head(hidden), batch.sampling)              # [B, k+1, V]
+        u = uniforms([self.rngs[s.row][0] for s in seqs], k + 1, dev)
+        verdict = verify(draft, p, u[:, :k], u[:, k])
+        self.cache.commit(batch.rows, torch.arange(k + 1, device=dev).expand(B, k + 1), verdict.num_new)
+        t2 = time.perf_counter()
+        valid = (draft.tokens >= 0).sum(-1)
+        new = verdict.tokens.tolist()
+        for i, s in enumerate(seqs):
+            n = int(verdict.num_new[i])
+            s.tokens.extend(new[i][:n])
+            s.counters.record_step(int(valid[i]), n - 1, n)
+            s.counters.draft_seconds += t1 - t0
+            s.counters.target_seconds += t2 - t1
+        self.proposer.commit(batch, verdict)
+        self.policy.observe(k, valid, verdict.num_accepted, t1 - t0, t2 - t1)
+        for s in seqs:
+            self._check_stop(s)
+            if not s.done:
+                assert int(self.cache.lengths[s.row]) == len(s.tokens) - 1, "target cache out of step with tokens"
+
+    # ---- stopping and text --------------------------------------------------------
+    def _check_stop(self, s: Sequence) -> None:
+        gen = s.generated
+        for i, t in enumerate(gen):
+            if t in self.eos_ids:
+                del s.tokens[len(s.request.prompt) + i + 1:]
+                s.counters.new_tokens -= len(gen) - (i + 1)
+                s.finish_reason = "stop"
+                return
+        if len(gen) >= s.request.max_new_tokens:
+            extra = len(gen) - s.request.max_new_tokens
+            if extra:
+                del s.tokens[-extra:]
+                s.counters.new_tokens -= extra
+            s.finish_reason = "length"
+
+    def _emit(self, s: Sequence) -> str:
+        """New text since the last call; holds back partial characters and possible stop-string prefixes."""
+        gen = s.generated
+        if gen and gen[-1] in self.eos_ids:
+            gen = gen[:-1]
+        full = self.decode(gen)
+        for stop in s.request.stop:
+            at = full.find(stop)
+            if at >= 0:
+                full = full[:at]
+                s.finish_reason = "stop"
+        if not s.done:
+            hold = 0
+            if full.endswith("\ufffd"):
+                hold = len(full) - len(full.rstrip("\ufffd"))
+            for stop in s.request.stop:
+                for n in range(min(len(stop) - 1, len(full)), 0, -1):
+                    if full.endswith(stop[:n]):
+                        hold = max(hold, n)
+                        break
+            full = full[:len(full) - hold]
+        piece = full[len(s.text):] if full.startswith(s.text) else ""
+        s.text = full if full.startswith(s.text) else s.text
+        return piece

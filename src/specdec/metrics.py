@@ -1,0 +1,53 @@
+"""Per-request and aggregated speculation metrics: tau, acceptance, time split."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Counters:
+    new_tokens: int = 0
+    target_forwards: int = 0
+    drafted: int = 0                                   # drafts proposed (valid ones)
+    accepted: int = 0
+    drafted_at: list[int] = field(default_factory=list)    # per draft position
+    accepted_at: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    target_seconds: float = 0.0
+    wall_seconds: float = 0.0
+
+    def record_step(self, valid: int, accepted: int, committed: int) -> None:
+        """One target forward that proposed `valid` drafts, accepted `accepted`, committed `committed` tokens."""
+        self.target_forwards += 1
+        self.new_tokens += committed
+        self.drafted += valid
+        self.accepted += accepted
+        while len(self.drafted_at) < valid:
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
+        for i in range(valid):
+            self.drafted_at[i] += 1
+            if i < accepted:
+                self.accepted_at[i] += 1
+
+    def merge(self, other: "Counters") -> None:
+        for name in ("new_tokens", "target_forwards", "drafted", "accepted",
+                     "draft_seconds", "target_seconds", "wall_seconds"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        n = max(len(self.drafted_at), len(other.drafted_at))
+        self.drafted_at = [a + b for a, b in zip(self.drafted_at + [0] * n, other.drafted_at + [0] * n)][:n]
+        self.accepted_at = [a + b for a, b in zip(self.accepted_at + [0] * n, other.accepted_at + [0] * n)][:n]
+
+    def as_dict(self, speculative: bool) -> dict:
+        """The public metrics object (keys fixed by the CLI's --json contract)."""
+        return {
+            "new_tokens": self.new_tokens,
+            "target_forwards": self.target_forwards,
+            "tau": self.new_tokens / self.target_forwards if self.target_forwards else 0.0,
+            "acceptance_rate": (self.accepted / self.drafted if self.drafted else 0.0) if speculative else None,
+            "acceptance_per_position": [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)],
+            "tokens_per_second": self.new_tokens / self.wall_seconds if self.wall_seconds > 0 else 0.0,
+            "wall_seconds": self.wall_seconds,
+            "draft_seconds": self.draft_seconds,
+            "target_seconds": self.target_seconds,
+        }

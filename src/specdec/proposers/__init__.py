@@ -1,0 +1,1 @@
+"""Proposers: cheap guesses of the next K tokens. One file per method."""

@@ -1,0 +1,57 @@
+"""What a proposer sees and promises (the contract between proposer and engine)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from ..sampling import BatchSampling
+from ..verify import Draft, Verdict
+
+
+@dataclass
+class ActiveBatch:
+    """The sequences being decoded this step."""
+    rows: Tensor                      # [B] cache rows / slots of the active sequences
+    tokens: list[list[int]]           # full history per sequence: prompt + generated (last one not yet scored)
+    sampling: BatchSampling           # per-sequence transform parameters
+    rngs: list[torch.Generator]       # per-sequence proposer generators
+
+
+class Proposer(Protocol):
+    name: str
+
+    def allocate(self, rows: int, slots: int) -> None:
+        """Room for `rows` sequences of up to `slots` tokens."""
+        ...
+
+    def start(self, rows: Tensor, prompts: list[list[int]]) -> None:
+        """New sequences occupy `rows`; `prompts` are their full token histories so far."""
+        ...
+
+    def propose(self, batch: ActiveBatch, k: int) -> Draft:
+        """Up to k drafts per sequence: tokens [B, k] (-1 = none), q [B, k, V] or None (deterministic)."""
+        ...
+
+    def commit(self, batch: ActiveBatch, verdict: Verdict) -> None:
+        """Roll own state (cache, features) forward to the accepted path. `batch.tokens` already holds the new tokens."""
+        ...
+
+
+class NoProposer:
+    """Plain decoding: no drafts (K = 0), one token per target forward."""
+    name = "none"
+
+    def allocate(self, rows: int, slots: int) -> None:
+        pass
+
+    def start(self, rows: Tensor, prompts: list[list[int]]) -> None:
+        pass
+
+    def propose(self, batch: ActiveBatch, k: int) -> Draft:
+        return Draft(torch.empty(len(batch.tokens), 0, dtype=torch.long))
+
+    def commit(self, batch: ActiveBatch, verdict: Verdict) -> None:
+        pass

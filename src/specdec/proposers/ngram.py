@@ -1,0 +1,73 @@
+"""Prompt lookup (n-gram) proposer: no model.
+
+Match the longest recent n-gram (n in [n_min, n_max]) ending at the last token
+of prompt + generated text to an earlier occurrence and propose what followed
+it. Each sequence keeps an index {n-gram: end position of its latest earlier
+occurrence}, updated incrementally: O(n_max) work per new token, no rescans.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..errors import SpecdecError
+from ..verify import Draft, Verdict
+from .base import ActiveBatch
+
+
+class NgramIndex:
+    """Latest occurrence of every n-gram of one token sequence (n_min..n_max)."""
+
+    def __init__(self, n_min: int, n_max: int) -> None:
+        self.n_min, self.n_max = n_min, n_max
+        self.maps: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(n_min, n_max + 1)}
+        self.indexed = 0              # n-grams ending before this position are indexed
+
+    def update(self, tokens: list[int]) -> None:
+        """Index n-grams ending at positions < len(tokens) - 1 (so each has a continuation)."""
+        for end in range(self.indexed, len(tokens) - 1):            # n-gram tokens[end-n+1 : end+1]
+            for n, m in self.maps.items():
+                if end + 1 >= n:
+                    m[tuple(tokens[end - n + 1:end + 1])] = end + 1
+        self.indexed = max(self.indexed, len(tokens) - 1)
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """Continuation (up to k tokens) of the longest n-gram suffix seen before."""
+        for n in range(self.n_max, self.n_min - 1, -1):
+            if len(tokens) < n:
+                continue
+            start = self.maps[n].get(tuple(tokens[-n:]))
+            if start is not None:
+                return tokens[start:start + k]
+        return []
+
+
+class NgramProposer:
+    name = "ngram"
+
+    def __init__(self, n_min: int = 1, n_max: int = 4) -> None:
+        if not (1 <= n_min <= n_max <= 64):
+            raise SpecdecError(f"n-gram range must satisfy 1 <= n_min <= n_max <= 64, got [{n_min}, {n_max}]")
+        self.n_min, self.n_max = n_min, n_max
+        self.index: dict[int, NgramIndex] = {}
+
+    def allocate(self, rows: int, slots: int) -> None:
+        self.index = {}
+
+    def start(self, rows: Tensor, prompts: list[list[int]]) -> None:
+        for r, p in zip(rows.tolist(), prompts):
+            self.index[r] = NgramIndex(self.n_min, self.n_max)
+            self.index[r].update(p)
+
+    def propose(self, batch: ActiveBatch, k: int) -> Draft:
+        out = torch.full((len(batch.tokens), k), -1, dtype=torch.long)
+        for i, (r, toks) in enumerate(zip(batch.rows.tolist(), batch.tokens)):
+            idx = self.index[r]
+            idx.update(toks)
+            cont = idx.lookup(toks, k)
+            if cont:
+                out[i, :len(cont)] = torch.tensor(cont)
+        return Draft(out.to(batch.rows.device))
+
+    def commit(self, batch: ActiveBatch, verdict: Verdict) -> None:
+        pass                          # the index catches up lazily in propose
