@@ -1,0 +1,108 @@
+"""The lean decoder with its static cache against the slow reference (tiny random models)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specdec.reference import exact_distribution, reference_greedy
+
+from conftest import tiny_generator, tiny_model
+
+
+def _full_logits(model, tokens):
+    return exact_distribution(model, tokens)
+
+
+@pytest.mark.parametrize("gemma", [False, True])
+def test_cached_greedy_equals_reference(gemma):
+    model = tiny_model(seed=1, gemma=gemma)
+    gen = tiny_generator(model)
+    for seed in range(3):
+        prompt = [random.Random(seed).randrange(97) for _ in range(5 + 4 * seed)]
+        res = gen.generate(prompt, max_new_tokens=24)
+        assert res.tokens == reference_greedy(model, prompt, 24)
+        assert res.metrics["tau"] == 1.0 and res.metrics["acceptance_rate"] is None
+
+
+@pytest.mark.parametrize("gemma", [False, True])
+def test_ragged_batch_equals_one_by_one(gemma):
+    model = tiny_model(seed=2, gemma=gemma)
+    gen = tiny_generator(model)
+    prompts = [[3, 5, 7], list(range(10, 30)), [42] * 11]
+    batch = gen.generate(prompts, max_new_tokens=16)
+    for p, r in zip(prompts, batch):
+        assert r.tokens == gen.generate(p, max_new_tokens=16).tokens
+
+
+@pytest.mark.parametrize("gemma", [False, True])
+def test_commit_truncate_property(gemma):
+    """Random chunked feeding with uncommitted scratch, rollbacks and refeeds ends at the full-context logits."""
+    model = tiny_model(seed=3, gemma=gemma)
+    rng = random.Random(0)
+    for trial in range(6):
+        tokens = [rng.randrange(97) for _ in range(30)]
+        cache = model.new_cache(2, 64)
+        rows = torch.tensor([1])                  # a row that is not the first: row indexing matters
+        fed = 0
+        while fed < len(tokens):
+            n = min(rng.randint(1, 5), len(tokens) - fed)
+            junk = rng.randint(0, 3)              # speculative scratch rows that are not kept
+            chunk = tokens[fed:fed + n] + [rng.randrange(97) for _ in range(junk)]
+            pos = torch.arange(fed, fed + n + junk)[None]
+            model(torch.tensor([chunk]), pos, cache, rows)
+            cache.commit(rows, torch.arange(n + junk)[None], torch.tensor([n]))
+            fed += n
+            if rng.random() < 0.3 and fed > 2:    # roll back and refeed later
+                back = rng.randint(1, min(3, fed))
+                fed -= back
+                cache.truncate(rows, torch.tensor([fed]))
+            assert int(cache.lengths[1]) == fed and int(cache.lengths[0]) == 0
+        # score one more token after the committed context; compare to the no-cache forward
+        h = model(torch.tensor([[tokens[-1]]]), torch.tensor([[len(tokens)]]), cache, rows)
+        expect = _full_logits(model, tokens + [tokens[-1]])
+        torch.testing.assert_close(model.lm_head(h[0, -1]), expect, atol=1e-4, rtol=1e-4)
+
+
+def test_truncate_rejects_growth():
+    model = tiny_model()
+    cache = model.new_cache(1, 8)
+    with pytest.raises(ValueError):
+        cache.truncate(torch.tensor([0]), torch.tensor([3]))
+
+
+@pytest.mark.parametrize("gemma", [False, True])
+def test_tree_commit_equals_chain(gemma):
+    """Score a tree a -> {b, c}, c -> d in one forward; committing path a, c, d equals feeding the chain."""
+    model = tiny_model(seed=4, gemma=gemma)
+    prefix = list(range(20, 32))
+    a, b, c, d = 5, 6, 7, 8
+    cache = model.new_cache(1, 64)
+    rows = torch.tensor([0])
+    model(torch.tensor([prefix]), torch.arange(len(prefix))[None], cache, rows)
+    cache.commit(rows, torch.arange(len(prefix))[None], torch.tensor([len(prefix)]))
+    L = len(prefix)
+    # nodes: 0=a (depth 0), 1=b (depth 1, parent a), 2=c (depth 1, parent a), 3=d (depth 2, parent c)
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)[None]
+    pos = torch.tensor([[L, L + 1, L + 1, L + 2]])
+    h = model(torch.tensor([[a, b, c, d]]), pos, cache, rows, mask)
+    torch.testing.assert_close(model.lm_head(h[0, 3]), _full_logits(model, prefix + [a, c, d]), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(model.lm_head(h[0, 1]), _full_logits(model, prefix + [a, b]), atol=1e-4, rtol=1e-4)
+    cache.commit(rows, torch.tensor([[0, 2, 3, 1]]), torch.tensor([3]))
+    h = model(torch.tensor([[9]]), torch.tensor([[L + 3]]), cache, rows)
+    torch.testing.assert_close(model.lm_head(h[0, 0]), _full_logits(model, prefix + [a, c, d, 9]), atol=1e-4, rtol=1e-4)
+
+
+def test_sliding_window_is_applied():
+    """Gemma local layers see only the last `window` positions: far-away tokens must not matter to them."""
+    model = tiny_model(seed=5, gemma=True)
+    assert model.config.is_local(0) and not model.config.is_local(1)
+    # with only local layers, tokens beyond the window cannot influence the output
+    local_only = tiny_model(seed=5, gemma=True, layers=1)
+    a = _full_logits(local_only, [1] * 10 + list(range(30, 38)))
+    b = _full_logits(local_only, [2] * 10 + list(range(30, 38)))
+    torch.testing.assert_close(a, b)
+    c = _full_logits(model, [1] * 10 + list(range(30, 38)))
+    d = _full_logits(model, [2] * 10 + list(range(30, 38)))
+    assert not torch.allclose(c, d)              # the global layer still sees them

@@ -1,0 +1,244 @@
+"""Lossless speculative decoding on tiny random models: greedy equality and exact sampling distributions."""
+from __future__ import annotations
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import specdec.engine as engine_mod
+from specdec.draft_length import make_policy
+from specdec.engine import Engine, Request
+from specdec.proposers.draft_model import DraftModelProposer
+from specdec.proposers.ngram import NgramProposer
+from specdec.reference import exact_distribution, reference_greedy
+from specdec.sampling import BatchSampling, SamplingParams, to_probs
+from specdec.verify import Draft, verify
+
+from conftest import chi2_pvalue, perturbed_copy, tiny_generator, tiny_model
+
+
+class ScriptedProposer:
+    """Deterministic test proposer: the oracle continuation, a corrupted oracle, or random guesses."""
+    name = "scripted"
+
+    def __init__(self, truth: dict[tuple, list[int]], mode: str, vocab: int) -> None:
+        self.truth, self.mode, self.vocab = truth, mode, vocab
+        self.rng = random.Random(0)
+
+    def allocate(self, rows, slots):
+        self.prompt = {}
+
+    def start(self, rows, prompts):
+        for r, p in zip(rows.tolist(), prompts):
+            self.prompt[r] = tuple(p)
+
+    def propose(self, batch, k):
+        out = torch.full((len(batch.tokens), k), -1, dtype=torch.long)
+        for i, (r, toks) in enumerate(zip(batch.rows.tolist(), batch.tokens)):
+            n = len(toks) - len(self.prompt[r])
+            cont = self.truth[self.prompt[r]][n:n + k]
+            for j, t in enumerate(cont):
+                if self.mode == "random" or (self.mode == "corrupted" and self.rng.random() < 0.3):
+                    t = self.rng.randrange(self.vocab)
+                out[i, j] = t
+        return Draft(out)
+
+    def commit(self, batch, verdict):
+        pass
+
+
+PROMPTS = [[3, 5, 7, 9], list(range(10, 28)), [42, 1, 42, 1, 42]]
+
+
+@pytest.mark.parametrize("mode", ["oracle", "random", "corrupted"])
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_equals_plain_for_scripted_proposers(mode, k, batch):
+    model = tiny_model(seed=7)
+    prompts = PROMPTS[:batch]
+    truth = {tuple(p): reference_greedy(model, p, 40) for p in prompts}
+    gen = tiny_generator(model, ScriptedProposer(truth, mode, 97), "fixed", k)
+    results = gen.generate(prompts, max_new_tokens=30)
+    for p, r in zip(prompts, results):
+        assert r.tokens == truth[tuple(p)][:30]
+        m = r.metrics
+        assert m["new_tokens"] == 30
+        assert m["tau"] == pytest.approx(30 / m["target_forwards"])
+        if mode == "oracle":
+            assert m["acceptance_rate"] == 1.0 and m["tau"] > 1 + 0.5 * min(k, 3)
+        if mode == "random":
+            assert m["acceptance_rate"] < 0.2
+
+
+@pytest.mark.parametrize("policy", ["fixed", "heuristic", "auto"])
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("gemma", [False, True])
+def test_greedy_equals_plain_with_draft_model(policy, k, gemma):
+    target = tiny_model(seed=8, gemma=gemma)
+    draft = tiny_model(seed=8, gemma=gemma, layers=1)                      # a truncated copy: some accepted
+    draft.load_state_dict({n: p for n, p in target.state_dict().items() if not n.startswith("layers.1.")})
+    gen = tiny_generator(target, DraftModelProposer(draft), policy, k)
+    results = gen.generate(PROMPTS, max_new_tokens=25)
+    for p, r in zip(PROMPTS, results):
+        assert r.tokens == reference_greedy(target, p, 25)
+    assert any(r.metrics["acceptance_rate"] > 0 for r in results)
+
+
+def test_greedy_equals_plain_with_ngram_and_eos():
+    model = tiny_model(seed=9)
+    prompt = [5, 6, 7, 8] * 6
+    plain = tiny_generator(model, eos=11).generate(prompt, max_new_tokens=40)
+    spec = tiny_generator(model, NgramProposer(1, 3), "fixed", 4, eos=11).generate(prompt, max_new_tokens=40)
+    assert spec.tokens == plain.tokens == reference_greedy(model, prompt, 40, frozenset({11}))
+    assert spec.finish_reason == plain.finish_reason
+
+
+def test_identical_draft_accepts_everything():
+    target = tiny_model(seed=10)
+    gen = tiny_generator(target, DraftModelProposer(target), "fixed", 4)
+    for temp in (0.0, 1.0):
+        r = gen.generate(PROMPTS[1], max_new_tokens=30, temperature=temp, top_k=20, seed=3)
+        assert r.metrics["acceptance_rate"] == 1.0                       # p == q: nothing is rejected
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent():
+    model = tiny_model(seed=11)
+    gen = tiny_generator(model, DraftModelProposer(tiny_model(seed=12, layers=1)), "fixed", 3)
+    a = gen.generate(PROMPTS[0], max_new_tokens=20, temperature=0.9, seed=5)
+    b = gen.generate(PROMPTS[0], max_new_tokens=20, temperature=0.9, seed=5)
+    c = gen.generate(PROMPTS[0], max_new_tokens=20, temperature=0.9, seed=6)
+    batch = gen.generate([PROMPTS[1], PROMPTS[0]], max_new_tokens=20, temperature=0.9, seed=5)
+    assert a.tokens == b.tokens == batch[1].tokens
+    assert a.tokens != c.tokens
+
+
+# ---- exact sampling distributions -------------------------------------------------------------
+V, NEW, N = 8, 4, 20_000
+
+
+def exact_joint(model, prompt, params: SamplingParams) -> dict[tuple, float]:
+    """P(whole NEW-token continuation) under the transform, by enumeration."""
+    s = BatchSampling.of([params])
+    out, frontier = {}, [((), 1.0)]
+    for depth in range(NEW):
+        nxt = []
+        for path, pr in frontier:
+            p = to_probs(exact_distribution(model, prompt + list(path))[None, None], s)[0, 0]
+            for t in torch.nonzero(p).flatten().tolist():
+                nxt.append((path + (t,), pr * float(p[t])))
+        frontier = nxt
+    return dict(frontier)
+
+
+def sample_engine(target, proposer, params, prompt, n=N, k=3):
+    eng = Engine(target, proposer, make_policy("fixed", k), lambda ids: "", frozenset())
+    eng.allocate(n, len(prompt) + NEW + k + 2)
+    seqs = [eng.add(Request(list(prompt), NEW, SamplingParams(params.temperature, params.top_k, params.top_p, seed)))
+            for seed in range(n)]
+    with torch.inference_mode():
+        while eng.busy:
+            eng.step()
+    return [tuple(s.generated) for s in seqs]
+
+
+def check_joint(samples, exact):
+    keys = sorted(exact)
+    index = {key: i for i, key in enumerate(keys)}
+    assert all(s in index for s in samples), "sampled a continuation of probability zero"
+    obs = np.bincount([index[s] for s in samples], minlength=len(keys))
+    return chi2_pvalue(obs, np.array([exact[k] for k in keys]), len(samples))
+
+
+def close_draft():
+    """The target with noise on every weight: acceptance is high but not certain."""
+    return perturbed_copy(tiny_model(seed=20, vocab=V, std=0.5), 0.1)
+
+
+SAMPLING = [SamplingParams(0.7, 5, 0.9), SamplingParams(1.0, 6, 0.95)]
+
+
+@pytest.mark.parametrize("params", SAMPLING, ids=["t0.7", "t1.0"])
+@pytest.mark.parametrize("proposer", ["bad_draft", "close_draft", "deterministic"])
+def test_speculative_sampling_matches_exact_distribution(params, proposer):
+    target = tiny_model(seed=20, vocab=V, std=0.5)
+    prompt = [1, 2, 3]
+    if proposer == "bad_draft":
+        prop = DraftModelProposer(tiny_model(seed=21, vocab=V, std=0.5, layers=1))
+    elif proposer == "close_draft":
+        prop = DraftModelProposer(close_draft())
+    else:
+        prop = NgramProposer(1, 2)                                   # point-mass drafts
+        prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    exact = exact_joint(target, prompt, params)
+    samples = sample_engine(target, prop, params, prompt)
+    assert check_joint(samples, exact) > 1e-3
+
+
+# ---- tests that catch the classic bugs (each mutant must be detected) ----------------------------
+def test_catches_q_without_the_transform(monkeypatch):
+    """Drafts sampled from the transformed q but verified against an untransformed q: detected."""
+    params = SAMPLING[0]
+    target = tiny_model(seed=20, vocab=V, std=0.5)
+    prompt = [1, 2, 3]
+    exact = exact_joint(target, prompt, params)
+    prop = DraftModelProposer(close_draft())
+    import specdec.proposers.draft_model as dm
+    real_probs, real_sample = dm.to_probs, dm.sample
+    transform = BatchSampling.of([params] * N)
+
+    def raw_q(logits, s):                                             # q reported without the transform
+        return torch.softmax(logits.float(), -1)
+
+    def sample_transformed(q, u):                                     # drafts still sampled with it
+        return real_sample(real_probs(q.log()[:, None], transform.select(torch.arange(q.shape[0])))[:, 0], u)
+
+    monkeypatch.setattr(dm, "to_probs", raw_q)
+    monkeypatch.setattr(dm, "sample", sample_transformed)
+    assert check_joint(sample_engine(target, prop, params, prompt), exact) < 1e-5
+
+
+def test_catches_bonus_from_wrong_position(monkeypatch):
+    def buggy(draft, p, ua, uf):
+        p = p.clone()
+        if p.shape[1] > 1:
+            p[:, -1] = p[:, -2]                                      # bonus from the previous position
+        return verify(draft, p, ua, uf)
+
+    monkeypatch.setattr(engine_mod, "verify", buggy)
+    model = tiny_model(seed=7)
+    truth = {tuple(PROMPTS[1]): reference_greedy(model, PROMPTS[1], 40)}
+    gen = tiny_generator(model, ScriptedProposer(truth, "oracle", 97), "fixed", 4)
+    assert gen.generate(PROMPTS[1], max_new_tokens=30).tokens != truth[tuple(PROMPTS[1])][:30]
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_draft_cache_rolls_back_after_rejection(monkeypatch, broken):
+    """After every step the draft's cache equals a fresh prefill of the tokens it has seen."""
+    target, draft = tiny_model(seed=30), tiny_model(seed=31, layers=1)
+    prop = DraftModelProposer(draft)
+    if broken:
+        monkeypatch.setattr(type(draft.new_cache(1, 1)), "truncate", lambda self, rows, lengths: None)
+    eng = Engine(target, prop, make_policy("fixed", 4), lambda ids: "", frozenset())
+    eng.allocate(2, 80)
+    for p in PROMPTS[:2]:
+        eng.add(Request(p, 40))
+    mismatch = False
+    with torch.inference_mode():
+        while eng.busy and not mismatch:
+            eng.step()
+            for s in eng.active:
+                fed = prop.fed[s.row]
+                if int(prop.cache.lengths[s.row]) != fed:
+                    mismatch = True
+                    continue
+                rows = torch.tensor([s.row])
+                # score the next unseen token from the cache and from scratch
+                nxt = s.tokens[fed] if fed < len(s.tokens) else 0
+                h = draft(torch.tensor([[nxt]]), torch.tensor([[fed]]), prop.cache, rows)
+                got = draft.lm_head(h[0, 0])
+                want = exact_distribution(draft, s.tokens[:fed] + [nxt])
+                mismatch |= not torch.allclose(got, want, atol=1e-4)
+    assert mismatch == broken
