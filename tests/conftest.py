@@ -35,7 +35,7 @@ class TinyTokenizer:
 def tiny_config(vocab: int = 97, layers: int = 2, gemma: bool = False, max_seq_len: int = 256) -> ModelConfig:
     if gemma:
         return ModelConfig(vocab_size=vocab, dim=32, n_layers=layers, n_heads=4, n_kv_heads=1, head_dim=16,
-                           hidden_dim=64, max_seq_len=max_seq_len, rope_interleaved=False, embed_scale=32 ** 0.5,
+                           hidden_dim=64, max_seq_len=max_seq_len, embed_scale=32 ** 0.5,
                            qk_norm=True, sandwich_norm=True, gelu=True, sliding_window=8, sliding_pattern=2,
                            name="tiny-gemma")
     return ModelConfig(vocab_size=vocab, dim=32, n_layers=layers, n_heads=4, n_kv_heads=2, head_dim=8,

@@ -36,9 +36,14 @@ class KVCache:
         if need > self.slots:
             raise SpecdecError(f"context full: {need} tokens needed, the cache holds {self.slots}")
 
-    def write(self, layer: int, rows: Tensor, k: Tensor, v: Tensor) -> None:
+    def write(self, layer: int, rows: Tensor, k: Tensor, v: Tensor, contiguous_rows: bool = False) -> None:
         """Write k, v [B, n_kv, T, hd] at the scratch slots of `rows` [B]."""
         T = k.shape[2]
+        if rows.numel() == 1:                                                  # the common case: plain slices
+            r, at = int(rows[0]), int(self.lengths[rows[0]])
+            self.k[layer, r, :, at:at + T] = k[0]
+            self.v[layer, r, :, at:at + T] = v[0]
+            return
         slots = self.lengths[rows][:, None] + torch.arange(T, device=k.device)  # [B, T]
         r = rows[:, None].expand_as(slots)                                       # [B, T]
         # advanced indices around a slice: the indexed view is [B, T, n_kv, hd]

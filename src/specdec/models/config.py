@@ -19,7 +19,6 @@ class ModelConfig:
     max_seq_len: int
     norm_eps: float = 1e-5
     rope_base: float = 10000.0
-    rope_interleaved: bool = True          # GGUF llama: pairs (2i, 2i+1); gemma: halves (NeoX)
     # Gemma 3 features
     embed_scale: float = 1.0               # embeddings multiplied by sqrt(dim) in Gemma
     qk_norm: bool = False                  # RMSNorm on q and k per head

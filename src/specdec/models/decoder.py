@@ -18,29 +18,22 @@ from .config import ModelConfig
 
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
     """RMSNorm computed in float32, returned in x's dtype. (GGUF stores Gemma's 1+w already.)"""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * w.float()).to(x.dtype)
+    return F.rms_norm(x.float(), (x.shape[-1],), w.float(), eps).to(x.dtype)
 
 
 def rope_tables(head_dim: int, base: float, max_len: int) -> tuple[Tensor, Tensor]:
-    """cos, sin [max_len, head_dim // 2] in float32."""
+    """cos, sin [max_len, head_dim] in float32 (NeoX layout: the two halves share angles)."""
     inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     ang = torch.arange(max_len, dtype=torch.float64)[:, None] * inv[None, :]
+    ang = torch.cat([ang, ang], dim=-1)
     return ang.cos().float(), ang.sin().float()
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
-    """x [B, H, T, hd]; cos, sin [B, 1, T, hd/2] (float32)."""
-    xf = x.float()
-    if interleaved:
-        x1, x2 = xf[..., 0::2], xf[..., 1::2]
-        out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
-    else:
-        half = xf.shape[-1] // 2
-        x1, x2 = xf[..., :half], xf[..., half:]
-        out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return out.to(x.dtype)
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, H, T, hd] float32; cos, sin [B, 1, T, hd]. Rotates the halves (NeoX / HF layout)."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
 
 
 class Block(nn.Module):
@@ -65,22 +58,21 @@ class Block(nn.Module):
                 rows: Tensor, kv_len: int, contiguous: bool) -> Tensor:
         cfg = self.cfg
         B, T, _ = x.shape
+        nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         h = rms_norm(x, self.attn_norm, cfg.norm_eps)
-        qkv = F.linear(h, self.wqkv)                                            # [B, T, (nh+2nkv)*hd]
-        q, k, v = qkv.split([cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim,
-                             cfg.n_kv_heads * cfg.head_dim], dim=-1)
-        q = q.view(B, T, cfg.n_heads, cfg.head_dim).transpose(1, 2)            # [B, nh, T, hd]
-        k = k.view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)         # [B, nkv, T, hd]
-        v = v.view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
+        qkv = F.linear(h, self.wqkv).float()                                    # [B, T, (nh+2nkv)*hd]
+        qk = qkv[..., :(nh + nkv) * hd].view(B, T, nh + nkv, hd).transpose(1, 2)  # [B, nh+nkv, T, hd]
+        v = qkv[..., (nh + nkv) * hd:].view(B, T, nkv, hd).transpose(1, 2)     # [B, nkv, T, hd]
         if cfg.qk_norm:
-            q = rms_norm(q, self.q_norm, cfg.norm_eps)
-            k = rms_norm(k, self.k_norm, cfg.norm_eps)
-        q = apply_rope(q, cos, sin, cfg.rope_interleaved)
-        k = apply_rope(k, cos, sin, cfg.rope_interleaved)
-        cache.write(self.layer, rows, k, v)
-        kc, vc = cache.read(self.layer, rows, kv_len, contiguous)              # [B, nkv, S, hd]
-        o = attention(q, kc, vc, mask, cfg.scale)                              # [B, nh, T, hd]
-        o = F.linear(o.transpose(1, 2).reshape(B, T, -1), self.wo)
+            qk = torch.cat([F.rms_norm(qk[:, :nh], (hd,), self.q_norm.float(), cfg.norm_eps),
+                            F.rms_norm(qk[:, nh:], (hd,), self.k_norm.float(), cfg.norm_eps)], dim=1)
+        qk = apply_rope(qk, cos, sin)
+        q, k = qk[:, :nh], qk[:, nh:]
+        cache.write(self.layer, rows, k, v, contiguous)
+        kc, vc = cache.read(self.layer, rows, kv_len, contiguous)              # [B, nkv, S, hd] float32
+        o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=cfg.scale,
+                                           enable_gqa=nkv != nh)                # [B, nh, T, hd]
+        o = F.linear(o.transpose(1, 2).reshape(B, T, nh * hd).to(x.dtype), self.wo)
         if cfg.sandwich_norm:
             o = rms_norm(o, self.post_attn_norm, cfg.norm_eps)
         x = x + o
@@ -91,21 +83,6 @@ class Block(nn.Module):
         if cfg.sandwich_norm:
             o = rms_norm(o, self.post_ffn_norm, cfg.norm_eps)
         return x + o
-
-
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """Grouped-query attention without copying k/v per head.
-
-    q [B, nh, T, hd], k/v [B, nkv, S, hd], mask [B, T, S] bool -> [B, nh, T, hd].
-    """
-    B, nh, T, hd = q.shape
-    nkv, S = k.shape[1], k.shape[2]
-    g = nh // nkv
-    qg = q.reshape(B, nkv, g * T, hd)                                           # heads of a group share k/v
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale              # [B, nkv, g*T, S]
-    scores = scores.view(B, nkv, g, T, S).masked_fill(~mask[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(B, nkv, g * T, S)
-    return torch.matmul(probs, v).view(B, nh, T, hd)
 
 
 class Transformer(nn.Module):
@@ -144,8 +121,9 @@ class Transformer(nn.Module):
 
     def new_cache(self, rows: int, slots: int) -> KVCache:
         c = self.config
+        # float32 cache even for bfloat16 weights: CPU attention is faster and exact-er in fp32
         return KVCache(c.n_layers, rows, c.n_kv_heads, min(slots, c.max_seq_len), c.head_dim,
-                       self.dtype, self.device)
+                       torch.float32, self.device)
 
     def embed_tokens(self, tokens: Tensor) -> Tensor:
         x = F.embedding(tokens, self.embed)
@@ -171,10 +149,10 @@ class Transformer(nn.Module):
         contiguous = bool(rows.numel() == 1 or torch.equal(rows, torch.arange(int(rows[0]), int(rows[0]) + B, device=rows.device)))
         mask, kpos = self._mask(lengths, positions, T, kv_len, tree_mask)
         x = self.embed_tokens(tokens)
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, T, hd/2]
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, T, hd]
         if self.config.sliding_window > 0:
             lcos, lsin = self.lcos[positions][:, None], self.lsin[positions][:, None]
-            local = mask & (positions[:, :, None] - kpos[:, None, :] < self.config.sliding_window)
+            local = mask & (positions[:, None, :, None] - kpos[:, :, None, :] < self.config.sliding_window)
         for i, layer in enumerate(self.layers):
             if self.config.is_local(i):
                 x = layer(x, lcos, lsin, local, cache, rows, kv_len, contiguous)
@@ -185,7 +163,7 @@ class Transformer(nn.Module):
     @staticmethod
     def _mask(lengths: Tensor, positions: Tensor, T: int, kv_len: int,
               tree_mask: Tensor | None) -> tuple[Tensor, Tensor]:
-        """Visibility [B, T, kv_len] and key positions [B, kv_len]."""
+        """Visibility [B, 1, T, kv_len] (True = attend) and key positions [B, 1, kv_len]."""
         B = lengths.shape[0]
         dev = lengths.device
         j = torch.arange(kv_len, device=dev)
@@ -196,7 +174,7 @@ class Transformer(nn.Module):
         mask.scatter_(2, scratch[:, None, :].expand(B, T, T), tree_mask)
         kpos = j.expand(B, kv_len).clone()
         kpos.scatter_(1, scratch, positions)
-        return mask, kpos
+        return mask[:, None], kpos[:, None]
 
 
 def init_random(model: Transformer, seed: int = 0, std: float = 0.02) -> Transformer:

@@ -8,7 +8,7 @@ import torch
 
 from ..errors import SpecdecError
 from .config import ModelConfig
-from .decoder import Transformer
+from .decoder import Transformer, rope_tables
 
 SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
 
@@ -53,8 +53,8 @@ def config_from_gguf(reader, name: str, max_seq_len: int | None = None) -> Model
         rope_base=float(field(reader, f"{a}.rope.freq_base", 10000.0)), name=name,
     )
     if arch == "llama":
-        return ModelConfig(**common, rope_interleaved=True)
-    return ModelConfig(**common, rope_interleaved=False, embed_scale=dim ** 0.5, qk_norm=True,
+        return ModelConfig(**common)
+    return ModelConfig(**common, embed_scale=dim ** 0.5, qk_norm=True,
                        sandwich_norm=True, gelu=True,
                        sliding_window=int(field(reader, f"{a}.attention.sliding_window", 0)),
                        sliding_pattern=6, rope_local_base=10000.0)
@@ -65,6 +65,12 @@ _LAYER_MAP = {
     "attn_q_norm": "q_norm", "attn_k_norm": "k_norm", "post_attention_norm": "post_attn_norm",
     "post_ffw_norm": "post_ffn_norm",
 }
+
+
+def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of a GGUF llama q/k weight [n_heads*hd, dim] back to the halves layout of HF / NeoX rope."""
+    out, dim = w.shape
+    return w.view(n_heads, out // n_heads // 2, 2, dim).transpose(1, 2).reshape(out, dim)
 
 
 def load_gguf(path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
@@ -84,28 +90,29 @@ def load_gguf(path: str | Path, dtype: torch.dtype, device: str | torch.device =
     def take(key: str) -> torch.Tensor:
         if key not in raw:
             raise SpecdecError(f"GGUF {path} lacks tensor {key!r}")
-        return torch.from_numpy(np.ascontiguousarray(raw.pop(key), dtype=np.float32))
+        return torch.from_numpy(np.array(raw.pop(key), dtype=np.float32))
 
+    arch_interleaved = field(reader, "general.architecture") == "llama"
     with torch.device("meta"):
         model = Transformer(cfg)
     sd: dict[str, torch.Tensor] = {"embed": take("token_embd.weight"), "norm": take("output_norm.weight")}
     sd["output"] = take("output.weight") if "output.weight" in raw else torch.empty(0)
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
-        sd[f"layers.{i}.wqkv"] = torch.cat([take(p + "attn_q.weight"), take(p + "attn_k.weight"), take(p + "attn_v.weight")])
+        q, k = take(p + "attn_q.weight"), take(p + "attn_k.weight")
+        if arch_interleaved:                    # llama.cpp permutes llama's q/k rows for pairwise rope; undo it
+            q, k = unpermute(q, cfg.n_heads), unpermute(k, cfg.n_kv_heads)
+        sd[f"layers.{i}.wqkv"] = torch.cat([q, k, take(p + "attn_v.weight")])
         sd[f"layers.{i}.w13"] = torch.cat([take(p + "ffn_gate.weight"), take(p + "ffn_up.weight")])
         for src, dst in _LAYER_MAP.items():
             if p + src + ".weight" in raw:
                 sd[f"layers.{i}.{dst}"] = take(p + src + ".weight")
-    model = model.to_empty(device=device)
+    model = model.to_empty(device=device).to(dtype)
     missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=False)
     if missing or unexpected:
         raise SpecdecError(f"GGUF {path} does not fit the {cfg.name} layout: missing {missing}, unexpected {unexpected}")
-    # rope tables are buffers built on meta; rebuild them for the real device
-    fresh = Transformer.__new__(Transformer)
-    from .decoder import rope_tables
+    # rope tables are buffers built on meta; rebuild them (float32) on the real device
     model.cos, model.sin = (t.to(device) for t in rope_tables(cfg.head_dim, cfg.rope_base, cfg.max_seq_len))
     if cfg.sliding_window > 0:
         model.lcos, model.lsin = (t.to(device) for t in rope_tables(cfg.head_dim, cfg.rope_local_base, cfg.max_seq_len))
-    del fresh
     return model.eval().requires_grad_(False)
