@@ -64,6 +64,8 @@ def to_probs(logits: Tensor, s: BatchSampling) -> Tensor:
     logits = logits.float()
     B, T, V = logits.shape
     greedy = s.temperature <= 0                                                 # [B]
+    if bool(greedy.all()):
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     temp = torch.where(greedy, torch.ones_like(s.temperature), s.temperature)
     x = logits / temp[:, None, None]
     if bool((s.top_k > 0).any()):

@@ -36,6 +36,22 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rot * sin
 
 
+def packed_linear_available(device: torch.device) -> bool:
+    return device.type == "cpu" and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def pack(w: Tensor) -> Tensor:
+    """A oneDNN-prepacked copy of a linear weight [out, in] (CPU): ~1.5-2x the bandwidth of F.linear here."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
+
+
+def linear(x: Tensor, w: Tensor, packed: dict[str, Tensor], name: str) -> Tensor:
+    p = packed.get(name)
+    if p is None:
+        return F.linear(x, w)
+    return torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -53,6 +69,7 @@ class Block(nn.Module):
         if cfg.sandwich_norm:
             self.post_attn_norm = nn.Parameter(torch.ones(cfg.dim))
             self.post_ffn_norm = nn.Parameter(torch.ones(cfg.dim))
+        self.packed: dict[str, Tensor] = {}       # inference-only prepacked copies (see Transformer.pack)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache: KVCache,
                 rows: Tensor, kv_len: int, contiguous: bool) -> Tensor:
@@ -60,7 +77,7 @@ class Block(nn.Module):
         B, T, _ = x.shape
         nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         h = rms_norm(x, self.attn_norm, cfg.norm_eps)
-        qkv = F.linear(h, self.wqkv).float()                                    # [B, T, (nh+2nkv)*hd]
+        qkv = linear(h, self.wqkv, self.packed, "wqkv").float()                                    # [B, T, (nh+2nkv)*hd]
         qk = qkv[..., :(nh + nkv) * hd].view(B, T, nh + nkv, hd).transpose(1, 2)  # [B, nh+nkv, T, hd]
         v = qkv[..., (nh + nkv) * hd:].view(B, T, nkv, hd).transpose(1, 2)     # [B, nkv, T, hd]
         if cfg.qk_norm:
@@ -72,14 +89,14 @@ class Block(nn.Module):
         kc, vc = cache.read(self.layer, rows, kv_len, contiguous)              # [B, nkv, S, hd] float32
         o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=cfg.scale,
                                            enable_gqa=nkv != nh)                # [B, nh, T, hd]
-        o = F.linear(o.transpose(1, 2).reshape(B, T, nh * hd).to(x.dtype), self.wo)
+        o = linear(o.transpose(1, 2).reshape(B, T, nh * hd).to(x.dtype), self.wo, self.packed, "wo")
         if cfg.sandwich_norm:
             o = rms_norm(o, self.post_attn_norm, cfg.norm_eps)
         x = x + o
         h = rms_norm(x, self.ffn_norm, cfg.norm_eps)
-        gate, up = F.linear(h, self.w13).chunk(2, dim=-1)
+        gate, up = linear(h, self.w13, self.packed, "w13").chunk(2, dim=-1)
         act = F.gelu(gate, approximate="tanh") if cfg.gelu else F.silu(gate)
-        o = F.linear(act * up, self.w2)
+        o = linear(act * up, self.w2, self.packed, "w2")
         if cfg.sandwich_norm:
             o = rms_norm(o, self.post_ffn_norm, cfg.norm_eps)
         return x + o
@@ -95,6 +112,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = nn.Parameter(torch.ones(cfg.dim))
         self.output = nn.Parameter(torch.empty(0))          # empty: tied to `embed`
+        self.packed: dict[str, Tensor] = {}
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_base, cfg.max_seq_len)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -134,7 +152,16 @@ class Transformer(nn.Module):
     def lm_head(self, hidden: Tensor) -> Tensor:
         """hidden [..., H] -> float32 logits [..., V]."""
         w = self.output if self.output.numel() else self.embed
-        return F.linear(hidden, w).float()
+        return linear(hidden, w, self.packed, "lm_head").float()
+
+    def pack(self) -> "Transformer":
+        """Prepack every linear weight for fast CPU inference (a no-op elsewhere). Re-pack after training."""
+        if not packed_linear_available(self.device):
+            return self
+        for layer in self.layers:
+            layer.packed = {n: pack(getattr(layer, n)) for n in ("wqkv", "wo", "w13", "w2")}
+        self.packed = {"lm_head": pack(self.output if self.output.numel() else self.embed)}
+        return self
 
     def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache, rows: Tensor,
                 tree_mask: Tensor | None = None) -> Tensor:

@@ -115,4 +115,4 @@ def load_gguf(path: str | Path, dtype: torch.dtype, device: str | torch.device =
     model.cos, model.sin = (t.to(device) for t in rope_tables(cfg.head_dim, cfg.rope_base, cfg.max_seq_len))
     if cfg.sliding_window > 0:
         model.lcos, model.lsin = (t.to(device) for t in rope_tables(cfg.head_dim, cfg.rope_local_base, cfg.max_seq_len))
-    return model.eval().requires_grad_(False)
+    return model.eval().requires_grad_(False).pack()
