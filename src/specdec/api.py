@@ -8,7 +8,7 @@ from typing import Iterator, Sequence as Seq
 
 import torch
 
-from .draft_length import MAX_DRAFT_TOKENS, POLICIES, make_policy
+from .draft_length import POLICIES, make_policy
 from .engine import Engine, Request
 from .errors import SpecdecError
 from .metrics import Counters
@@ -93,7 +93,7 @@ class Generator:
             stop = (stop,)
         if any(not isinstance(s, str) or not s for s in stop):
             raise SpecdecError("stop strings must be non-empty strings")
-        limit = self.target.max_seq_len - max_new_tokens - 2 * MAX_DRAFT_TOKENS - 2
+        limit = self.target.max_seq_len - max_new_tokens - 1
         if limit <= 0:
             raise SpecdecError(f"max_new_tokens={max_new_tokens} leaves no room in the context of {self.target.max_seq_len}")
         reqs = []
@@ -117,7 +117,7 @@ class Generator:
     def _run(self, prompts: list[Prompt], max_new_tokens: int, params: SamplingParams, stop: Seq[str],
              chat: bool, truncate: bool) -> Iterator[tuple[int, str, Engine, list]]:
         reqs = self._requests(prompts, max_new_tokens, params, stop, chat, truncate)
-        slots = max(len(r.prompt) for r in reqs) + max_new_tokens + 2 * MAX_DRAFT_TOKENS + 2
+        slots = max(len(r.prompt) for r in reqs) + max_new_tokens + 2 * self.num_draft_tokens + 10
         eng = self.engine(len(reqs), slots)
         seqs = [eng.add(r) for r in reqs]
         index = {id(s): i for i, s in enumerate(seqs)}
@@ -137,7 +137,7 @@ class Generator:
         prompts = [prompt] if single else list(prompt)
         params = SamplingParams(temperature, top_k, top_p, seed)
         seqs: list = []
-        for _, _, _, seqs in self._run(prompts, max_new_tokens, params, stop, chat and self.tokenizer.has_chat_template or chat, truncate):
+        for _, _, _, seqs in self._run(prompts, max_new_tokens, params, stop, chat, truncate):
             pass
         results = [self._result(s) for s in seqs]
         return results[0] if single else results
@@ -166,7 +166,9 @@ def make_proposer(method: str, target: CausalLM, target_tok: Tokenizer, draft_mo
     if method == "draft":
         if draft_model is None:
             raise SpecdecError("method 'draft' needs a draft model: draft_model=NAME|PATH (--draft-model)")
-        if isinstance(draft_model, str):
+        if isinstance(draft_model, str) and draft_model.startswith("self:"):
+            draft = early_exit_draft(target, draft_model)
+        elif isinstance(draft_model, str):
             draft, draft_tok, _ = load_model(draft_model, dtype, device)
             if draft_tok.vocab != target_tok.vocab:
                 raise SpecdecError(f"draft model {draft_model!r} has a different vocabulary than the target; "
@@ -179,6 +181,18 @@ def make_proposer(method: str, target: CausalLM, target_tok: Tokenizer, draft_mo
             warnings.warn("the draft model is larger than the target: speculation will likely be slower", stacklevel=3)
         return DraftModelProposer(draft)
     raise SpecdecError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
+
+
+def early_exit_draft(target: CausalLM, spec: str) -> CausalLM:
+    """`self:N`: the target's first N layers (sharing its weights) as a draft with its own cache."""
+    from .models.decoder import Transformer, truncated
+
+    n = spec.split(":", 1)[1]
+    if not isinstance(target, Transformer):
+        raise SpecdecError("self:N drafts need a lean GGUF target")
+    if not n.isdigit() or not 1 <= int(n) < target.config.n_layers:
+        raise SpecdecError(f"self:N needs 1 <= N < {target.config.n_layers} (the target's layers), got {spec!r}")
+    return truncated(target, int(n))
 
 
 def _params(m: CausalLM) -> int:

@@ -204,6 +204,22 @@ class Transformer(nn.Module):
         return mask[:, None], kpos[:, None]
 
 
+def truncated(model: Transformer, n_layers: int) -> Transformer:
+    """The first n_layers of `model` plus its final norm and head, sharing weights (an early-exit draft)."""
+    from dataclasses import replace
+
+    cfg = replace(model.config, n_layers=n_layers, name=f"{model.config.name}[:{n_layers}]")
+    with torch.device("meta"):
+        out = Transformer(cfg)
+    out.embed, out.norm, out.output = model.embed, model.norm, model.output
+    out.layers = nn.ModuleList(list(model.layers)[:n_layers])
+    out.cos, out.sin = model.cos, model.sin
+    if cfg.sliding_window > 0:
+        out.lcos, out.lsin = model.lcos, model.lsin
+    out.packed = model.packed
+    return out.eval()
+
+
 def init_random(model: Transformer, seed: int = 0, std: float = 0.02) -> Transformer:
     """Random weights for tests (norms at one)."""
     g = torch.Generator().manual_seed(seed)

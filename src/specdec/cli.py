@@ -1,0 +1,114 @@
+"""The `specdec` command: generate, bench, train, serve."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .errors import SpecdecError
+
+DEFAULT_METHOD = "none"
+
+
+def add_model_args(p: argparse.ArgumentParser, default_method: str = DEFAULT_METHOD) -> None:
+    from .api import DTYPES, METHODS
+    from .draft_length import POLICIES
+    from .models.registry import DEFAULT_MODEL, MODELS
+
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"registered name ({', '.join(MODELS)}) or a .gguf path")
+    p.add_argument("--method", default=default_method, help=f"speculative method: {', '.join(METHODS)}")
+    p.add_argument("--draft-model", default=None,
+                   help="draft for --method draft: registered name, .gguf path, or self:N (the target's first N layers)")
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="drafts per step, K (start value for adaptive policies)")
+    p.add_argument("--draft-policy", default="fixed", choices=POLICIES, help="draft length policy")
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
+                   help="bfloat16 is the speed mode, float32 the exactness mode")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    import specdec
+
+    if (a.prompt is None) == (a.prompt_file is None):
+        raise SpecdecError("give exactly one of --prompt TEXT or --prompt-file FILE")
+    if a.prompt_file is not None:
+        f = Path(a.prompt_file)
+        if not f.is_file():
+            raise SpecdecError(f"prompt file not found: {f}")
+        prompt = f.read_text(encoding="utf-8")
+    else:
+        prompt = a.prompt
+    gen = specdec.load(a.model, method=a.method, dtype=a.dtype, device=a.device, draft_model=a.draft_model,
+                       num_draft_tokens=a.num_draft_tokens, draft_policy=a.draft_policy)
+    chat = gen.tokenizer.has_chat_template if a.chat is None else a.chat
+    kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+              seed=a.seed, stop=tuple(a.stop), chat=chat, truncate=a.truncate)
+    if a.json:
+        res = gen.generate(prompt, **kw)
+        print(json.dumps({"text": res.text, "tokens": res.tokens, "metrics": res.metrics,
+                          "finish_reason": res.finish_reason, "prompt_tokens": res.prompt_tokens}))
+        return 0
+    for piece in gen.stream(prompt, **kw):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    m = gen.last_result.metrics
+    lines = [f"method {gen.method}, {m['new_tokens']} tokens in {m['wall_seconds']:.2f} s "
+             f"({m['tokens_per_second']:.1f} tokens/s), {m['target_forwards']} target forwards, tau {m['tau']:.2f}"]
+    if m["acceptance_rate"] is not None:
+        per = " ".join(f"{x:.2f}" for x in m["acceptance_per_position"])
+        lines.append(f"acceptance {m['acceptance_rate']:.2f} (per position: {per}); "
+                     f"draft {m['draft_seconds']:.2f} s, target {m['target_seconds']:.2f} s")
+    print("\n".join(lines), file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    ap = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding for LLMs.",
+                                 formatter_class=fmt)
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    g = sub.add_parser("generate", help="generate text (streams it, then prints metrics)", formatter_class=fmt)
+    add_model_args(g)
+    g.add_argument("--prompt", default=None, help="prompt text")
+    g.add_argument("--prompt-file", default=None, help="read the prompt from this file")
+    g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap the prompt in the model's chat template (default: on when the model has one)")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--truncate", action="store_true", help="keep the end of a prompt that is too long for the context")
+    g.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
+    g.set_defaults(func=cmd_generate)
+
+    for extra in ("bench", "serve", "train"):
+        try:
+            mod = __import__(f"specdec.cli_{extra}", fromlist=["register"])
+        except ModuleNotFoundError as e:
+            if e.name != f"specdec.cli_{extra}":
+                raise
+            continue
+        mod.register(sub, fmt)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    try:
+        return a.func(a)
+    except SpecdecError as e:
+        print(f"specdec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("specdec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

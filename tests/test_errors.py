@@ -1,0 +1,132 @@
+"""Bad input gets a clear error (SpecdecError / exit code 2 with a message), never a traceback or a silent change."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import specdec
+from specdec.api import make_proposer, parse_device, parse_dtype
+from specdec.cli import main
+from specdec.draft_length import make_policy
+from specdec.errors import SpecdecError
+from specdec.models.gguf_loader import load_gguf, open_gguf
+from specdec.models.registry import resolve
+from specdec.proposers.draft_model import DraftModelProposer
+
+from conftest import tiny_generator, tiny_model
+
+
+def test_unknown_model_lists_known():
+    with pytest.raises(SpecdecError, match="known models: smollm2-135m, gemma3-270m"):
+        resolve("llama-70b")
+
+
+def test_missing_gguf(tmp_path):
+    with pytest.raises(SpecdecError, match="not found"):
+        resolve(str(tmp_path / "nope.gguf"))
+
+
+def test_corrupt_gguf(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 100)
+    with pytest.raises(SpecdecError, match="not a readable GGUF"):
+        open_gguf(bad)
+
+
+def test_unsupported_architecture(tmp_path):
+    import gguf
+
+    path = tmp_path / "gpt2.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(SpecdecError, match="unsupported architecture 'gpt2'"):
+        load_gguf(path, dtype=__import__("torch").float32)
+
+
+def test_bad_dtype_and_device():
+    with pytest.raises(SpecdecError, match="unknown dtype"):
+        parse_dtype("float8")
+    with pytest.raises(SpecdecError, match="unknown device"):
+        parse_device("tpu:x")
+    if not __import__("torch").cuda.is_available():
+        with pytest.raises(SpecdecError, match="no CUDA device"):
+            parse_device("cuda")
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(max_new_tokens=0), "max_new_tokens"), (dict(max_new_tokens=-3), "max_new_tokens"),
+    (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.01), "top_p"),
+    (dict(top_k=-2), "top_k"), (dict(stop=("",)), "stop strings"),
+])
+def test_bad_generation_arguments(kw, msg):
+    gen = tiny_generator(tiny_model())
+    with pytest.raises(SpecdecError, match=msg):
+        gen.generate([1, 2, 3], **kw)
+
+
+def test_empty_prompts():
+    gen = tiny_generator(tiny_model())
+    for bad in ("", "   ", [], [[]]):
+        with pytest.raises(SpecdecError, match="empty prompt"):
+            gen.generate(bad)
+    with pytest.raises(SpecdecError, match=r"token ids must be integers in \[0, 97\)"):
+        gen.generate([1, 500])
+
+
+def test_prompt_longer_than_context_errors_unless_truncation_asked():
+    gen = tiny_generator(tiny_model())                  # max_seq_len 256
+    long = list(range(1, 90)) * 3                        # 267 tokens
+    with pytest.raises(SpecdecError, match="longer than"):
+        gen.generate(long, max_new_tokens=8)
+    res = gen.generate(long, max_new_tokens=8, truncate=True)
+    assert len(res.tokens) == 8 and res.prompt_tokens < len(long)
+
+
+def test_bad_draft_settings():
+    for k in (0, -1, 1000):
+        with pytest.raises(SpecdecError, match="num_draft_tokens"):
+            make_policy("fixed", k)
+    with pytest.raises(SpecdecError, match="unknown draft policy"):
+        make_policy("magic", 4)
+    target = tiny_model(vocab=97)
+    with pytest.raises(SpecdecError, match="vocabulary"):
+        make_proposer("draft", target, None, tiny_model(vocab=50), "float32", "cpu")
+    with pytest.warns(UserWarning, match="larger than the target"):
+        make_proposer("draft", target, None, tiny_model(layers=4), "float32", "cpu")
+    with pytest.raises(SpecdecError, match="choose one of: none, ngram, draft"):
+        make_proposer("medusa-x", target, None, None, "float32", "cpu")
+    with pytest.raises(SpecdecError, match="needs a draft model"):
+        make_proposer("draft", target, None, None, "float32", "cpu")
+    assert isinstance(make_proposer("draft", target, None, tiny_model(layers=1), "float32", "cpu"), DraftModelProposer)
+
+
+def test_load_rejects_unknown_method_before_loading():
+    with pytest.raises(SpecdecError, match="unknown method 'fast'; choose one of"):
+        specdec.load("smollm2-135m", method="fast")
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["generate", "--model", "nope", "--prompt", "hi"], "unknown model"),
+    (["generate", "--prompt", "hi", "--method", "warp"], "unknown method"),
+    (["generate"], "exactly one of --prompt"),
+    (["generate", "--prompt-file", "/nonexistent/file.txt"], "prompt file not found"),
+    (["generate", "--prompt", "hi", "--num-draft-tokens", "0", "--method", "ngram"], "num_draft_tokens"),
+])
+def test_cli_errors_are_messages_not_tracebacks(argv, msg, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert msg in err and "Traceback" not in err
+
+
+def test_cli_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--model", "--method", "--max-new-tokens", "--temperature", "--dtype", "--json", "default: smollm2-135m"):
+        assert flag in out

@@ -1,0 +1,93 @@
+"""The real GGUF models: exactness against the slow reference, lossless speculation on real prompts, CLI."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specdec.api import Generator, early_exit_draft, load_model
+from specdec.bench.suites import load_suite
+from specdec.proposers.base import NoProposer
+from specdec.proposers.draft_model import DraftModelProposer
+from specdec.proposers.ngram import NgramProposer
+from specdec.reference import reference_greedy
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def target():
+    model, tok, name = load_model("smollm2-135m", "float32")
+    return model, tok
+
+
+def prompts(n: int) -> list[str]:
+    return [p.turns[0] for p in load_suite("mini")][:n]
+
+
+def test_cached_greedy_equals_reference(target):
+    model, tok = target
+    gen = Generator(model, tok, NoProposer())
+    for text in prompts(2):
+        ids = tok.encode(text, chat=True)
+        assert gen.generate(ids, max_new_tokens=20).tokens == reference_greedy(model, ids, 20, tok.eos_ids)
+
+
+def test_ragged_batch_equals_one_by_one(target):
+    model, tok = target
+    gen = Generator(model, tok, NoProposer())
+    ps = prompts(3)
+    batch = gen.generate(ps, max_new_tokens=24)
+    assert [r.tokens for r in batch] == [gen.generate(p, max_new_tokens=24).tokens for p in ps]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculation_is_lossless_on_real_prompts(target, method):
+    model, tok = target
+    ps = prompts(12)
+    plain = Generator(model, tok, NoProposer()).generate(ps, max_new_tokens=40)
+    proposer = NgramProposer() if method == "ngram" else DraftModelProposer(early_exit_draft(model, "self:10"))
+    spec = Generator(model, tok, proposer, "fixed", 4).generate(ps, max_new_tokens=40)
+    for a, b in zip(plain, spec):
+        assert b.tokens == a.tokens and b.text == a.text
+    assert sum(r.metrics["acceptance_rate"] for r in spec) > 0
+
+
+def test_streaming_and_stop_strings(target):
+    model, tok = target
+    gen = Generator(model, tok, NgramProposer())
+    full = gen.generate("List three colors, one per line.", max_new_tokens=40)
+    pieces = list(gen.stream("List three colors, one per line.", max_new_tokens=40))
+    assert "".join(pieces) == full.text and len(pieces) > 3
+    stop = full.text.strip().split("\n")[1][:3] if "\n" in full.text.strip() else full.text[5:8]
+    cut = gen.generate("List three colors, one per line.", max_new_tokens=40, stop=[stop])
+    assert stop not in cut.text and full.text.startswith(cut.text) and cut.finish_reason == "stop"
+
+
+def test_gemma3_cached_greedy_equals_reference():
+    model, tok, _ = load_model("gemma3-270m", "float32")
+    assert not tok.has_chat_template
+    ids = tok.encode("The three primary colors are", chat=False)
+    gen = Generator(model, tok, NoProposer())
+    assert gen.generate(ids, max_new_tokens=12).tokens == reference_greedy(model, ids, 12, tok.eos_ids)
+
+
+def test_cli_json_contract():
+    out = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "--prompt", "Say hello.",
+                          "--max-new-tokens", "12", "--method", "ngram", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    obj = json.loads(out.stdout)                                # exactly one JSON object
+    assert set(obj) >= {"text", "tokens", "metrics"}
+    m = obj["metrics"]
+    for key in ("new_tokens", "target_forwards", "tau", "acceptance_rate", "tokens_per_second", "wall_seconds",
+                "acceptance_per_position", "draft_seconds", "target_seconds"):
+        assert key in m
+    assert m["new_tokens"] == len(obj["tokens"]) and m["tau"] >= 1.0
+    plain = json.loads(subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "--prompt", "Say hello.",
+                                       "--max-new-tokens", "12", "--json"], capture_output=True, text=True,
+                                      timeout=300).stdout)
+    assert plain["metrics"]["tau"] == 1.0 and plain["metrics"]["acceptance_rate"] is None
