@@ -242,3 +242,16 @@ def test_draft_cache_rolls_back_after_rejection(monkeypatch, broken):
                 want = exact_distribution(draft, s.tokens[:fed] + [nxt])
                 mismatch |= not torch.allclose(got, want, atol=1e-4)
     assert mismatch == broken
+
+
+def test_speculation_can_be_disabled_per_sequence():
+    model = tiny_model(seed=7)
+    truth = {tuple(p): reference_greedy(model, p, 40) for p in PROMPTS[:2]}
+    eng = Engine(model, ScriptedProposer(truth, "oracle", 97), make_policy("fixed", 4), lambda ids: "", frozenset())
+    eng.allocate(2, 80)
+    on, off = eng.add(Request(PROMPTS[0], 30)), eng.add(Request(PROMPTS[1], 30, speculate=False))
+    with torch.inference_mode():
+        while eng.busy:
+            eng.step()
+    assert on.generated == truth[tuple(PROMPTS[0])][:30] and off.generated == truth[tuple(PROMPTS[1])][:30]
+    assert on.counters.accepted > 0 and off.counters.drafted == 0 and off.counters.target_forwards == 30

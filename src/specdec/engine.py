@@ -28,6 +28,7 @@ class Request:
     max_new_tokens: int
     sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
+    speculate: bool = True            # False: this sequence gets no drafts (plain decoding inside a speculative batch)
 
 
 @dataclass
@@ -164,6 +165,11 @@ class Engine:
         t0 = time.perf_counter()
         draft = self.proposer.propose(batch, k) if k > 0 else Draft(torch.empty(B, 0, dtype=torch.long, device=dev))
         k = draft.tokens.shape[1]
+        off = [i for i, s in enumerate(seqs) if not s.request.speculate]
+        if off and k:
+            tokens = draft.tokens.clone()
+            tokens[off] = -1
+            draft = Draft(tokens, draft.probs)
         t1 = time.perf_counter()
         pending = torch.tensor([s.tokens[-1] for s in seqs], device=dev)
         inp = torch.cat([pending[:, None], draft.tokens.clamp(min=0)], 1)       # [B, k+1]
