@@ -31,9 +31,9 @@ class ScriptedProposer:
     def allocate(self, rows, slots):
         self.prompt = {}
 
-    def start(self, rows, prompts):
+    def start(self, rows, prompts, hidden):
         for r, p in zip(rows.tolist(), prompts):
-            self.prompt[r] = tuple(p)
+            self.prompt[r] = tuple(p[:-1])             # histories arrive with the first token
 
     def propose(self, batch, k):
         out = torch.full((len(batch.tokens), k), -1, dtype=torch.long)
@@ -46,7 +46,7 @@ class ScriptedProposer:
                 out[i, j] = t
         return Draft(out)
 
-    def commit(self, batch, verdict):
+    def commit(self, batch, verdict, hidden):
         pass
 
 

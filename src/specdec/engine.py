@@ -19,6 +19,7 @@ from .metrics import Counters
 from .models.base import CausalLM
 from .proposers.base import ActiveBatch, NoProposer, Proposer
 from .sampling import BatchSampling, SamplingParams, make_rng, to_probs, uniforms
+from .tree import TokenTree, verify_tree
 from .verify import Draft, Verdict, verify
 
 
@@ -49,6 +50,12 @@ class Sequence:
     @property
     def done(self) -> bool:
         return bool(self.finish_reason)
+
+
+def tree_depth_valid(tree) -> Tensor:
+    """[B] the deepest draft node of each tree: the drafts a chain-equivalent step could accept."""
+    d = tree.depth()
+    return torch.where(tree.tokens >= 0, d, torch.zeros_like(d)).amax(-1)
 
 
 class Engine:
@@ -147,10 +154,11 @@ class Engine:
         p = to_probs(self.target.lm_head(last)[:, None], batch.sampling)       # [B, 1, V]
         u = uniforms([self.rngs[s.row][0] for s in seqs], 1, dev)
         verdict = verify(Draft(torch.empty(len(seqs), 0, dtype=torch.long, device=dev)), p, u[:, :0], u[:, 0])
-        self.proposer.start(batch.rows, [list(s.tokens) for s in seqs])
-        dt = time.perf_counter() - t0
         for i, s in enumerate(seqs):
             s.tokens.append(int(verdict.tokens[i, 0]))
+        self.proposer.start(batch.rows, [list(s.tokens) for s in seqs], hidden)
+        dt = time.perf_counter() - t0
+        for i, s in enumerate(seqs):
             s.counters.record_step(0, 0, 1)
             s.counters.target_seconds += dt
             self._check_stop(s)
@@ -169,19 +177,33 @@ class Engine:
         if off and k:
             tokens = draft.tokens.clone()
             tokens[off] = -1
-            draft = Draft(tokens, draft.probs)
+            tree = draft.tree
+            if tree is not None:
+                tt, tp = tree.tokens.clone(), tree.parents.clone()
+                tt[off, 1:], tp[off, 1:] = -1, -1
+                tree = TokenTree(tt, tp)
+            draft = Draft(tokens, draft.probs, tree)
         t1 = time.perf_counter()
         pending = torch.tensor([s.tokens[-1] for s in seqs], device=dev)
-        inp = torch.cat([pending[:, None], draft.tokens.clamp(min=0)], 1)       # [B, k+1]
         base = self.cache.lengths[batch.rows]
-        pos = base[:, None] + torch.arange(k + 1, device=dev)
-        hidden = self.target(inp, pos, self.cache, batch.rows)                 # [B, k+1, H]
-        p = to_probs(self.target.lm_head(hidden), batch.sampling)              # [B, k+1, V]
-        u = uniforms([self.rngs[s.row][0] for s in seqs], k + 1, dev)
-        verdict = verify(draft, p, u[:, :k], u[:, k])
-        self.cache.commit(batch.rows, torch.arange(k + 1, device=dev).expand(B, k + 1), verdict.num_new)
+        if draft.tree is None:                                                 # a chain: pending + K drafts
+            inp = torch.cat([pending[:, None], draft.tokens.clamp(min=0)], 1)  # [B, k+1]
+            pos = base[:, None] + torch.arange(k + 1, device=dev)
+            hidden = self.target(inp, pos, self.cache, batch.rows)             # [B, k+1, H]
+            p = to_probs(self.target.lm_head(hidden), batch.sampling)          # [B, k+1, V]
+            u = uniforms([self.rngs[s.row][0] for s in seqs], k + 1, dev)
+            verdict = verify(draft, p, u[:, :k], u[:, k])
+        else:                                                                  # a token tree, root = pending
+            tree = draft.tree
+            assert torch.equal(tree.tokens[:, 0], pending), "tree root must be the pending token"
+            pos = base[:, None] + tree.depth()
+            hidden = self.target(tree.tokens.clamp(min=0), pos, self.cache, batch.rows, tree.mask())
+            p = to_probs(self.target.lm_head(hidden), batch.sampling)          # [B, N, V]
+            u = uniforms([self.rngs[s.row][0] for s in seqs], tree.size + 1, dev)
+            verdict = verify_tree(tree, p, u)
+        self.cache.commit(batch.rows, verdict.path.clamp(min=0), verdict.num_new)
         t2 = time.perf_counter()
-        valid = (draft.tokens >= 0).sum(-1)
+        valid = (draft.tokens >= 0).sum(-1) if draft.tree is None else tree_depth_valid(draft.tree)
         new = verdict.tokens.tolist()
         for i, s in enumerate(seqs):
             n = int(verdict.num_new[i])
@@ -189,8 +211,12 @@ class Engine:
             s.counters.record_step(int(valid[i]), n - 1, n)
             s.counters.draft_seconds += t1 - t0
             s.counters.target_seconds += t2 - t1
-        self.proposer.commit(batch, verdict)
-        self.policy.observe(k, valid, verdict.num_accepted, t1 - t0, t2 - t1)
+        t3 = time.perf_counter()
+        self.proposer.commit(batch, verdict, hidden)
+        t4 = time.perf_counter()
+        for s in seqs:
+            s.counters.draft_seconds += t4 - t3
+        self.policy.observe(k, valid, verdict.num_accepted, t1 - t0 + t4 - t3, t2 - t1)
         for s in seqs:
             self._check_stop(s)
             if not s.done:

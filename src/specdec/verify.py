@@ -15,11 +15,16 @@ from torch import Tensor
 
 from .sampling import sample
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from .tree import TokenTree
+
 
 @dataclass(frozen=True)
 class Draft:
     tokens: Tensor                   # [B, K] long, -1 = no draft at this position
     probs: Tensor | None = None      # [B, K, V] proposer's q; None = deterministic proposer (point mass)
+    tree: "TokenTree | None" = None  # a token tree (root = pending token) instead of a chain; tokens unused
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,11 @@ class Verdict:
     @property
     def num_new(self) -> Tensor:     # [B] tokens committed this step
         return self.num_accepted + 1
+
+    @property
+    def path(self) -> Tensor:        # [B, K+1] scored rows that are committed (a chain: its prefix)
+        B, K1 = self.tokens.shape
+        return torch.arange(K1, device=self.tokens.device).expand(B, K1)
 
 
 def verify(draft: Draft, p: Tensor, u_accept: Tensor, u_final: Tensor) -> Verdict:

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from ..sampling import BatchSampling
+from ..tree import TreeVerdict
 from ..verify import Draft, Verdict
 
 
@@ -27,16 +28,18 @@ class Proposer(Protocol):
         """Room for `rows` sequences of up to `slots` tokens."""
         ...
 
-    def start(self, rows: Tensor, prompts: list[list[int]]) -> None:
-        """New sequences occupy `rows`; `prompts` are their full token histories so far."""
+    def start(self, rows: Tensor, prompts: list[list[int]], hidden: Tensor) -> None:
+        """New sequences occupy `rows`; `prompts` are their histories (prompt + first token);
+        hidden [B, P, H] holds the target's features of the prompt tokens (right-padded)."""
         ...
 
     def propose(self, batch: ActiveBatch, k: int) -> Draft:
         """Up to k drafts per sequence: tokens [B, k] (-1 = none), q [B, k, V] or None (deterministic)."""
         ...
 
-    def commit(self, batch: ActiveBatch, verdict: Verdict) -> None:
-        """Roll own state (cache, features) forward to the accepted path. `batch.tokens` already holds the new tokens."""
+    def commit(self, batch: ActiveBatch, verdict: Verdict | TreeVerdict, hidden: Tensor) -> None:
+        """Roll own state (cache, features) forward to the accepted path. `batch.tokens` already holds
+        the new tokens; hidden [B, N, H] are the target's features of the scored rows (`verdict.path` indexes them)."""
         ...
 
 
@@ -47,11 +50,11 @@ class NoProposer:
     def allocate(self, rows: int, slots: int) -> None:
         pass
 
-    def start(self, rows: Tensor, prompts: list[list[int]]) -> None:
+    def start(self, rows: Tensor, prompts: list[list[int]], hidden: Tensor) -> None:
         pass
 
     def propose(self, batch: ActiveBatch, k: int) -> Draft:
         return Draft(torch.empty(len(batch.tokens), 0, dtype=torch.long))
 
-    def commit(self, batch: ActiveBatch, verdict: Verdict) -> None:
+    def commit(self, batch: ActiveBatch, verdict: Verdict | TreeVerdict, hidden: Tensor) -> None:
         pass

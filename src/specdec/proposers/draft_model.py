@@ -28,7 +28,7 @@ class DraftModelProposer:
     def allocate(self, rows: int, slots: int) -> None:
         self.cache = self.model.new_cache(rows, slots)
 
-    def start(self, rows: Tensor, prompts: list[list[int]]) -> None:
+    def start(self, rows: Tensor, prompts: list[list[int]], hidden: Tensor) -> None:
         self.cache.truncate(rows, torch.zeros_like(rows))
         for r in rows.tolist():
             self.fed[r] = 0
@@ -80,7 +80,7 @@ class DraftModelProposer:
             probs = torch.cat([probs, torch.zeros(B, k - probs.shape[1], probs.shape[2], device=dev)], 1)
         return Draft(tokens, probs)
 
-    def commit(self, batch: ActiveBatch, verdict: Verdict) -> None:
+    def commit(self, batch: ActiveBatch, verdict: Verdict, hidden: Tensor) -> None:
         rows = batch.rows.to(self.model.device)
         keep = verdict.num_accepted.to(rows.device).clamp(max=self.drafted)   # drafted tokens that stay in the cache
         base = self.cache.lengths[rows] - self.drafted

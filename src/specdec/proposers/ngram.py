@@ -54,7 +54,7 @@ class NgramProposer:
     def allocate(self, rows: int, slots: int) -> None:
         self.index = {}
 
-    def start(self, rows: Tensor, prompts: list[list[int]]) -> None:
+    def start(self, rows: Tensor, prompts: list[list[int]], hidden: Tensor) -> None:
         for r, p in zip(rows.tolist(), prompts):
             self.index[r] = NgramIndex(self.n_min, self.n_max)
             self.index[r].update(p)
@@ -69,5 +69,5 @@ class NgramProposer:
                 out[i, :len(cont)] = torch.tensor(cont)
         return Draft(out.to(batch.rows.device))
 
-    def commit(self, batch: ActiveBatch, verdict: Verdict) -> None:
+    def commit(self, batch: ActiveBatch, verdict: Verdict, hidden: Tensor) -> None:
         pass                          # the index catches up lazily in propose
