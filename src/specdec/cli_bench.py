@@ -1,0 +1,135 @@
+"""`specdec bench`: the Spec-Bench-style benchmark (suites x methods x peers -> report)."""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from .api import DTYPES, METHODS, load_model
+from .bench import report, runner
+from .bench.peers import PEERS, build_peers, parse_peers
+from .bench.suites import CATEGORIES, SUITES, Prompt, load_suite
+from .draft_length import POLICIES, make_policy
+from .errors import SpecdecError
+from .models.registry import DEFAULT_MODEL, MODELS, resolve
+
+DEFAULT_METHODS = "none,ngram,draft"
+
+
+def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter]) -> None:
+    """Add the `bench` subcommand."""
+    p = sub.add_parser("bench", help="benchmark methods (and peers) on the prompt suites; writes a report",
+                       formatter_class=fmt)
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"registered name ({', '.join(MODELS)}) or a .gguf path")
+    p.add_argument("--methods", default=DEFAULT_METHODS,
+                   help=f"comma-separated methods ({', '.join(METHODS)}); NAME=DRAFT gives one its own draft; "
+                        "'none' is always run (the baseline)")
+    p.add_argument("--suite", default="mini", choices=SUITES, help="prompt suite")
+    p.add_argument("--categories", default=None, help=f"comma-separated subset of: {', '.join(CATEGORIES)}")
+    p.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs must equal none's)")
+    p.add_argument("--repeats", type=int, default=1, help="timed repeats of every (prompt, method)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--draft-model", default=None,
+                   help="draft of the 'draft' method: name, .gguf path or self:N (default: the model's registered "
+                        f"draft, else {runner.FALLBACK_DRAFT})")
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="drafts per step, K")
+    p.add_argument("--draft-policy", default="fixed", choices=POLICIES, help="draft length policy")
+    p.add_argument("--peers", default="", help=f"comma-separated peers to run side by side: {', '.join(PEERS)}")
+    p.add_argument("--out", default=None, help="output directory (default: docs/benchmarks/<suite>)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
+    p.set_defaults(func=cmd_bench)
+
+
+def parse_categories(text: str | None) -> list[str] | None:
+    """Comma-separated categories -> validated list (None: all)."""
+    if text is None:
+        return None
+    items = [c.strip() for c in text.split(",") if c.strip()]
+    if not items:
+        raise SpecdecError(f"no categories given; valid categories: {', '.join(CATEGORIES)}")
+    for item in items:
+        if item not in CATEGORIES:
+            raise SpecdecError(f"unknown benchmark category {item!r}; valid categories: {', '.join(CATEGORIES)}")
+    return items
+
+
+def limit_prompts(prompts: list[Prompt], limit: int | None) -> list[Prompt]:
+    """At most ``limit`` prompts per category, in order."""
+    if limit is None:
+        return prompts
+    seen: dict[str, int] = {}
+    out = []
+    for prompt in prompts:
+        seen[prompt.category] = seen.get(prompt.category, 0) + 1
+        if seen[prompt.category] <= limit:
+            out.append(prompt)
+    return out
+
+
+def _check_numbers(a: argparse.Namespace) -> None:
+    if a.repeats < 1:
+        raise SpecdecError(f"--repeats must be >= 1, got {a.repeats}")
+    if a.limit is not None and a.limit < 1:
+        raise SpecdecError(f"--limit must be >= 1, got {a.limit}")
+    if not a.temperature >= 0:
+        raise SpecdecError(f"--temperature must be >= 0, got {a.temperature}")
+    make_policy(a.draft_policy, a.num_draft_tokens)
+
+
+def command_line(a: argparse.Namespace) -> str:
+    """The command as typed when run as `specdec`, else an equivalent one with every setting."""
+    if sys.argv and Path(sys.argv[0]).name == "specdec" and len(sys.argv) > 1 and sys.argv[1] == "bench":
+        return shlex.join(["specdec", *sys.argv[1:]])
+    parts = ["specdec", "bench", "--model", a.model, "--methods", a.methods, "--suite", a.suite,
+             "--temperature", str(a.temperature), "--repeats", str(a.repeats), "--seed", str(a.seed),
+             "--dtype", a.dtype, "--num-draft-tokens", str(a.num_draft_tokens), "--draft-policy", a.draft_policy]
+    for flag, value in (("--categories", a.categories), ("--limit", a.limit), ("--draft-model", a.draft_model),
+                        ("--peers", a.peers or None), ("--out", a.out)):
+        if value is not None:
+            parts += [flag, str(value)]
+    return shlex.join(parts)
+
+
+def _pad_id(tokenizer) -> int:
+    pad = getattr(getattr(tokenizer, "hf", None), "pad_token_id", None)
+    return int(pad) if pad is not None else min(tokenizer.eos_ids, default=0)
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    """Validate, load the target once, run methods (and peers) interleaved, write the report."""
+    _check_numbers(a)
+    categories = parse_categories(a.categories)
+    runner.parse_methods(a.methods, a.draft_model)                  # fail fast, before any loading
+    peer_names = parse_peers(a.peers)
+    if peer_names and a.temperature != 0:
+        raise SpecdecError("--peers runs greedy only; use --temperature 0")
+    prompts = limit_prompts(load_suite(a.suite, categories), a.limit)
+    target, tokenizer, name = load_model(a.model, a.dtype, a.device)
+    draft = a.draft_model or runner.default_draft(name)
+    specs = runner.parse_methods(a.methods, draft)
+    systems: list = runner.build_systems(target, tokenizer, specs, a.dtype, a.device, a.num_draft_tokens,
+                                         a.draft_policy, name)
+    peer_draft = next((s.draft for s in specs if s.method == "draft"), draft)
+    peers, notes = (build_peers(peer_names, resolve(a.model)[1], peer_draft, a.num_draft_tokens,
+                                  tokenizer.eos_ids, _pad_id(tokenizer))
+                    if peer_names else ([], []))
+    config = {"model": name, "dtype": a.dtype, "device": a.device, "suite": a.suite, "limit": a.limit,
+              "num_draft_tokens": a.num_draft_tokens, "draft_policy": a.draft_policy, "draft_model": peer_draft,
+              "method_specs": [{"label": s.label, "method": s.method, "draft": s.draft} for s in specs],
+              "peer_notes": notes}
+    results = runner.benchmark([*systems, *peers], prompts, tokenizer, config, runner.machine_info(a.dtype),
+                               command_line(a), a.repeats, a.temperature, a.seed, a.progress)
+    out = Path(a.out) if a.out else Path("docs") / "benchmarks" / a.suite
+    paths = report.write_report(results, out)
+    print(report.summary_table(results))
+    print(f"report: {', '.join(str(p) for p in paths)}", file=sys.stderr)
+    eq = results["summary"]["equality"]
+    if not results["ok"]:
+        print(f"specdec: error: {eq['failures']} greedy outputs differ from 'none' ({', '.join(eq['failed_ids'])}); "
+              f"see {paths[1]}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,207 @@
+"""The benchmark runner end to end on a tiny model: results schema, report files, the equality check, bad input."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specdec.bench import report, runner
+from specdec.bench.peers import parse_peers
+from specdec.bench.suites import Prompt
+from specdec.cli import main
+from specdec.errors import SpecdecError
+
+from conftest import tiny_model
+
+USER, ASSISTANT, ANSWER = 2, 3, 4
+
+
+class ChatTokenizer:
+    """Token ids as space-separated numbers, with a toy chat template (role markers 2 / 3, answer cue 4)."""
+
+    has_chat_template = True
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.eos_ids: frozenset[int] = frozenset()
+        self.vocab = {str(i): i for i in range(vocab_size)}
+
+    def encode(self, text: str, chat: bool) -> list[int]:
+        ids = [int(t) % self.vocab_size for t in text.split()]
+        return self.encode_chat([{"role": "user", "content": text}]) if chat else ids
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        ids: list[int] = []
+        for m in messages:
+            ids += [USER if m["role"] == "user" else ASSISTANT] + self.encode(m["content"], False)
+        return ids + [ANSWER]
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(str(i) for i in ids)
+
+
+PROMPTS = [
+    Prompt("qa", "qa/1", ("5 6 7 8 5 6 7 8 5 6",), 10),
+    Prompt("mt_bench", "mt_bench/1", ("9 10 11 12 9 10", "13 14 15"), 6),
+]
+
+
+class Corrupted(runner.MethodSystem):
+    """A deliberately broken method: its last token is changed."""
+
+    def generate(self, ids, max_new_tokens, params):
+        out = super().generate(ids, max_new_tokens, params)
+        out.tokens[-1] = (out.tokens[-1] + 1) % self.generator.target.vocab_size
+        return out
+
+
+class FakePeer:
+    """A peer that is really our plain decoding (checks the peer bookkeeping)."""
+
+    kind = "peer"
+    description = "a fake peer"
+
+    def __init__(self, system: runner.MethodSystem) -> None:
+        self.name, self.system = "fake-peer", system
+
+    def generate(self, ids, max_new_tokens, params):
+        return self.system.generate(ids, max_new_tokens, params)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and a busy machine makes thread barriers slow."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(seed=3, layers=2)
+
+
+def systems(target, methods: str = "none,ngram,draft", broken: str | None = None) -> list:
+    tok = ChatTokenizer(target.vocab_size)
+    built = runner.build_systems(target, tok, runner.parse_methods(methods, "self:1"), "float32", "cpu", 3,
+                                 "fixed", "tiny")
+    return [Corrupted(s.name, s.generator) if s.name == broken else s for s in built]
+
+
+def bench(target, found: list, temperature: float = 0.0, repeats: int = 2) -> dict:
+    config = {"model": "tiny", "dtype": "float32", "suite": "test", "num_draft_tokens": 3,
+              "draft_policy": "fixed", "draft_model": "self:1"}
+    return runner.benchmark(found, PROMPTS, ChatTokenizer(target.vocab_size), config,
+                            runner.machine_info("float32"), "specdec bench (test)", repeats=repeats,
+                            temperature=temperature, progress=False)
+
+
+def test_results_schema_and_report_files(target, tmp_path):
+    found = systems(target)
+    results = bench(target, [*found, FakePeer(found[0])])
+    assert results["schema"] == runner.SCHEMA and results["ok"] is True
+    assert set(results) >= {"command", "config", "machine", "prompts", "summary", "runs", "elapsed_seconds"}
+    assert {"cpu", "torch_threads", "torch", "dtype", "date"} <= set(results["machine"])
+    assert results["config"]["methods"] == ["none", "ngram", "draft"]
+    assert len(results["runs"]) == 2 * len(PROMPTS) * 4
+    for run in results["runs"]:
+        assert {"system", "kind", "prompt_id", "category", "repeat", "tokens", "new_tokens", "seconds",
+                "tokens_per_second"} <= set(run)
+        assert run["new_tokens"] == sum(len(t) for t in run["tokens"]) > 0
+        assert len(run["tokens"]) == (2 if run["category"] == "mt_bench" else 1)
+        if run["kind"] == "method":
+            assert {"tau", "target_forwards", "acceptance_rate", "acceptance_per_position"} <= set(run)
+    methods = results["summary"]["methods"]
+    assert set(methods) == {"none", "ngram", "draft"}
+    for cells in methods.values():
+        assert set(cells) == {"qa", "mt_bench", "overall"}
+        for cell in cells.values():
+            assert {"tokens_per_second", "speedup", "speedup_total", "tau", "acceptance_rate",
+                    "acceptance_per_position", "equal", "mismatches"} <= set(cell)
+            assert cell["equal"] is True and cell["mismatches"] == 0
+    assert methods["none"]["overall"]["tau"] == 1.0 and methods["none"]["overall"]["speedup"] == 1.0
+    assert methods["draft"]["overall"]["tau"] >= 1.0 and len(methods["draft"]["overall"]["acceptance_per_position"]) == 3
+    peer = results["summary"]["peers"]["fake-peer"]["overall"]
+    assert peer["same_output"] == peer["runs"] and set(peer["speedup_of"]) == {"none", "ngram", "draft"}
+
+    paths = report.write_report(results, tmp_path / "out")
+    assert [p.name for p in paths] == ["results.json", "report.md", "speedup.png", "acceptance.png"]
+    assert json.loads(paths[0].read_text())["summary"]["equality"]["failures"] == 0
+    text = paths[1].read_text()
+    assert "| method | qa | mt_bench | overall |" in text and "| `none` | 1.00× (1.00)" in text
+    assert "fake-peer" in text and "specdec bench (test)" in text
+    for png in paths[2:]:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_equality_check_really_fails(target, tmp_path):
+    results = bench(target, systems(target, broken="ngram"), repeats=1)
+    eq = results["summary"]["equality"]
+    assert results["ok"] is False and eq["failures"] == len(PROMPTS)
+    assert eq["failed_ids"] == ["ngram:mt_bench/1", "ngram:qa/1"]
+    assert results["summary"]["methods"]["ngram"]["overall"]["equal"] is False
+    assert results["summary"]["methods"]["draft"]["overall"]["equal"] is True
+    report.write_report(results, tmp_path)
+    assert "FAIL" in (tmp_path / "report.md").read_text()
+
+
+def test_sampling_reports_no_equality(target, tmp_path):
+    results = bench(target, systems(target, "none,ngram"), temperature=1.0, repeats=1)
+    assert results["ok"] is True and results["summary"]["equality"]["checked"] is False
+    assert results["summary"]["methods"]["ngram"]["overall"]["equal"] is None
+    report.write_report(results, tmp_path)
+    assert "n/a (sampling)" in (tmp_path / "report.md").read_text()
+
+
+@pytest.fixture
+def fake_cli(monkeypatch, target):
+    """`specdec bench` on the tiny model and the two fake prompts; set broken[0] to corrupt a method."""
+    import specdec.cli_bench as cli_bench
+
+    broken: list[str | None] = [None]
+    build = runner.build_systems
+    monkeypatch.setattr(cli_bench, "load_model", lambda model, dtype, device: (target, ChatTokenizer(target.vocab_size), "tiny"))
+    monkeypatch.setattr(cli_bench, "load_suite", lambda suite, categories: list(PROMPTS))
+    monkeypatch.setattr(runner, "build_systems", lambda *a: [Corrupted(s.name, s.generator) if s.name == broken[0] else s
+                                                              for s in build(*a)])
+    return broken
+
+
+def test_cli_exit_status_follows_equality(fake_cli, tmp_path):
+    args = ["bench", "--methods", "ngram,draft", "--draft-model", "self:1", "--num-draft-tokens", "2",
+            "--no-progress", "--dtype", "float32", "--out"]
+    assert main(args + [str(tmp_path / "good")]) == 0
+    good = json.loads((tmp_path / "good" / "results.json").read_text())
+    assert good["ok"] and good["config"]["methods"] == ["none", "ngram", "draft"]
+    fake_cli[0] = "draft"
+    assert main(args + [str(tmp_path / "bad")]) == 1
+    bad = json.loads((tmp_path / "bad" / "results.json").read_text())
+    assert not bad["ok"] and bad["summary"]["equality"]["failed_ids"] == ["draft:mt_bench/1", "draft:qa/1"]
+
+
+@pytest.mark.parametrize("args, listed", [
+    (["--methods", "none,bogus"], "unknown method 'bogus'; choose from: none, ngram, draft"),
+    (["--categories", "qa,poetry"], "unknown benchmark category 'poetry'; valid categories: mt_bench, translation"),
+    (["--peers", "vllm"], "unknown peer 'vllm'; choose from: transformers, llamacpp"),
+    (["--model", "llama-70b"], "known models: smollm2-135m, gemma3-270m"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--temperature", "0.5", "--peers", "transformers"], "greedy only"),
+])
+def test_bad_input_lists_valid_names(monkeypatch, capsys, args, listed):
+    import specdec.cli_bench as cli_bench
+
+    monkeypatch.setattr(cli_bench, "load_suite", lambda suite, categories: list(PROMPTS))
+    assert main(["bench", *args]) == 2
+    assert listed in capsys.readouterr().err
+
+
+def test_method_specs():
+    specs = runner.parse_methods("ngram,draft,draft=self:3", "self:1")
+    assert [(s.label, s.method, s.draft) for s in specs] == [
+        ("none", "none", None), ("ngram", "ngram", None), ("draft", "draft", "self:1"), ("draft=self:3", "draft", "self:3")]
+    with pytest.raises(SpecdecError, match="given twice"):
+        runner.parse_methods("ngram,ngram", None)
+    assert runner.default_draft("no-such-model") == runner.FALLBACK_DRAFT
+    assert parse_peers("") == [] and parse_peers("transformers") == ["transformers"]
