@@ -1,0 +1,327 @@
+"""Load test of `specdec serve` over loopback (a benchmark, not CI).
+
+Starts its own server subprocess on a free port, then:
+1. burst: N streaming chat requests sent at once (default 200);
+2. soak: a steady concurrency of 16 for --soak-seconds (default 600), sampling the
+   server's resident memory (RSS) over time;
+3. batching: the same requests at concurrency 8 against this server (batched) and
+   against a second server started with --max-batch 1 (one at a time).
+Reports requests/s, output tokens/s, p50/p99 time to first token and inter-token
+latency (client side, per streamed chunk), errors, RSS samples and the batching speed-up.
+
+    .venv/bin/python benchmarks/serve_load.py [--requests 200] [--soak-seconds 600] [--method ngram] [--json out.json]
+
+The client is a minimal asyncio HTTP/1.0 client (SSE lines until the server closes
+the connection) so that it takes as little as possible of the CPU the server needs.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specdec.bench.suites import load_suite
+
+HOST = "127.0.0.1"
+
+
+# ---- the server under test ------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`specdec serve` in a subprocess on a free loopback port."""
+
+    def __init__(self, args: argparse.Namespace, max_batch: int) -> None:
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "specdec.cli", "serve", "--model", args.model, "--method", args.method,
+               "--dtype", args.dtype, "--port", str(self.port), "--max-batch", str(max_batch),
+               "--max-waiting", str(max(256, args.requests)), "--max-tokens", str(args.max_tokens),
+               "--num-draft-tokens", str(args.num_draft_tokens), "--draft-policy", args.draft_policy]
+        if args.draft_model:
+            cmd += ["--draft-model", args.draft_model]
+        if args.threads:
+            cmd += ["--threads", str(args.threads)]
+        self.cmd = cmd
+        self.log = tempfile.TemporaryFile("w+")            # not a pipe: a chatty server must never block on it
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
+        self._wait_healthy(240)
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                raise SystemExit(f"server exited with {self.proc.returncode}: {self.log.read()}")
+            try:
+                with urllib.request.urlopen(f"http://{HOST}:{self.port}/health", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.2)
+        self.stop()
+        raise SystemExit("server did not become healthy")
+
+    def rss_mb(self) -> float:
+        try:
+            import psutil
+            return psutil.Process(self.proc.pid).memory_info().rss / 2 ** 20
+        except ImportError:
+            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class RssSampler:
+    """Samples the server's RSS every `every` seconds in a thread."""
+
+    def __init__(self, server: ServerProcess, every: float) -> None:
+        self.server, self.every = server, every
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self.t0 = time.monotonic()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.monotonic() - self.t0, self.server.rss_mb()))
+            self._stop.wait(self.every)
+
+    def stop(self) -> list[tuple[float, float]]:
+        self._stop.set()
+        self.thread.join()
+        return self.samples
+
+
+# ---- the client -------------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    ok: bool
+    tokens: int = 0
+    ttft: float = 0.0
+    gaps: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+REQUEST_TIMEOUT = 600.0
+
+
+async def stream_chat(port: int, prompt: str, max_tokens: int) -> Outcome:
+    """One streaming chat request (an error after REQUEST_TIMEOUT seconds)."""
+    try:
+        return await asyncio.wait_for(_stream_chat(port, prompt, max_tokens), REQUEST_TIMEOUT)
+    except asyncio.TimeoutError:
+        return Outcome(False, error=f"no complete answer within {REQUEST_TIMEOUT:g} s")
+
+
+async def _stream_chat(port: int, prompt: str, max_tokens: int) -> Outcome:
+    """One streaming chat request; TTFT and the gaps between content chunks, from the client's side."""
+    body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                       "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.0\r\nHost: {HOST}:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    t0 = time.perf_counter()
+    try:
+        reader, writer = await asyncio.open_connection(HOST, port)
+    except OSError as e:
+        return Outcome(False, error=f"connect: {e}")
+    out = Outcome(False)
+    try:
+        writer.write(head + body)
+        await writer.drain()
+        status = (await reader.readline()).decode().split()
+        if len(status) < 2 or status[1] != "200":
+            return Outcome(False, error=f"HTTP {' '.join(status[1:])}")
+        while (await reader.readline()) not in (b"\r\n", b""):
+            pass
+        last = None
+        async for raw in reader:
+            line = raw.strip()
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:]
+            if data == b"[DONE]":
+                out.ok = True
+                break
+            obj = json.loads(data)
+            if "error" in obj:
+                out.error = obj["error"]["message"]
+                break
+            if obj.get("usage"):
+                out.tokens = obj["usage"]["completion_tokens"]
+            if obj["choices"] and obj["choices"][0]["delta"].get("content"):
+                now = time.perf_counter()
+                if last is None:
+                    out.ttft = now - t0
+                else:
+                    out.gaps.append(now - last)
+                last = now
+        if not out.ok and not out.error:
+            out.error = "stream ended without [DONE]"
+    except (OSError, ValueError, KeyError) as e:
+        out.error = f"{type(e).__name__}: {e}"
+    finally:
+        writer.close()
+    return out
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def summarize(name: str, outcomes: list[Outcome], wall: float) -> dict:
+    good = [o for o in outcomes if o.ok]
+    tokens = sum(o.tokens for o in good)
+    gaps = [g for o in good for g in o.gaps]
+    errors = [o.error for o in outcomes if not o.ok]
+    return {"phase": name, "requests": len(outcomes), "errors": len(errors), "first_errors": errors[:3],
+            "wall_s": wall, "requests_per_s": len(good) / wall, "output_tokens": tokens,
+            "output_tokens_per_s": tokens / wall,
+            "ttft_p50_s": percentile([o.ttft for o in good], 0.5), "ttft_p99_s": percentile([o.ttft for o in good], 0.99),
+            "itl_p50_s": percentile(gaps, 0.5), "itl_p99_s": percentile(gaps, 0.99)}
+
+
+async def burst(port: int, prompts: list[str], max_tokens: int, concurrency: int) -> tuple[list[Outcome], float]:
+    """All prompts, at most `concurrency` in flight at once."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(p: str) -> Outcome:
+        async with gate:
+            return await stream_chat(port, p, max_tokens)
+
+    t0 = time.perf_counter()
+    outcomes = await asyncio.gather(*(one(p) for p in prompts))
+    return list(outcomes), time.perf_counter() - t0
+
+
+async def soak(port: int, prompts: list[str], max_tokens: int, concurrency: int, seconds: float) -> tuple[list[Outcome], float]:
+    """`concurrency` clients, each sending requests back to back until the time is up."""
+    deadline = time.perf_counter() + seconds
+    outcomes: list[Outcome] = []
+
+    async def client(i: int) -> None:
+        n = i
+        while time.perf_counter() < deadline:
+            outcomes.append(await stream_chat(port, prompts[n % len(prompts)], max_tokens))
+            n += concurrency
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client(i) for i in range(concurrency)))
+    return outcomes, time.perf_counter() - t0
+
+
+# ---- report -----------------------------------------------------------------------------------
+def show(row: dict) -> str:
+    return (f"{row['phase']:<22} {row['requests']:>5} req  {row['errors']:>3} err  {row['wall_s']:7.1f} s  "
+            f"{row['requests_per_s']:6.2f} req/s  {row['output_tokens_per_s']:7.1f} tok/s  "
+            f"TTFT p50 {row['ttft_p50_s'] * 1e3:7.0f} ms p99 {row['ttft_p99_s'] * 1e3:7.0f} ms  "
+            f"ITL p50 {row['itl_p50_s'] * 1e3:5.0f} ms p99 {row['itl_p99_s'] * 1e3:5.0f} ms")
+
+
+def rss_summary(samples: list[tuple[float, float]]) -> dict:
+    mb = [m for _, m in samples]
+    k = max(1, len(mb) // 5)
+    return {"samples": len(mb), "first_mb": mb[0], "min_mb": min(mb), "max_mb": max(mb), "last_mb": mb[-1],
+            "mean_first_fifth_mb": statistics.mean(mb[:k]), "mean_last_fifth_mb": statistics.mean(mb[-k:]),
+            "series": [(round(t, 1), round(m, 1)) for t, m in samples]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--method", default="ngram")
+    ap.add_argument("--draft-model", default=None)
+    ap.add_argument("--num-draft-tokens", type=int, default=4)
+    ap.add_argument("--draft-policy", default="fixed")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--threads", type=int, default=0, help="server torch threads (0 = default)")
+    ap.add_argument("--max-batch", type=int, default=16, help="server batch slots for the burst and the soak")
+    ap.add_argument("--requests", type=int, default=200, help="requests in the burst (all sent at once)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request")
+    ap.add_argument("--soak-seconds", type=float, default=600.0)
+    ap.add_argument("--soak-concurrency", type=int, default=16)
+    ap.add_argument("--compare-requests", type=int, default=16, help="requests in the batched vs one-at-a-time run")
+    ap.add_argument("--compare-concurrency", type=int, default=8)
+    ap.add_argument("--rss-every", type=float, default=5.0, help="seconds between RSS samples")
+    ap.add_argument("--json", default=None, help="also write the results to this file")
+    args = ap.parse_args()
+
+    suite = [p.turns[0] for p in load_suite("mini")]
+    prompts = [suite[i % len(suite)] for i in range(args.requests)]
+    compare = [suite[i % len(suite)] for i in range(args.compare_requests)]
+    result: dict = {"args": vars(args), "cpus": os.cpu_count()}
+
+    server = ServerProcess(args, args.max_batch)
+    result["server_cmd"] = " ".join(server.cmd[1:])
+    sampler = RssSampler(server, args.rss_every)
+    try:
+        asyncio.run(burst(server.port, suite[:2], 8, 2))                       # warm-up (not measured)
+        rows = []
+        outs, wall = asyncio.run(burst(server.port, prompts, args.max_tokens, args.requests))
+        rows.append(summarize(f"burst x{args.requests}", outs, wall))
+        print(show(rows[-1]), flush=True)
+        if args.soak_seconds > 0:
+            outs, wall = asyncio.run(soak(server.port, suite, args.max_tokens, args.soak_concurrency,
+                                          args.soak_seconds))
+            rows.append(summarize(f"soak c={args.soak_concurrency}", outs, wall))
+            print(show(rows[-1]), flush=True)
+        outs, wall = asyncio.run(burst(server.port, compare, args.max_tokens, args.compare_concurrency))
+        rows.append(summarize(f"batched c={args.compare_concurrency}", outs, wall))
+        print(show(rows[-1]), flush=True)
+    finally:
+        result["rss"] = rss_summary(sampler.stop())
+        server.stop()
+
+    one = ServerProcess(args, 1)
+    try:
+        asyncio.run(burst(one.port, suite[:1], 8, 1))
+        outs, wall = asyncio.run(burst(one.port, compare, args.max_tokens, args.compare_concurrency))
+        rows.append(summarize(f"one-at-a-time c={args.compare_concurrency}", outs, wall))
+        print(show(rows[-1]), flush=True)
+    finally:
+        one.stop()
+
+    result["phases"] = rows
+    result["batching_speedup"] = rows[-2]["output_tokens_per_s"] / rows[-1]["output_tokens_per_s"]
+    rss = result["rss"]
+    print(f"batching speed-up at concurrency {args.compare_concurrency}: {result['batching_speedup']:.2f}x "
+          f"(output tokens/s, batched vs --max-batch 1)")
+    print(f"server RSS: first {rss['first_mb']:.0f} MB, min {rss['min_mb']:.0f}, max {rss['max_mb']:.0f}, "
+          f"last {rss['last_mb']:.0f}; mean of first fifth {rss['mean_first_fifth_mb']:.0f} MB, "
+          f"last fifth {rss['mean_last_fifth_mb']:.0f} MB ({rss['samples']} samples every {args.rss_every:g} s)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 1 if any(r["errors"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""`specdec serve`: the OpenAI-compatible server (FastAPI + uvicorn)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import TYPE_CHECKING
+
+from .cli import add_model_args
+from .errors import SpecdecError
+
+if TYPE_CHECKING:
+    from .api import Generator
+    from .models.base import CausalLM
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter]) -> None:
+    p = sub.add_parser("serve", help="serve the OpenAI API (completions, chat, streaming) with speculation",
+                       formatter_class=fmt)
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told otherwise)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require Authorization: Bearer KEY on /v1/* (default: $SPECDEC_API_KEY; unset = no auth)")
+    p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (batch slots)")
+    p.add_argument("--max-waiting", type=int, default=256, help="requests queued for a slot before answering 429")
+    p.add_argument("--max-prompt-tokens", type=int, default=1024)
+    p.add_argument("--max-tokens", type=int, default=512, help="largest max_tokens a request may ask for")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 beyond)")
+    p.add_argument("--prefill-tokens", type=int, default=2048,
+                   help="padded prompt tokens admitted into the batch per step (bounds the pause a burst causes)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)
+
+
+def draft_for_server(a: argparse.Namespace, gen: Generator) -> CausalLM | None:
+    """The draft model shared by every draft engine: the loaded one, or --draft-model loaded once."""
+    from .api import make_proposer
+
+    if gen.method == "draft":
+        return gen.proposer.model
+    if a.draft_model is None:
+        return None
+    return make_proposer("draft", gen.target, gen.tokenizer, a.draft_model, a.dtype, a.device).model
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    import torch
+    import uvicorn
+
+    import specdec
+    from .server import ServeConfig, ServerState, create_app
+
+    if not 0 <= a.port <= 65535:
+        raise SpecdecError(f"--port must be in [0, 65535], got {a.port}")
+    if a.threads < 0:
+        raise SpecdecError(f"--threads must be >= 0, got {a.threads}")
+    key = a.api_key if a.api_key is not None else os.environ.get("SPECDEC_API_KEY") or None
+    config = ServeConfig(max_batch=a.max_batch, max_waiting=a.max_waiting, max_prompt_tokens=a.max_prompt_tokens,
+                         max_tokens=a.max_tokens, max_body_bytes=a.max_body_bytes, api_key=key,
+                         prefill_tokens=a.prefill_tokens)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    gen = specdec.load(a.model, method=a.method, dtype=a.dtype, device=a.device, draft_model=a.draft_model,
+                       num_draft_tokens=a.num_draft_tokens, draft_policy=a.draft_policy)
+    state = ServerState(gen, config, draft_for_server(a, gen))
+    if a.host not in LOOPBACK and key is None:
+        print(f"specdec: warning: listening on {a.host} without an API key (--api-key or SPECDEC_API_KEY)",
+              file=sys.stderr)
+    print(f"specdec: serving {gen.name} (method {gen.method}, {a.dtype}) on http://{a.host}:{a.port}/v1 "
+          f"(max batch {a.max_batch}, auth {'on' if key else 'off'})", file=sys.stderr, flush=True)
+    uvicorn.run(create_app(state), host=a.host, port=a.port, log_level=a.log_level, access_log=False)
+    return 0

@@ -1,0 +1,596 @@
+"""The OpenAI-compatible HTTP layer: request validation, responses, SSE streaming, auth, limits, metrics.
+
+Every request body is checked field by field: known fields are validated, the
+harmless ones the `openai` client may send are accepted only with their neutral
+values, and anything else is a 400 naming the field (never silently ignored).
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import random
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..api import METHODS, Generator
+from ..draft_length import MAX_DRAFT_TOKENS
+from ..engine import Request
+from ..errors import SpecdecError
+from ..models.base import CausalLM
+from ..sampling import SamplingParams
+from .scheduler import Done, EnginePool, Event, Failed, Job, Piece, QueueFull, Scheduler, ServerMetrics, SpecChoice
+
+ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+MAX_STOP = 4
+POLL_SECONDS = 0.5                      # how often a waiting non-streaming request checks for a disconnect
+ROLES = ("system", "user", "assistant", "developer")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    max_batch: int = 8                  # sequences decoded together (cache rows per engine)
+    max_waiting: int = 256              # queued beyond max_batch before 429
+    max_prompt_tokens: int = 1024
+    max_tokens: int = 512               # cap on a request's max_tokens
+    max_body_bytes: int = 1 << 20
+    api_key: str | None = None
+    max_engines: int = 4                # distinct (method, K) engines kept at once
+    prefill_tokens: int = 2048          # padded prompt tokens admitted per step boundary (at least one request)
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "max_prompt_tokens", "max_tokens", "max_body_bytes", "max_engines",
+                     "prefill_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise SpecdecError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.max_waiting, int) or self.max_waiting < 0:
+            raise SpecdecError(f"max_waiting must be an integer >= 0, got {self.max_waiting!r}")
+        if self.api_key is not None and not self.api_key:
+            raise SpecdecError("the API key must not be empty")
+
+
+class ServerState:
+    """Everything one app serves: the model, its engines and worker, limits and metrics."""
+
+    def __init__(self, generator: Generator, config: ServeConfig, draft: CausalLM | None = None) -> None:
+        self.generator, self.config, self.draft = generator, config, draft
+        self.model_name = generator.name
+        self.created = int(time.time())
+        k = generator.num_draft_tokens if generator.method != "none" else 0
+        self.default = SpecChoice(generator.method, k)
+        self.max_draft_tokens = min(MAX_DRAFT_TOKENS, max(16, k))
+        self.metrics = ServerMetrics()
+        self.pool = EnginePool(generator, draft, self.default, config.max_batch,
+                               config.max_prompt_tokens + config.max_tokens, config.max_engines)
+        self.scheduler = Scheduler(self.pool, self.metrics, config.max_batch, config.max_waiting,
+                                   config.prefill_tokens)
+
+
+# ---- errors ------------------------------------------------------------------------------
+class ApiError(Exception):
+    """An error answered with OpenAI's error JSON."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request was waiting."""
+
+
+def error_type(status: int) -> str:
+    if status == 429:
+        return "rate_limit_error"
+    return "server_error" if status >= 500 else "invalid_request_error"
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param, code)
+
+
+# ---- request parsing ---------------------------------------------------------------------
+def is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+class Fields:
+    """Takes known fields out of a request body; whatever is left at `finish` is unsupported."""
+
+    def __init__(self, body: dict) -> None:
+        self.rest = dict(body)
+
+    def pop(self, name: str) -> Any:
+        return self.rest.pop(name, None)
+
+    def number(self, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+        v = self.pop(name)
+        if v is None:
+            return default
+        if not is_number(v) or v > hi or v < lo or (lo_open and v == lo):
+            low = f"({lo}" if lo_open else f"[{lo}"
+            raise bad(f"{name} must be a number in {low}, {hi}], got {v!r}", name)
+        return float(v)
+
+    def integer(self, name: str, default: int, lo: int, hi: int) -> int:
+        v = self.pop(name)
+        if v is None:
+            return default
+        if not is_int(v) or not lo <= v <= hi:
+            raise bad(f"{name} must be an integer in [{lo}, {hi}], got {v!r}", name)
+        return v
+
+    def boolean(self, name: str, default: bool) -> bool:
+        v = self.pop(name)
+        if v is None:
+            return default
+        if not isinstance(v, bool):
+            raise bad(f"{name} must be true or false, got {v!r}", name)
+        return v
+
+    def neutral(self, name: str, allowed: tuple) -> None:
+        """A field the openai client may send; only its neutral values are accepted."""
+        v = self.pop(name)
+        if v is not None and not any(type(v) is type(a) and v == a for a in allowed):
+            shown = " or ".join(json.dumps(a) for a in allowed)
+            raise bad(f"{name}={json.dumps(v)} is not supported (only {shown} or null)", name, "unsupported_parameter")
+
+    def finish(self) -> None:
+        if self.rest:
+            names = sorted(self.rest)
+            raise bad(f"unsupported field(s): {', '.join(names)}", names[0], "unsupported_parameter")
+
+
+@dataclass(frozen=True)
+class Parsed:
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    spec: SpecChoice
+    stream: bool
+    include_usage: bool
+
+
+def check_model(value: Any, state: ServerState) -> None:
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise bad(f"model must be a string, got {value!r}", "model")
+    if value != state.model_name:
+        raise ApiError(404, f"The model `{value}` does not exist (this server serves `{state.model_name}`)",
+                       "model", "model_not_found")
+
+
+def parse_stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOP:
+        raise bad(f"stop must be a non-empty string or a list of up to {MAX_STOP} non-empty strings", "stop")
+    return tuple(stops)
+
+
+def parse_seed(value: Any) -> int:
+    if value is None:
+        return random.getrandbits(62)
+    if not is_int(value) or not -(1 << 63) <= value < (1 << 64):
+        raise bad(f"seed must be a 64-bit integer, got {value!r}", "seed")
+    return value % (1 << 62)
+
+
+def parse_stream_options(value: Any, stream: bool) -> bool:
+    """include_usage from stream_options (only valid with stream: true)."""
+    if value is None:
+        return False
+    if not stream:
+        raise bad("stream_options is only allowed with stream: true", "stream_options")
+    if not isinstance(value, dict) or set(value) - {"include_usage"}:
+        raise bad("stream_options supports only include_usage", "stream_options", "unsupported_parameter")
+    usage = value.get("include_usage", False)
+    if not isinstance(usage, bool):
+        raise bad("stream_options.include_usage must be true or false", "stream_options")
+    return usage
+
+
+def parse_speculative(value: Any, state: ServerState) -> SpecChoice:
+    """The extension field {"method": ..., "num_draft_tokens": K}; absent = the server's default."""
+    if value is None:
+        return state.default
+    if not isinstance(value, dict) or set(value) - {"method", "num_draft_tokens"}:
+        raise bad('speculative must be an object {"method": ..., "num_draft_tokens": K}', "speculative")
+    method = value.get("method", state.default.method)
+    if method not in METHODS:
+        raise bad(f"speculative.method must be one of {', '.join(METHODS)}, got {method!r}", "speculative")
+    if method == "none":
+        return SpecChoice("none", 0)
+    if method == "draft" and state.draft is None:
+        raise bad("this server has no draft model (start it with --draft-model)", "speculative")
+    default_k = state.default.num_draft_tokens or state.generator.num_draft_tokens
+    k = value.get("num_draft_tokens", default_k)
+    if not is_int(k) or not 1 <= k <= state.max_draft_tokens:
+        raise bad(f"speculative.num_draft_tokens must be an integer in [1, {state.max_draft_tokens}], got {k!r}",
+                  "speculative")
+    return SpecChoice(method, k)
+
+
+def check_prompt_length(ids: list[int], max_tokens: int, state: ServerState, param: str) -> None:
+    limit = state.config.max_prompt_tokens
+    if len(ids) > limit:
+        raise bad(f"the prompt has {len(ids)} tokens, more than this server's limit of {limit}", param,
+                  "context_length_exceeded")
+    context = state.generator.target.max_seq_len
+    if len(ids) + max_tokens + 1 > context:
+        raise bad(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's context of "
+                  f"{context} tokens", param, "context_length_exceeded")
+
+
+def parse_common(f: Fields, state: ServerState, default_max_tokens: int, max_tokens_names: tuple[str, ...]) -> dict:
+    """The parameters both endpoints share (model first, so an unknown model is a 404)."""
+    check_model(f.pop("model"), state)
+    cap = state.config.max_tokens
+    max_tokens = None
+    for name in max_tokens_names:
+        v = f.pop(name)
+        if v is not None:
+            if not is_int(v) or not 1 <= v <= cap:
+                raise bad(f"{name} must be an integer in [1, {cap}], got {v!r}", name)
+            max_tokens = v
+    stream = f.boolean("stream", False)
+    temperature = f.number("temperature", 1.0, 0.0, 2.0)
+    top_p = f.number("top_p", 1.0, 0.0, 1.0, lo_open=True)
+    top_k = f.integer("top_k", 0, 0, 1 << 20)
+    if f.integer("n", 1, 1, 1 << 30) != 1:
+        raise bad("only n=1 is supported", "n", "unsupported_parameter")
+    try:
+        sampling = SamplingParams(temperature, top_k, top_p, parse_seed(f.pop("seed")))
+    except SpecdecError as e:
+        raise bad(str(e)) from None
+    if not isinstance(f.pop("user") or "", str):
+        raise bad("user must be a string", "user")
+    for name in ("presence_penalty", "frequency_penalty"):
+        f.neutral(name, (0, 0.0))
+    f.neutral("logit_bias", ({},))
+    return {"max_tokens": max_tokens or default_max_tokens, "sampling": sampling, "stream": stream,
+            "stop": parse_stop(f.pop("stop")), "spec": parse_speculative(f.pop("speculative"), state),
+            "include_usage": parse_stream_options(f.pop("stream_options"), stream)}
+
+
+def prompt_ids(value: Any, state: ServerState) -> list[int]:
+    """A completion prompt: a string or a list of token ids (or a list holding exactly one of those)."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, str):
+        if not value:
+            raise bad("prompt must not be empty", "prompt")
+        return state.generator.tokenizer.encode(value, False)
+    vocab = state.generator.target.vocab_size
+    if isinstance(value, list) and value and all(is_int(t) for t in value):
+        if not all(0 <= t < vocab for t in value):
+            raise bad(f"prompt token ids must be in [0, {vocab})", "prompt")
+        return list(value)
+    if isinstance(value, list) and len(value) > 1:
+        raise bad("only one prompt per request is supported", "prompt", "unsupported_parameter")
+    raise bad("prompt must be a non-empty string or a non-empty list of token ids", "prompt")
+
+
+def message_text(content: Any, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) and set(p) == {"type", "text"}
+                                         for p in content):
+        return "".join(p["text"] for p in content)
+    raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+
+
+def parse_messages(value: Any) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise bad("messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}] must be an object", "messages")
+        extra = sorted(set(m) - {"role", "content"})
+        if extra:
+            raise bad(f"messages[{i}]: unsupported field(s): {', '.join(extra)}", "messages", "unsupported_parameter")
+        if m.get("role") not in ROLES:
+            raise bad(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m.get('role')!r}", "messages")
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append({"role": role, "content": message_text(m.get("content"), i)})
+    return out
+
+
+def parse_completion(body: dict, state: ServerState) -> Parsed:
+    f = Fields(body)
+    common = parse_common(f, state, min(16, state.config.max_tokens), ("max_tokens",))
+    f.neutral("logprobs", (0, False))
+    f.neutral("echo", (False,))
+    f.neutral("best_of", (1,))
+    f.neutral("suffix", ("",))
+    raw = f.pop("prompt")
+    f.finish()
+    if raw is None:
+        raise bad("prompt is required", "prompt")
+    ids = prompt_ids(raw, state)
+    check_prompt_length(ids, common["max_tokens"], state, "prompt")
+    return Parsed(ids, **common)
+
+
+def parse_chat(body: dict, state: ServerState) -> Parsed:
+    f = Fields(body)
+    common = parse_common(f, state, 0, ("max_tokens", "max_completion_tokens"))
+    f.neutral("logprobs", (False,))
+    f.neutral("top_logprobs", (0,))
+    f.neutral("response_format", ({"type": "text"},))
+    f.neutral("tools", ([],))
+    f.neutral("tool_choice", ("none",))
+    f.neutral("store", (False,))
+    f.neutral("parallel_tool_calls", (True, False))
+    raw = f.pop("messages")
+    f.finish()
+    messages = parse_messages(raw)
+    tok = state.generator.tokenizer
+    if not tok.has_chat_template:
+        raise bad(f"the model {state.model_name} has no chat template; use /v1/completions", "messages")
+    ids = tok.encode_chat(messages)
+    if not common["max_tokens"]:            # default: as much as the limits allow
+        room = state.generator.target.max_seq_len - len(ids) - 1
+        common["max_tokens"] = max(1, min(state.config.max_tokens, room))
+    check_prompt_length(ids, common["max_tokens"], state, "messages")
+    return Parsed(ids, **common)
+
+
+async def read_json(request: HttpRequest, limit: int) -> dict:
+    """The body as a JSON object, at most `limit` bytes (413 beyond, 400 when not a JSON object)."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise ApiError(413, f"request body of {length} bytes exceeds the limit of {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(413, f"request body exceeds the limit of {limit} bytes")
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise bad("the request body must be a JSON object")
+    return data
+
+
+def check_auth(request: HttpRequest, key: str | None) -> None:
+    if key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise ApiError(401, "Incorrect or missing API key: send Authorization: Bearer <key>", None, "invalid_api_key")
+
+
+# ---- responses -----------------------------------------------------------------------------
+class Responder:
+    """OpenAI response objects for one request (a completion or a chat completion)."""
+
+    def __init__(self, chat: bool, model: str, include_usage: bool) -> None:
+        self.chat, self.model, self.include_usage = chat, model, include_usage
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    @staticmethod
+    def usage(done: Done) -> dict:
+        return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+                "total_tokens": done.prompt_tokens + done.completion_tokens}
+
+    def _obj(self, kind: str, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    def full(self, done: Done) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": done.text}, "logprobs": None,
+                      "finish_reason": done.finish_reason}
+            obj = self._obj("chat.completion", [choice])
+        else:
+            obj = self._obj("text_completion", [{"index": 0, "text": done.text, "logprobs": None,
+                                                 "finish_reason": done.finish_reason}])
+        return obj | {"usage": self.usage(done), "speculative": done.speculative}
+
+    def chunk(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+        if self.chat:
+            delta = {} if text is None else ({"role": "assistant", "content": text} if role else {"content": text})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            obj = self._obj("chat.completion.chunk", [choice])
+        else:
+            obj = self._obj("text_completion", [{"index": 0, "text": text or "", "logprobs": None,
+                                                 "finish_reason": finish_reason}])
+        return obj | {"usage": None} if self.include_usage else obj
+
+    def head(self) -> list[dict]:
+        return [self.chunk("", None, role=True)] if self.chat else []
+
+    def tail(self, done: Done) -> list[dict]:
+        last = self.chunk(None, done.finish_reason) | {"speculative": done.speculative}
+        if not self.include_usage:
+            return [last]
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return [last, self._obj(kind, []) | {"usage": self.usage(done)}]
+
+
+def sse(obj: dict | str) -> str:
+    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+# ---- the app -------------------------------------------------------------------------------
+def endpoint_label(request: HttpRequest) -> str:
+    path = request.url.path
+    return path if path in ENDPOINTS else "other"
+
+
+async def next_event(job: Job, request: HttpRequest) -> Event:
+    """The job's next event, watching for a client disconnect while waiting."""
+    while True:
+        try:
+            return await asyncio.wait_for(job.events.get(), POLL_SECONDS)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                raise ClientGone() from None
+
+
+def create_app(state: ServerState) -> FastAPI:
+    """The FastAPI app serving `state`; its lifespan starts and stops the scheduler's worker."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.scheduler.start()
+        try:
+            yield
+        finally:
+            state.scheduler.stop()
+
+    app = FastAPI(title="specdec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = state.metrics
+
+    def count(request: HttpRequest, status: int) -> None:
+        metrics.requests.labels(endpoint_label(request), str(status)).inc()
+
+    def error_response(request: HttpRequest, status: int, message: str, param: str | None = None,
+                       code: str | None = None) -> JSONResponse:
+        count(request, status)
+        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else ({"Retry-After": "1"} if status == 429 else None)
+        return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: HttpRequest, e: ApiError) -> JSONResponse:
+        return error_response(request, e.status, e.message, e.param, e.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: HttpRequest, e: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if e.status_code == 404 else None
+        return error_response(request, e.status_code, str(e.detail), None, code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: HttpRequest, e: Exception) -> JSONResponse:
+        return error_response(request, 500, f"internal error: {type(e).__name__}: {e}")
+
+    def user_input(parse: Callable[[dict, ServerState], Parsed], body: dict) -> Parsed:
+        """Parse a body; the library's own input errors (e.g. from the tokenizer) become 400s."""
+        try:
+            return parse(body, state)
+        except SpecdecError as e:
+            raise bad(str(e)) from None
+
+    async def run(request: HttpRequest, parsed: Parsed, chat: bool) -> Response:
+        """Submit to the scheduler; answer with JSON or an SSE stream."""
+        job = Job.create(Request(parsed.prompt, parsed.max_tokens, parsed.sampling, parsed.stop), parsed.spec)
+        try:
+            state.scheduler.submit(job)
+        except QueueFull as e:
+            raise ApiError(429, str(e), None, "rate_limit_exceeded") from None
+        out = Responder(chat, state.model_name, parsed.include_usage)
+        try:
+            first = await next_event(job, request)
+            if isinstance(first, Failed):
+                raise ApiError(first.status, first.message)
+            if parsed.stream:
+                return StreamingResponse(stream(request, job, first, out), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            event = first
+            while not isinstance(event, Done):
+                event = await next_event(job, request)
+                if isinstance(event, Failed):
+                    raise ApiError(event.status, event.message)
+        except ClientGone:
+            state.scheduler.cancel(job)
+            count(request, 499)
+            return Response(status_code=499)
+        except asyncio.CancelledError:
+            state.scheduler.cancel(job)
+            raise
+        count(request, 200)
+        return JSONResponse(out.full(event))
+
+    async def stream(request: HttpRequest, job: Job, first: Event, out: Responder) -> AsyncIterator[str]:
+        status = 499                                 # unless the stream completes: the client went away
+        try:
+            for obj in out.head():
+                yield sse(obj)
+            event = first
+            while True:
+                if isinstance(event, Piece):
+                    yield sse(out.chunk(event.text, None))
+                elif isinstance(event, Done):
+                    for obj in out.tail(event):
+                        yield sse(obj)
+                    status = 200
+                    yield sse("[DONE]")
+                    return
+                else:
+                    status = event.status
+                    yield sse(error_body(event.status, event.message))
+                    return
+                event = await job.events.get()
+        finally:
+            if status == 499:
+                state.scheduler.cancel(job)
+            count(request, status)
+
+    @app.get("/health")
+    async def health(request: HttpRequest) -> Response:
+        if not state.scheduler.alive:
+            return error_response(request, 503, "the generation worker is not running")
+        count(request, 200)
+        return JSONResponse({"status": "ok", "model": state.model_name})
+
+    @app.get("/metrics")
+    async def prometheus(request: HttpRequest) -> Response:
+        count(request, 200)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def model_card() -> dict:
+        return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "specdec"}
+
+    @app.get("/v1/models")
+    async def models(request: HttpRequest) -> dict:
+        check_auth(request, state.config.api_key)
+        count(request, 200)
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(request: HttpRequest, model: str) -> dict:
+        check_auth(request, state.config.api_key)
+        check_model(model, state)
+        count(request, 200)
+        return model_card()
+
+    @app.post("/v1/completions")
+    async def completions(request: HttpRequest) -> Response:
+        check_auth(request, state.config.api_key)
+        body = await read_json(request, state.config.max_body_bytes)
+        return await run(request, user_input(parse_completion, body), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: HttpRequest) -> Response:
+        check_auth(request, state.config.api_key)
+        body = await read_json(request, state.config.max_body_bytes)
+        return await run(request, user_input(parse_chat, body), chat=True)
+
+    return app

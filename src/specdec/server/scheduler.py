@@ -1,0 +1,354 @@
+"""Continuous batching: one worker thread owns the engines; requests join and leave at step boundaries.
+
+The HTTP side (an asyncio loop) never touches an Engine. It `submit`s a Job and
+reads the Job's asyncio queue of events (text pieces, then Done or Failed); it
+`cancel`s the Job when the client goes away. The worker thread drains its inbox,
+admits waiting jobs while fewer than `max_batch` are running, and steps every busy
+engine round-robin. One engine per (method, K): they share the target's weights,
+each has its own caches.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from ..api import Generator, make_proposer
+from ..engine import Engine, Request, Sequence
+from ..errors import SpecdecError
+from ..models.base import CausalLM
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                   1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 40.0, 80.0)
+
+
+@dataclass(frozen=True)
+class SpecChoice:
+    """Which engine serves a request: a method and its draft length (0 for method none)."""
+    method: str
+    num_draft_tokens: int
+
+
+@dataclass(frozen=True)
+class Done:
+    """The request finished: its text, token counts and speculation report."""
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    speculative: dict
+
+
+@dataclass(frozen=True)
+class Piece:
+    text: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+    status: int = 500
+
+
+Event = Piece | Done | Failed
+
+
+class QueueFull(Exception):
+    """Every slot is busy and the waiting queue is at its bound."""
+
+
+@dataclass(eq=False)
+class Job:
+    """One request in flight; only the worker thread mutates it after `submit`."""
+    request: Request
+    spec: SpecChoice
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    arrived: float = field(default_factory=time.perf_counter)
+    seq: Sequence | None = None
+    engine: Engine | None = None
+    last_emit: float | None = None
+    finished: bool = False
+
+    @staticmethod
+    def create(request: Request, spec: SpecChoice) -> "Job":
+        """A job bound to the running event loop (call from the asyncio side)."""
+        return Job(request, spec, asyncio.get_running_loop(), asyncio.Queue())
+
+
+class ServerMetrics:
+    """Prometheus metrics in their own registry (several apps may live in one process)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("specdec:requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
+                                registry=r)
+        self.ttft = Histogram("specdec:time_to_first_token_seconds", "Arrival to first text piece",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("specdec:inter_token_latency_seconds", "Gap between consecutive text pieces of a request",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("specdec:e2e_request_latency_seconds", "Arrival to finish",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("specdec:num_requests_running", "Requests holding a batch slot", registry=r)
+        self.waiting = Gauge("specdec:num_requests_waiting", "Requests queued for a slot", registry=r)
+        self.prompt_tokens = Counter("specdec:prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("specdec:generation_tokens", "Generated tokens", registry=r)
+        self.num_drafts = Counter("specdec:spec_decode_num_drafts", "Speculative steps that proposed drafts",
+                                  registry=r)
+        self.num_draft_tokens = Counter("specdec:spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r)
+        self.num_accepted = Counter("specdec:spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.accepted_per_pos = Counter("specdec:spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted at each draft position", ["position"], registry=r)
+
+    def record_speculation(self, seq: Sequence) -> None:
+        c = seq.counters
+        self.generation_tokens.inc(len(seq.generated))
+        self.num_drafts.inc(c.drafted_at[0] if c.drafted_at else 0)
+        self.num_draft_tokens.inc(c.drafted)
+        self.num_accepted.inc(c.accepted)
+        for pos, n in enumerate(c.accepted_at):
+            self.accepted_per_pos.labels(str(pos)).inc(n)
+
+
+def speculation_report(seq: Sequence, spec: SpecChoice) -> dict:
+    """The per-request `speculative` extension object of a response."""
+    speculative = spec.method != "none"
+    m = seq.counters.as_dict(speculative)
+    return {"method": spec.method, "num_draft_tokens": spec.num_draft_tokens, "tau": m["tau"],
+            "acceptance_rate": m["acceptance_rate"], "accepted_per_position": m["acceptance_per_position"],
+            "draft_tokens": seq.counters.drafted, "accepted_tokens": seq.counters.accepted,
+            "target_forwards": m["target_forwards"]}
+
+
+class EnginePool:
+    """Engines keyed by (method, K), built lazily from one target; idle extra engines are evicted (LRU)."""
+
+    def __init__(self, generator: Generator, draft: CausalLM | None, default: SpecChoice, rows: int,
+                 base_slots: int, max_engines: int) -> None:
+        self.gen, self.draft, self.default = generator, draft, default
+        self.rows, self.base_slots, self.max_engines = rows, base_slots, max_engines
+        self.engines: dict[SpecChoice, Engine] = {}
+        self.engines[default] = self._build(default)
+
+    def slots(self, k: int) -> int:
+        """Cache length of an engine drafting up to k tokens (capped by the model's context in Generator.engine)."""
+        return self.base_slots + 2 * k + 16
+
+    def _build(self, spec: SpecChoice) -> Engine:
+        device = str(self.gen.target.device)
+        proposer = make_proposer(spec.method, self.gen.target, self.gen.tokenizer, self.draft, "float32", device)
+        k = max(spec.num_draft_tokens, 1)
+        gen = Generator(self.gen.target, self.gen.tokenizer, proposer, self.gen.policy_name, k, self.gen.name)
+        return gen.engine(self.rows, self.slots(k))
+
+    def route(self, spec: SpecChoice) -> tuple[SpecChoice, bool]:
+        """(engine key, speculate flag): method none rides in the default engine with speculation off."""
+        if spec.method == "none":
+            return self.default, False
+        return spec, True
+
+    def get(self, key: SpecChoice) -> Engine | None:
+        """The engine for `key`, built if needed; None when the pool is full of busy engines."""
+        if key in self.engines:
+            eng = self.engines.pop(key)             # re-insert: most recently used last
+            self.engines[key] = eng
+            return eng
+        if len(self.engines) >= self.max_engines:
+            idle = [k for k, e in self.engines.items() if k != self.default and not e.busy]
+            if not idle:
+                return None
+            del self.engines[idle[0]]
+        self.engines[key] = self._build(key)
+        return self.engines[key]
+
+    def busy(self) -> list[Engine]:
+        return [e for e in self.engines.values() if e.busy]
+
+    def reset(self, eng: Engine) -> None:
+        """Drop every sequence of an engine (after a failure) by reallocating its caches."""
+        eng.allocate(eng.rows, eng.slots)
+
+
+class Scheduler:
+    """The worker thread and its thread-safe inbox."""
+
+    def __init__(self, pool: EnginePool, metrics: ServerMetrics, max_batch: int, max_waiting: int,
+                 prefill_tokens: int) -> None:
+        self.pool, self.metrics = pool, metrics
+        self.max_batch, self.max_waiting, self.prefill_tokens = max_batch, max_waiting, prefill_tokens
+        self.inbox: queue.Queue = queue.Queue()
+        self.waiting: deque[Job] = deque()
+        self.running: dict[int, Job] = {}           # id(seq) -> job
+        self.outstanding = 0                         # submitted and not yet finished (guarded by lock)
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+        self.steps = 0                               # engine steps taken
+        self.peak_running = 0                        # most sequences ever decoded at once
+
+    # ---- asyncio side --------------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        """Queue a job, or raise QueueFull when max_batch + max_waiting jobs are outstanding."""
+        with self.lock:
+            if self.outstanding >= self.max_batch + self.max_waiting:
+                raise QueueFull(f"server busy: {self.outstanding} requests in flight "
+                                f"(max batch {self.max_batch} + queue {self.max_waiting}); retry later")
+            self.outstanding += 1
+        self.inbox.put(("submit", job))
+
+    def cancel(self, job: Job) -> None:
+        """Stop a job (client gone); the worker frees its slot at the next step boundary."""
+        self.inbox.put(("cancel", job))
+
+    def start(self) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name="specdec-scheduler", daemon=True)
+            self.thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.thread is not None:
+            self.inbox.put(("stop", None))
+            self.thread.join(timeout)
+            self.thread = None
+
+    # ---- worker thread -------------------------------------------------------------
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                if not self._drain(block=not self.pool.busy() and not self.waiting):
+                    break
+                self._admit()
+                self._step_all()
+                self._gauges()
+        for job in list(self.waiting) + list(self.running.values()):
+            self._fail(job, "the server is shutting down", 503)
+
+    def _drain(self, block: bool) -> bool:
+        """Handle every inbox command (waiting for one when idle); False on stop."""
+        while True:
+            try:
+                cmd, job = self.inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if cmd == "stop":
+                return False
+            if cmd == "submit":
+                self.waiting.append(job)
+            elif cmd == "cancel":
+                self._cancel(job)
+
+    def _cancel(self, job: Job) -> None:
+        if job.finished:
+            return
+        if job in self.waiting:
+            self.waiting.remove(job)
+        elif job.seq is not None and job.engine is not None:
+            job.engine.cancel(job.seq)
+            self.running.pop(id(job.seq), None)
+            self.metrics.record_speculation(job.seq)
+        self._close(job)
+
+    def _admit(self) -> None:
+        """Move waiting jobs into engines while fewer than max_batch run.
+
+        One step boundary admits at most `prefill_tokens` padded prompt tokens (at least one job), so a
+        burst of long prompts is prefilled in bounded chunks; jobs whose engine can't be built yet are skipped.
+        """
+        skipped: list[Job] = []
+        admitted, longest = 0, 0
+        while self.waiting and len(self.running) < self.max_batch:
+            job = self.waiting.popleft()
+            longest_with = max(longest, len(job.request.prompt))
+            if admitted and (admitted + 1) * longest_with > self.prefill_tokens:
+                skipped.append(job)
+                break
+            key, speculate = self.pool.route(job.spec)
+            try:
+                eng = self.pool.get(key)
+                if eng is None:
+                    skipped.append(job)
+                    continue
+                req = job.request
+                job.seq = eng.add(Request(req.prompt, req.max_new_tokens, req.sampling, req.stop, speculate))
+            except SpecdecError as e:
+                self._fail(job, str(e), 400)
+                continue
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory building an engine: fail the job, not the worker
+                self._fail(job, f"cannot start generation: {type(e).__name__}: {e}", 500)
+                continue
+            job.engine = eng
+            self.running[id(job.seq)] = job
+            self.peak_running = max(self.peak_running, len(self.running))
+            self.metrics.prompt_tokens.inc(len(req.prompt))
+            admitted, longest = admitted + 1, longest_with
+        self.waiting.extendleft(reversed(skipped))
+
+    def _step_all(self) -> None:
+        for eng in self.pool.busy():
+            try:
+                events = eng.step()
+            except Exception as e:  # noqa: BLE001 - a failed step must not kill the worker
+                self._fail_engine(eng, f"generation failed: {type(e).__name__}: {e}")
+                continue
+            self.steps += 1
+            now = time.perf_counter()
+            for seq, piece in events:
+                job = self.running.get(id(seq))
+                if job is not None:
+                    self._deliver(job, seq, piece, now)
+
+    def _deliver(self, job: Job, seq: Sequence, piece: str, now: float) -> None:
+        if piece:
+            if job.last_emit is None:
+                self.metrics.ttft.observe(now - job.arrived)
+            else:
+                self.metrics.itl.observe(now - job.last_emit)
+            job.last_emit = now
+            self._send(job, Piece(piece))
+        if seq.done:
+            del self.running[id(seq)]
+            self.metrics.e2e.observe(now - job.arrived)
+            self.metrics.record_speculation(seq)
+            self._send(job, Done(seq.text, seq.finish_reason, len(seq.request.prompt), len(seq.generated),
+                                 speculation_report(seq, job.spec)))
+            self._close(job)
+
+    def _fail_engine(self, eng: Engine, message: str) -> None:
+        for key, job in list(self.running.items()):
+            if job.engine is eng:
+                del self.running[key]
+                self._fail(job, message, 500)
+        self.pool.reset(eng)
+
+    def _fail(self, job: Job, message: str, status: int) -> None:
+        if job in self.waiting:
+            self.waiting.remove(job)
+        self._send(job, Failed(message, status))
+        self._close(job)
+
+    def _close(self, job: Job) -> None:
+        if not job.finished:
+            job.finished = True
+            with self.lock:
+                self.outstanding -= 1
+
+    def _send(self, job: Job, event: Event) -> None:
+        try:
+            job.loop.call_soon_threadsafe(job.events.put_nowait, event)
+        except RuntimeError:            # the event loop is closed: nobody is listening any more
+            pass
+
+    def _gauges(self) -> None:
+        self.metrics.running.set(len(self.running))
+        self.metrics.waiting.set(len(self.waiting))
+

@@ -1,0 +1,356 @@
+"""The OpenAI-compatible server: a real uvicorn server on a free loopback port, driven by the official client."""
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import requests
+import uvicorn
+
+from specdec.api import Generator, early_exit_draft, load_model
+from specdec.proposers.base import NoProposer
+from specdec.proposers.draft_model import DraftModelProposer
+from specdec.proposers.ngram import NgramProposer
+from specdec.server import ServeConfig, ServerState, create_app
+
+pytestmark = pytest.mark.integration
+
+MODEL = "smollm2-135m"
+KEY = "sekrit-key"
+PROMPT = "The three primary colors are"
+QUESTION = "Name two planets of the solar system."
+CHAT_PROMPTS = ["What is 2 + 2?", "Name a fruit that is yellow.", "Say hello in French.", "What color is the sky?",
+                "Give me a synonym for happy.", "What is the capital of Italy?", "Count from one to five.",
+                "Name a large animal."]
+
+
+class LiveServer:
+    """A real uvicorn server for `state` in a background thread on a free loopback port."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        config = uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning",
+                                access_log=False, lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if requests.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.05)
+
+    def client(self, key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+    def metrics(self) -> str:
+        return requests.get(self.url + "/metrics", timeout=10).text
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    m = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.M)
+    assert m, f"{name}{labels} missing from /metrics"
+    return float(m.group(1))
+
+
+@pytest.fixture(scope="module")
+def gen() -> Generator:
+    """The real default model (float32, exactness mode) with the n-gram method, loaded once."""
+    target, tok, name = load_model(MODEL, "float32")
+    return Generator(target, tok, NgramProposer(), "fixed", 4, name)
+
+
+@pytest.fixture(scope="module")
+def server(gen):
+    state = ServerState(gen, ServeConfig(max_batch=8, max_prompt_tokens=256, max_tokens=32, max_body_bytes=64_000),
+                        draft=early_exit_draft(gen.target, "self:10"))
+    srv = LiveServer(state)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return server.client()
+
+
+def offline(gen: Generator, prompt: str, n: int, chat: bool, method: str = "ngram", **kw):
+    """The same request through Generator.generate with the same method."""
+    g = gen
+    if method == "none":
+        g = Generator(gen.target, gen.tokenizer, NoProposer(), "fixed", 4, gen.name)
+    elif method == "draft":
+        g = Generator(gen.target, gen.tokenizer, DraftModelProposer(early_exit_draft(gen.target, "self:10")),
+                      "fixed", 3, gen.name)
+    return g.generate(prompt, max_new_tokens=n, chat=chat, **kw)
+
+
+# ---- the happy paths ------------------------------------------------------------------------
+def test_health_and_models(server, client):
+    assert requests.get(server.url + "/health", timeout=5).json()["status"] == "ok"
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+
+
+def test_completion_greedy_equals_offline(gen, client):
+    want = offline(gen, PROMPT, 16, chat=False)
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+    assert got.object == "text_completion"
+    assert got.choices[0].text == want.text and got.choices[0].finish_reason == want.finish_reason
+    assert got.usage.prompt_tokens == want.prompt_tokens and got.usage.completion_tokens == len(want.tokens)
+    assert got.usage.total_tokens == want.prompt_tokens + len(want.tokens)
+    spec = got.speculative
+    assert spec["method"] == "ngram" and spec["num_draft_tokens"] == 4 and spec["tau"] >= 1.0
+    assert spec["acceptance_rate"] is not None and isinstance(spec["accepted_per_position"], list)
+
+
+def test_completion_token_ids_prompt(gen, client):
+    ids = gen.tokenizer.encode(PROMPT, False)
+    got = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    assert got.choices[0].text == offline(gen, PROMPT, 8, chat=False).text
+
+
+def test_completion_stream(gen, client):
+    want = offline(gen, PROMPT, 16, chat=False)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert all(c.object == "text_completion" for c in chunks)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == want.text and len([c for c in chunks if c.choices and c.choices[0].text]) > 3
+    final = [c for c in chunks if c.choices][-1]
+    assert final.choices[0].finish_reason == want.finish_reason and final.speculative["method"] == "ngram"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.tokens)
+
+
+def test_chat(gen, client):
+    want = offline(gen, QUESTION, 20, chat=True)
+    got = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                         max_tokens=20, temperature=0)
+    assert got.object == "chat.completion" and got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == want.text and got.choices[0].finish_reason == want.finish_reason
+    assert got.usage.prompt_tokens == want.prompt_tokens and got.usage.completion_tokens == len(want.tokens)
+    assert got.speculative["tau"] >= 1.0
+
+
+def test_chat_stream(gen, client):
+    want = offline(gen, QUESTION, 20, chat=True)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                                 max_tokens=20, temperature=0, stream=True))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == want.finish_reason
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    assert chunks[-1].speculative["method"] == "ngram" and chunks[-1].usage is None
+
+
+def test_stop_and_seeded_sampling(gen, client):
+    want = offline(gen, PROMPT, 16, chat=False, stop=["."])
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=".")
+    assert got.choices[0].text == want.text and "." not in got.choices[0].text
+    sampled = offline(gen, PROMPT, 16, chat=False, temperature=0.9, top_p=0.95, seed=7)
+    for _ in range(2):
+        got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0.9, top_p=0.95,
+                                        seed=7)
+        assert got.choices[0].text == sampled.text
+
+
+def test_per_request_speculation(gen, client):
+    """Each method (run concurrently: three engines stepped round-robin) gives the offline greedy text."""
+    choices = [{"method": "none"}, {"method": "ngram", "num_draft_tokens": 2}, {"method": "draft", "num_draft_tokens": 3}]
+
+    def ask(spec: dict):
+        return client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0,
+                                         extra_body={"speculative": spec})
+
+    with ThreadPoolExecutor(3) as ex:
+        results = list(ex.map(ask, choices))
+    for spec, got in zip(choices, results):
+        want = offline(gen, PROMPT, 16, chat=False, method=spec["method"])
+        assert got.choices[0].text == want.text
+        report = got.speculative
+        assert report["method"] == spec["method"]
+        if spec["method"] == "none":
+            assert report["acceptance_rate"] is None and report["tau"] == 1.0 and report["draft_tokens"] == 0
+        else:
+            assert report["num_draft_tokens"] == spec["num_draft_tokens"] and report["draft_tokens"] > 0
+
+
+def test_eight_concurrent_streams(gen, server, client):
+    wants = gen.generate(CHAT_PROMPTS, max_new_tokens=24, chat=True)
+
+    def stream(prompt: str) -> tuple[str, str]:
+        chunks = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=24, temperature=0, stream=True)
+        parts, reason = [], None
+        for c in chunks:
+            parts.append(c.choices[0].delta.content or "")
+            reason = c.choices[0].finish_reason or reason
+        return "".join(parts), reason
+
+    with ThreadPoolExecutor(len(CHAT_PROMPTS)) as ex:
+        results = list(ex.map(stream, CHAT_PROMPTS))
+    for (text, reason), want in zip(results, wants):
+        assert text == want.text and reason == want.finish_reason
+    assert server.state.scheduler.peak_running >= 4, "concurrent requests were not batched together"
+
+
+# ---- limits, disconnects, auth, bad input ------------------------------------------------------
+@pytest.fixture(scope="module")
+def single(gen):
+    """A one-slot server with no waiting room: the disconnect and 429 cases."""
+    srv = LiveServer(ServerState(gen, ServeConfig(max_batch=1, max_waiting=0, max_prompt_tokens=64, max_tokens=200)))
+    yield srv
+    srv.stop()
+
+
+def test_disconnect_mid_stream_frees_the_slot(single):
+    client = single.client()
+    stream = client.completions.create(model=MODEL, prompt="Count from one to one hundred: one, two,",
+                                       max_tokens=200, temperature=0, stream=True)
+    first = next(iter(stream))
+    assert first.choices[0].text
+    with pytest.raises(openai.RateLimitError) as busy:       # the only slot is taken and nothing may wait
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    assert busy.value.status_code == 429 and busy.value.body["code"] == "rate_limit_exceeded"
+    stream.close()
+    deadline = time.monotonic() + 20
+    while metric(single.metrics(), "specdec:num_requests_running") != 0:
+        assert time.monotonic() < deadline, "the disconnected stream still holds its slot"
+        time.sleep(0.1)
+    engine = single.state.pool.engines[single.state.default]
+    assert len(engine.free) == 1 and not engine.busy
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+    assert got.usage.completion_tokens == 4
+    text = single.metrics()
+    assert metric(text, "specdec:requests_total", '{endpoint="/v1/completions",status="499"}') == 1
+    assert metric(text, "specdec:requests_total", '{endpoint="/v1/completions",status="429"}') == 1
+    assert metric(single.metrics(), "specdec:generation_tokens_total") < 200
+
+
+@pytest.fixture(scope="module")
+def secured(gen):
+    srv = LiveServer(ServerState(gen, ServeConfig(max_batch=2, max_prompt_tokens=64, max_tokens=8, api_key=KEY)))
+    yield srv
+    srv.stop()
+
+
+def test_auth(secured, server):
+    with pytest.raises(openai.AuthenticationError) as e:
+        secured.client("wrong").completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    r = requests.post(secured.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
+                      timeout=10)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "invalid_request_error"
+    assert requests.get(secured.url + "/v1/models", timeout=10).status_code == 401
+    ok = secured.client(KEY)
+    assert [m.id for m in ok.models.list().data] == [MODEL]
+    assert ok.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+    assert requests.get(secured.url + "/health", timeout=5).status_code == 200
+    # auth off: any key or none at all
+    assert requests.get(server.url + "/v1/models", timeout=5).status_code == 200
+
+
+def test_requests_beyond_the_batch_wait_their_turn(gen, secured):
+    """Two slots, five requests at once: three queue, join as slots free up, and all match offline."""
+    client = secured.client(KEY)
+    prompts = CHAT_PROMPTS[:5]
+    wants = gen.generate(prompts, max_new_tokens=6, chat=True)
+
+    def ask(prompt: str) -> str:
+        got = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                             max_tokens=6, temperature=0)
+        return got.choices[0].message.content
+
+    with ThreadPoolExecutor(len(prompts)) as ex:
+        texts = list(ex.map(ask, prompts))
+    assert texts == [w.text for w in wants]
+    assert secured.state.scheduler.peak_running == 2
+    assert metric(secured.metrics(), "specdec:num_requests_waiting") == 0
+
+
+def post(url: str, body: bytes | dict, path: str = "/v1/completions") -> requests.Response:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return requests.post(url + path, data=data, headers={"Content-Type": "application/json"}, timeout=30)
+
+
+LONG = "word " * 400
+BAD = [  # (what, path, body, status, param)
+    ("invalid JSON", "/v1/completions", b'{"prompt": "hi",', 400, None),
+    ("not an object", "/v1/completions", b"[1, 2]", 400, None),
+    ("unknown model", "/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
+    ("negative max_tokens", "/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    ("max_tokens over the cap", "/v1/completions", {"prompt": "hi", "max_tokens": 33}, 400, "max_tokens"),
+    ("temperature out of range", "/v1/completions", {"prompt": "hi", "temperature": 2.5}, 400, "temperature"),
+    ("top_p zero", "/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("over-long prompt", "/v1/completions", {"prompt": LONG}, 400, "prompt"),
+    ("over-long chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
+    ("unsupported field", "/v1/completions", {"prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
+    ("unsupported value", "/v1/completions", {"prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    ("n > 1", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+    ("missing prompt", "/v1/completions", {"max_tokens": 2}, 400, "prompt"),
+    ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("two prompts", "/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("token id out of range", "/v1/completions", {"prompt": [1, 10 ** 9]}, 400, "prompt"),
+    ("bad role", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages"),
+    ("no messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("too many stops", "/v1/completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("unknown method", "/v1/completions", {"prompt": "hi", "speculative": {"method": "magic"}}, 400, "speculative"),
+    ("K out of range", "/v1/completions", {"prompt": "hi", "speculative": {"method": "ngram", "num_draft_tokens": 99}},
+     400, "speculative"),
+    ("body too large", "/v1/completions", {"prompt": "x" * 70_000}, 413, None),
+    ("unknown route", "/v1/embeddings", {"input": "hi"}, 404, None),
+]
+
+
+@pytest.mark.parametrize("what,path,body,status,param", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_a_clear_error(server, what, path, body, status, param):
+    r = post(server.url, body, path)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] == "invalid_request_error" and err["param"] == param
+
+
+def test_bad_input_through_the_client_and_still_serving(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=-5)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=3)
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
+    assert got.usage.completion_tokens == 3
+
+
+def test_metrics(server, client):
+    client.completions.create(model=MODEL, prompt="a b c a b c a b c a b", max_tokens=8, temperature=0)
+    text = server.metrics()
+    assert metric(text, "specdec:spec_decode_num_drafts_total") > 0
+    assert metric(text, "specdec:spec_decode_num_draft_tokens_total") > 0
+    assert metric(text, "specdec:spec_decode_num_accepted_tokens_total") > 0
+    assert metric(text, "specdec:spec_decode_num_accepted_tokens_per_pos_total", '{position="0"}') > 0
+    assert metric(text, "specdec:time_to_first_token_seconds_count") > 0
+    assert metric(text, "specdec:inter_token_latency_seconds_count") > 0
+    assert metric(text, "specdec:e2e_request_latency_seconds_count") > 0
+    assert metric(text, "specdec:requests_total", '{endpoint="/v1/completions",status="200"}') > 0
+    assert metric(text, "specdec:num_requests_running") == 0
+    assert metric(text, "specdec:num_requests_waiting") == 0
