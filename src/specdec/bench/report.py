@@ -140,6 +140,7 @@ def _machine(results: dict) -> list[str]:
     m = results["machine"]
     load = m.get("load_average")
     load_text = f", load average at start {load[0]:.1f}" if load else ""
+    load_text += "".join(f", {k}={v}" for k, v in (m.get("env") or {}).items())
     return [
         "## Machine", "",
         f"{m['cpu']}, {m['cpu_count']} cores, {m['torch_threads']} torch threads{load_text}; torch {m['torch']}, "

@@ -48,6 +48,7 @@ SCHEMA = "specdec-bench/1"
 BASELINE = "none"
 FALLBACK_DRAFT = "self:10"
 WARMUP_TOKENS = 8
+THREAD_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "GOMP_SPINCOUNT")
 
 
 # --------------------------------------------------------------------------- method specs
@@ -421,6 +422,7 @@ def machine_info(dtype: str) -> dict:
         "python": platform.python_version(), "platform": platform.platform(), "dtype": dtype,
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "git_commit": _git_commit(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "env": {k: os.environ[k] for k in THREAD_ENV if k in os.environ},
     }
 
 
