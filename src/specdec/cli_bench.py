@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -81,9 +82,11 @@ def _check_numbers(a: argparse.Namespace) -> None:
 
 
 def command_line(a: argparse.Namespace) -> str:
-    """The command as typed when run as `specdec`, else an equivalent one with every setting."""
+    """The command as typed when run as `specdec` (with any thread environment variables in front), else an
+    equivalent one with every setting."""
+    env = [f"{k}={os.environ[k]}" for k in runner.THREAD_ENV if k in os.environ]
     if sys.argv and Path(sys.argv[0]).name == "specdec" and len(sys.argv) > 1 and sys.argv[1] == "bench":
-        return shlex.join(["specdec", *sys.argv[1:]])
+        return " ".join([*env, shlex.join(["specdec", *sys.argv[1:]])])
     parts = ["specdec", "bench", "--model", a.model, "--methods", a.methods, "--suite", a.suite,
              "--temperature", str(a.temperature), "--repeats", str(a.repeats), "--seed", str(a.seed),
              "--dtype", a.dtype, "--num-draft-tokens", str(a.num_draft_tokens), "--draft-policy", a.draft_policy]
@@ -91,7 +94,7 @@ def command_line(a: argparse.Namespace) -> str:
                         ("--peers", a.peers or None), ("--out", a.out)):
         if value is not None:
             parts += [flag, str(value)]
-    return shlex.join(parts)
+    return " ".join([*env, shlex.join(parts)])
 
 
 def _pad_id(tokenizer) -> int:
