@@ -81,7 +81,7 @@ def gen() -> Generator:
 @pytest.fixture(scope="module")
 def server(gen):
     state = ServerState(gen, ServeConfig(max_batch=8, max_prompt_tokens=256, max_tokens=32, max_body_bytes=64_000),
-                        draft=early_exit_draft(gen.target, "self:10"))
+                        drafts={"draft": early_exit_draft(gen.target, "self:10")})
     srv = LiveServer(state)
     yield srv
     srv.stop()

@@ -36,15 +36,21 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     p.set_defaults(func=cmd_serve)
 
 
-def draft_for_server(a: argparse.Namespace, gen: Generator) -> CausalLM | None:
-    """The draft model shared by every draft engine: the loaded one, or --draft-model loaded once."""
+def drafts_for_server(a: argparse.Namespace, gen: Generator) -> dict[str, str | CausalLM]:
+    """What --draft-model means for each method's engines.
+
+    With --method draft (or a method without one of its own: none, ngram) it is the draft model, loaded once
+    and shared by every draft engine; with another method (e.g. trained heads) it is that method's weights.
+    """
     from .api import make_proposer
 
-    if gen.method == "draft":
-        return gen.proposer.model
     if a.draft_model is None:
-        return None
-    return make_proposer("draft", gen.target, gen.tokenizer, a.draft_model, a.dtype, a.device).model
+        return {}
+    if gen.method == "draft":
+        return {"draft": gen.proposer.model}
+    if gen.method in ("none", "ngram"):
+        return {"draft": make_proposer("draft", gen.target, gen.tokenizer, a.draft_model, a.dtype, a.device).model}
+    return {gen.method: a.draft_model}
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -66,7 +72,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         torch.set_num_threads(a.threads)
     gen = specdec.load(a.model, method=a.method, dtype=a.dtype, device=a.device, draft_model=a.draft_model,
                        num_draft_tokens=a.num_draft_tokens, draft_policy=a.draft_policy)
-    state = ServerState(gen, config, draft_for_server(a, gen))
+    state = ServerState(gen, config, drafts_for_server(a, gen), a.dtype)
     if a.host not in LOOPBACK and key is None:
         print(f"specdec: warning: listening on {a.host} without an API key (--api-key or SPECDEC_API_KEY)",
               file=sys.stderr)

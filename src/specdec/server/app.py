@@ -25,9 +25,9 @@ from ..api import METHODS, Generator
 from ..draft_length import MAX_DRAFT_TOKENS
 from ..engine import Request
 from ..errors import SpecdecError
-from ..models.base import CausalLM
 from ..sampling import SamplingParams
-from .scheduler import Done, EnginePool, Event, Failed, Job, Piece, QueueFull, Scheduler, ServerMetrics, SpecChoice
+from .scheduler import (Done, DraftSpec, EnginePool, Event, Failed, Job, Piece, QueueFull, Scheduler, ServerMetrics,
+                        SpecChoice)
 
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
 MAX_STOP = 4
@@ -61,15 +61,18 @@ class ServeConfig:
 class ServerState:
     """Everything one app serves: the model, its engines and worker, limits and metrics."""
 
-    def __init__(self, generator: Generator, config: ServeConfig, draft: CausalLM | None = None) -> None:
-        self.generator, self.config, self.draft = generator, config, draft
+    def __init__(self, generator: Generator, config: ServeConfig, drafts: dict[str, DraftSpec] | None = None,
+                 dtype: str = "float32") -> None:
+        """`drafts`: per method, the draft_model argument of make_proposer (e.g. {"draft": a loaded draft});
+        `dtype`: the target's dtype name, for anything a proposer loads."""
+        self.generator, self.config, self.drafts = generator, config, dict(drafts or {})
         self.model_name = generator.name
         self.created = int(time.time())
         k = generator.num_draft_tokens if generator.method != "none" else 0
         self.default = SpecChoice(generator.method, k)
         self.max_draft_tokens = min(MAX_DRAFT_TOKENS, max(16, k))
         self.metrics = ServerMetrics()
-        self.pool = EnginePool(generator, draft, self.default, config.max_batch,
+        self.pool = EnginePool(generator, self.drafts, dtype, self.default, config.max_batch,
                                config.max_prompt_tokens + config.max_tokens, config.max_engines)
         self.scheduler = Scheduler(self.pool, self.metrics, config.max_batch, config.max_waiting,
                                    config.prefill_tokens)
@@ -221,7 +224,7 @@ def parse_speculative(value: Any, state: ServerState) -> SpecChoice:
         raise bad(f"speculative.method must be one of {', '.join(METHODS)}, got {method!r}", "speculative")
     if method == "none":
         return SpecChoice("none", 0)
-    if method == "draft" and state.draft is None:
+    if method == "draft" and "draft" not in state.drafts:
         raise bad("this server has no draft model (start it with --draft-model)", "speculative")
     default_k = state.default.num_draft_tokens or state.generator.num_draft_tokens
     k = value.get("num_draft_tokens", default_k)

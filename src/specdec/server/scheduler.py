@@ -126,12 +126,19 @@ def speculation_report(seq: Sequence, spec: SpecChoice) -> dict:
             "target_forwards": m["target_forwards"]}
 
 
-class EnginePool:
-    """Engines keyed by (method, K), built lazily from one target; idle extra engines are evicted (LRU)."""
+DraftSpec = str | CausalLM     # make_proposer's draft_model argument: a loaded model, or a name/path it loads
 
-    def __init__(self, generator: Generator, draft: CausalLM | None, default: SpecChoice, rows: int,
-                 base_slots: int, max_engines: int) -> None:
-        self.gen, self.draft, self.default = generator, draft, default
+
+class EnginePool:
+    """Engines keyed by (method, K), built lazily from one target; idle extra engines are evicted (LRU).
+
+    `drafts` maps a method to the draft_model argument its proposers are built with (a draft model
+    loaded once and shared, or e.g. a weights path); methods not in it get None.
+    """
+
+    def __init__(self, generator: Generator, drafts: dict[str, DraftSpec], dtype: str, default: SpecChoice,
+                 rows: int, base_slots: int, max_engines: int) -> None:
+        self.gen, self.drafts, self.dtype, self.default = generator, drafts, dtype, default
         self.rows, self.base_slots, self.max_engines = rows, base_slots, max_engines
         self.engines: dict[SpecChoice, Engine] = {}
         self.engines[default] = self._build(default)
@@ -142,7 +149,8 @@ class EnginePool:
 
     def _build(self, spec: SpecChoice) -> Engine:
         device = str(self.gen.target.device)
-        proposer = make_proposer(spec.method, self.gen.target, self.gen.tokenizer, self.draft, "float32", device)
+        proposer = make_proposer(spec.method, self.gen.target, self.gen.tokenizer, self.drafts.get(spec.method),
+                                 self.dtype, device)
         k = max(spec.num_draft_tokens, 1)
         gen = Generator(self.gen.target, self.gen.tokenizer, proposer, self.gen.policy_name, k, self.gen.name)
         return gen.engine(self.rows, self.slots(k))
