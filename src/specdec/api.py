@@ -21,7 +21,9 @@ from .proposers.draft_model import DraftModelProposer
 from .proposers.ngram import NgramProposer
 from .sampling import SamplingParams
 
-METHODS = ("none", "ngram", "draft")
+METHODS = ("none", "ngram", "draft", "eagle")
+WEIGHTS_DIR = Path(__file__).parent / "weights"
+SHIPPED = {("smollm2-135m", "eagle"): "eagle-smollm2-135m.safetensors"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 Prompt = str | list[int]
@@ -180,7 +182,25 @@ def make_proposer(method: str, target: CausalLM, target_tok: Tokenizer, draft_mo
         if _params(draft) > _params(target):
             warnings.warn("the draft model is larger than the target: speculation will likely be slower", stacklevel=3)
         return DraftModelProposer(draft)
+    if method == "eagle":
+        from .models.decoder import Transformer
+        from .models.eagle import EagleHead
+        from .proposers.eagle import EagleProposer
+
+        if not isinstance(target, Transformer):
+            raise SpecdecError("method 'eagle' needs a lean GGUF target")
+        path = draft_model if isinstance(draft_model, str) else shipped(target.config.name, "eagle")
+        return EagleProposer(EagleHead.load(Path(path), target))
     raise SpecdecError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
+
+
+def shipped(model: str, kind: str) -> Path:
+    """The weights we ship for (model, kind), or a clear error naming the training command."""
+    name = SHIPPED.get((model, kind))
+    if name is None or not (WEIGHTS_DIR / name).is_file():
+        raise SpecdecError(f"no shipped {kind} weights for {model!r}; train them with `specdec train {kind} --model {model}` "
+                           f"and pass the file as draft_model=PATH (--draft-model)")
+    return WEIGHTS_DIR / name
 
 
 def early_exit_draft(target: CausalLM, spec: str) -> CausalLM:

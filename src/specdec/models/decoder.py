@@ -169,13 +169,17 @@ class Transformer(nn.Module):
 
         Writes T scratch rows per sequence; the caller commits what it keeps.
         """
-        B, T = tokens.shape
+        return self.forward_embeds(self.embed_tokens(tokens), positions, cache, rows, tree_mask)
+
+    def forward_embeds(self, x: Tensor, positions: Tensor, cache: KVCache, rows: Tensor,
+                       tree_mask: Tensor | None = None) -> Tensor:
+        """Like forward, from input vectors x [B, T, H] (EAGLE feeds fused token + feature vectors)."""
+        B, T = positions.shape
         cache.check_room(rows, T)
         lengths = cache.lengths[rows]                                          # [B]
         kv_len = int(lengths.max()) + T
         contiguous = bool(rows.numel() == 1 or torch.equal(rows, torch.arange(int(rows[0]), int(rows[0]) + B, device=rows.device)))
         mask, kpos = self._mask(lengths, positions, T, kv_len, tree_mask)
-        x = self.embed_tokens(tokens)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, T, hd]
         if self.config.sliding_window > 0:
             lcos, lsin = self.lcos[positions][:, None], self.lsin[positions][:, None]

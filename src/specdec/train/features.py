@@ -1,0 +1,37 @@
+"""Teacher-forced target features for training heads: the target's final hidden states per token."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from ..models.decoder import Transformer
+
+
+@torch.inference_mode()
+def extract(target: Transformer, seqs: list[list[int]], batch: int = 8, desc: str = "features") -> list[Tensor]:
+    """Final-normed hidden states [T, H] (bfloat16) for each token sequence (one target forward per batch)."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    out: list[Tensor] = [torch.empty(0)] * len(seqs)
+    bar = tqdm(total=sum(len(s) for s in seqs), desc=desc, unit="tok", unit_scale=True)
+    for i in range(0, len(order), batch):
+        idx = order[i:i + batch]
+        T = max(len(seqs[j]) for j in idx)
+        toks = torch.zeros(len(idx), T, dtype=torch.long)
+        for r, j in enumerate(idx):
+            toks[r, :len(seqs[j])] = torch.tensor(seqs[j])
+        cache = target.new_cache(len(idx), T)
+        h = target(toks, torch.arange(T).expand(len(idx), T), cache, torch.arange(len(idx)))
+        for r, j in enumerate(idx):
+            out[j] = h[r, :len(seqs[j])].to(torch.bfloat16).clone()
+        bar.update(sum(len(seqs[j]) for j in idx))
+    bar.close()
+    return out
+
+
+def vocab_subset(seqs: list[list[int]], size: int, vocab: int) -> Tensor:
+    """The `size` most frequent token ids of the data (sorted ids)."""
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for s in seqs:
+        counts += torch.bincount(torch.tensor(s), minlength=vocab)
+    return counts.topk(min(size, vocab)).indices.sort().values
