@@ -29,7 +29,7 @@ def test_leak_check_catches_a_benchmark_prompt():
 
 @pytest.mark.parametrize("argv, msg", [
     (["train", "eagle", "--model", "gpt-5", "--out", "x.safetensors"], "unknown target"),
-    (["train", "medusa"], "not implemented"),
+    (["train", "draft"], "not implemented"),
 ])
 def test_train_cli_errors(argv, msg, capsys):
     assert main(argv) == 2

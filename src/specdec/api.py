@@ -21,9 +21,10 @@ from .proposers.draft_model import DraftModelProposer
 from .proposers.ngram import NgramProposer
 from .sampling import SamplingParams
 
-METHODS = ("none", "ngram", "draft", "eagle")
+METHODS = ("none", "ngram", "draft", "eagle", "medusa")
 WEIGHTS_DIR = Path(__file__).parent / "weights"
-SHIPPED = {("smollm2-135m", "eagle"): "eagle-smollm2-135m.safetensors"}
+SHIPPED = {("smollm2-135m", "eagle"): "eagle-smollm2-135m.safetensors",
+           ("smollm2-135m", "medusa"): "medusa-smollm2-135m.safetensors"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 Prompt = str | list[int]
@@ -119,7 +120,7 @@ class Generator:
     def _run(self, prompts: list[Prompt], max_new_tokens: int, params: SamplingParams, stop: Seq[str],
              chat: bool, truncate: bool) -> Iterator[tuple[int, str, Engine, list]]:
         reqs = self._requests(prompts, max_new_tokens, params, stop, chat, truncate)
-        slots = max(len(r.prompt) for r in reqs) + max_new_tokens + 2 * self.num_draft_tokens + 10
+        slots = max(len(r.prompt) for r in reqs) + max_new_tokens + 2 * self.num_draft_tokens + 24  # + tree scratch
         eng = self.engine(len(reqs), slots)
         seqs = [eng.add(r) for r in reqs]
         index = {id(s): i for i, s in enumerate(seqs)}
@@ -191,6 +192,15 @@ def make_proposer(method: str, target: CausalLM, target_tok: Tokenizer, draft_mo
             raise SpecdecError("method 'eagle' needs a lean GGUF target")
         path = draft_model if isinstance(draft_model, str) else shipped(target.config.name, "eagle")
         return EagleProposer(EagleHead.load(Path(path), target))
+    if method == "medusa":
+        from .models.decoder import Transformer
+        from .models.medusa import MedusaHeads
+        from .proposers.medusa import MedusaProposer
+
+        if not isinstance(target, Transformer):
+            raise SpecdecError("method 'medusa' needs a lean GGUF target")
+        path = draft_model if isinstance(draft_model, str) else shipped(target.config.name, "medusa")
+        return MedusaProposer(MedusaHeads.load(Path(path), target))
     raise SpecdecError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
 
 

@@ -29,7 +29,17 @@ def cmd_eagle(a: argparse.Namespace) -> int:
 
     _check_target(a.model)
     report = train_eagle(a.model, Path(a.data or f"runs/data/{a.model}"), Path(a.out), a.minutes, a.vocab_size,
-                         a.window, a.batch, a.lr, a.max_seq, a.overwrite)
+                         a.window, a.batch, a.lr, a.max_seq, a.overwrite, a.max_rows)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def cmd_medusa(a: argparse.Namespace) -> int:
+    from .train.medusa import train_medusa
+
+    _check_target(a.model)
+    report = train_medusa(a.model, Path(a.data or f"runs/data/{a.model}"), Path(a.out), a.minutes, a.vocab_size,
+                          a.heads, a.window, a.batch, a.lr, a.max_seq, a.max_rows, a.overwrite)
     print(json.dumps(report, indent=2))
     return 0
 
@@ -63,9 +73,25 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     e.add_argument("--batch", type=int, default=8)
     e.add_argument("--lr", type=float, default=1e-3)
     e.add_argument("--max-seq", type=int, default=384, help="keep the last N tokens of each example")
+    e.add_argument("--max-rows", type=int, default=0, help="use at most N examples (0 = all)")
     e.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     e.set_defaults(func=cmd_eagle)
 
-    for kind in ("draft", "medusa"):
+    m = tsub.add_parser("medusa", help="Medusa heads (one per future position)", formatter_class=fmt)
+    m.add_argument("--model", default=DEFAULT_MODEL)
+    m.add_argument("--data", default=None, help="data directory (default runs/data/MODEL)")
+    m.add_argument("--out", required=True, help="output .safetensors")
+    m.add_argument("--minutes", type=float, default=10.0)
+    m.add_argument("--heads", type=int, default=4)
+    m.add_argument("--vocab-size", type=int, default=8192)
+    m.add_argument("--window", type=int, default=128)
+    m.add_argument("--batch", type=int, default=8)
+    m.add_argument("--lr", type=float, default=1e-3)
+    m.add_argument("--max-seq", type=int, default=384)
+    m.add_argument("--max-rows", type=int, default=0)
+    m.add_argument("--overwrite", action="store_true")
+    m.set_defaults(func=cmd_medusa)
+
+    for kind in ("draft",):
         u = tsub.add_parser(kind, help=f"{kind} (not implemented yet)", formatter_class=fmt)
         u.set_defaults(func=cmd_unavailable)

@@ -69,20 +69,27 @@ def head_losses(head: EagleHead, toks, f, lens, w_sub, unroll: int = 2):
 
 
 def train_eagle(model: str, data: Path, out: Path, minutes: float, vocab_size: int, window: int, batch: int,
-                lr: float, max_seq: int, overwrite: bool, seed: int = 0) -> dict:
+                lr: float, max_seq: int, overwrite: bool, max_rows: int = 0, seed: int = 0) -> dict:
     if out.exists() and not overwrite:
         raise SpecdecError(f"{out} exists; pass --overwrite to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     rng = random.Random(seed)
     target, tok, name = load_model(model, "bfloat16")
     rows = read_data(data)
+    rows = rows[:max_rows] if max_rows > 0 else rows
     seqs = [r["tokens"][-max_seq:] for r in rows]
     rng.shuffle(seqs)
     n_eval = max(8, len(seqs) // 20)
     ids = vocab_subset(seqs, vocab_size, target.vocab_size)
     answer = [t for r in rows for t in r["tokens"][r["prompt_len"]:]]
     coverage = float(torch.isin(torch.tensor(answer), ids).float().mean()) if answer else 0.0
-    feats = extract(target, seqs)
+    cache_file = data / f"features-{len(seqs)}-{max_seq}.pt"
+    if cache_file.exists():                                   # extraction is the slow part: reuse it
+        feats = torch.load(cache_file, weights_only=True)
+    else:
+        feats = extract(target, seqs)
+        torch.save(feats, cache_file)
     head = EagleHead(target, ids)
     head.train()
     w_sub = head.lm_weight().float().detach()
