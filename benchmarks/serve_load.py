@@ -59,7 +59,10 @@ class ServerProcess:
             cmd += ["--threads", str(args.threads)]
         self.cmd = cmd
         self.log = tempfile.TemporaryFile("w+")            # not a pipe: a chatty server must never block on it
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
+        env = dict(os.environ)
+        if args.omp_passive:
+            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")      # spinning OpenMP threads collapse on a shared machine
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, text=True, env=env)
         self._wait_healthy(240)
 
     def _wait_healthy(self, timeout: float) -> None:
@@ -264,6 +267,8 @@ def main() -> int:
     ap.add_argument("--draft-policy", default="fixed")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=0, help="server torch threads (0 = default)")
+    ap.add_argument("--omp-passive", action=argparse.BooleanOptionalAction, default=False,
+                    help="run the server with OMP_WAIT_POLICY=PASSIVE (unless already set)")
     ap.add_argument("--max-batch", type=int, default=16, help="server batch slots for the burst and the soak")
     ap.add_argument("--requests", type=int, default=200, help="requests in the burst (all sent at once)")
     ap.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request")

@@ -281,9 +281,10 @@ def prompt_ids(value: Any, state: ServerState) -> list[int]:
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
         value = value[0]
     if isinstance(value, str):
-        if not value:
+        ids = state.generator.tokenizer.encode(value, False) if value else []
+        if not ids:
             raise bad("prompt must not be empty", "prompt")
-        return state.generator.tokenizer.encode(value, False)
+        return ids
     vocab = state.generator.target.vocab_size
     if isinstance(value, list) and value and all(is_int(t) for t in value):
         if not all(0 <= t < vocab for t in value):
