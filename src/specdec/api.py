@@ -11,7 +11,6 @@ import torch
 from .draft_length import POLICIES, make_policy
 from .engine import Engine, Request
 from .errors import SpecdecError
-from .metrics import Counters
 from .models.base import CausalLM
 from .models.gguf_loader import load_gguf
 from .models.registry import DEFAULT_MODEL, resolve

@@ -13,14 +13,14 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .draft_length import DraftPolicy, Fixed
+from .draft_length import DraftPolicy
 from .errors import SpecdecError
 from .metrics import Counters
 from .models.base import CausalLM
 from .proposers.base import ActiveBatch, NoProposer, Proposer
 from .sampling import BatchSampling, SamplingParams, make_rng, to_probs, uniforms
 from .tree import TokenTree, verify_tree
-from .verify import Draft, Verdict, verify
+from .verify import Draft, verify
 
 
 @dataclass

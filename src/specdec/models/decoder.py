@@ -6,7 +6,6 @@ these positions under this mask".
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F

@@ -8,12 +8,10 @@ into draft logits. Token embeddings and LM-head rows are the target's, frozen.
 from __future__ import annotations
 
 import hashlib
-import json
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..cache import KVCache

@@ -12,7 +12,6 @@ import json
 import random
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from tqdm import tqdm
