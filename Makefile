@@ -28,7 +28,7 @@ test: install
 	$(BIN)/python -m pytest -q
 
 bench: install
-	OMP_WAIT_POLICY=PASSIVE $(BIN)/specdec bench --suite mini --peers transformers --repeats 3
+	$(BIN)/specdec bench --suite mini --peers transformers --repeats 3
 
 serve: install
 	$(BIN)/specdec serve

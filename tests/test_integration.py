@@ -44,9 +44,17 @@ def test_ragged_batch_equals_one_by_one(target):
     assert [r.tokens for r in batch] == [gen.generate(p, max_new_tokens=24).tokens for p in ps]
 
 
+@pytest.fixture(scope="module")
+def target_bf16():
+    model, tok, name = load_model("smollm2-135m", "bfloat16")
+    return model, tok
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_speculation_is_lossless_on_real_prompts(target, method):
-    model, tok = target
+def test_speculation_is_lossless_on_real_prompts(request, method, dtype):
+    """Token-identical to plain decoding, in the exactness mode and in the speed mode."""
+    model, tok = request.getfixturevalue("target" if dtype == "float32" else "target_bf16")
     ps = prompts(12)
     plain = Generator(model, tok, NoProposer()).generate(ps, max_new_tokens=40)
     proposer = NgramProposer() if method == "ngram" else DraftModelProposer(early_exit_draft(model, "self:10"))

@@ -106,3 +106,48 @@ def test_sliding_window_is_applied():
     c = _full_logits(model, [1] * 10 + list(range(30, 38)))
     d = _full_logits(model, [2] * 10 + list(range(30, 38)))
     assert not torch.allclose(c, d)              # the global layer still sees them
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scores_do_not_depend_on_how_many_tokens_are_scored(dtype):
+    """Bit-for-bit: a token scored alone, with 1..16 drafts after it, or in a ragged batch gets the same hidden.
+
+    This is what makes greedy speculation token-identical to plain decoding in bfloat16
+    too. Shapes are the real target's (CPU GEMMs switch kernels by shape), 2 layers;
+    contexts of 30..300 tokens, so key lengths cross attention blocks.
+    """
+    from specdec.models.config import ModelConfig
+    from specdec.models.decoder import Transformer, init_random
+
+    cfg = ModelConfig(vocab_size=512, dim=576, n_layers=2, n_heads=9, n_kv_heads=3, head_dim=64,
+                      hidden_dim=1536, max_seq_len=512, name="smollm2-shaped")
+    model = init_random(Transformer(cfg), seed=3, std=0.05).to(dtype).eval().requires_grad_(False).pack()
+    g = torch.Generator().manual_seed(0)
+    lens = [30, 283, 121]
+    prompts = [torch.randint(0, 512, (n,), generator=g) for n in lens]
+    cont = torch.randint(0, 512, (3, 17), generator=g)
+
+    def score(rows: list[int], chunks: list[int]) -> torch.Tensor:
+        cache = model.new_cache(3, 320)
+        r = torch.tensor(rows)
+        n = torch.tensor([lens[i] for i in rows])
+        inp = torch.zeros(len(rows), int(n.max()), dtype=torch.long)
+        for j, i in enumerate(rows):
+            inp[j, :lens[i]] = prompts[i]
+        pos = torch.arange(inp.shape[1]).expand_as(inp)
+        model(inp, pos, cache, r)
+        cache.commit(r, pos, n)
+        out, at = [], 0
+        for c in chunks:
+            p = n[:, None] + torch.arange(at, at + c)
+            out.append(model(cont[rows, at:at + c], p, cache, r))
+            cache.commit(r, torch.arange(c).expand(len(rows), c), torch.full((len(rows),), c))
+            at += c
+        return torch.cat(out, 1)                                              # [B, 17, H]
+
+    for row in range(3):
+        one_by_one = score([row], [1] * 17)
+        for chunks in ([2] * 8 + [1], [5, 5, 7], [17], [1, 16]):
+            assert torch.equal(score([row], chunks), one_by_one), (row, chunks)
+        assert torch.equal(score([0, 1, 2], [5, 5, 7])[row:row + 1], one_by_one), row
+        assert torch.equal(score([2, 0, 1], [1] * 17)[(row + 1) % 3:(row + 1) % 3 + 1], one_by_one), row

@@ -161,7 +161,7 @@ SAMPLING = [SamplingParams(0.7, 5, 0.9), SamplingParams(1.0, 6, 0.95)]
 
 
 @pytest.mark.parametrize("params", SAMPLING, ids=["t0.7", "t1.0"])
-@pytest.mark.parametrize("proposer", ["bad_draft", "close_draft", "deterministic"])
+@pytest.mark.parametrize("proposer", ["bad_draft", "close_draft", "deterministic", "reduced_vocab_draft"])
 def test_speculative_sampling_matches_exact_distribution(params, proposer):
     target = tiny_model(seed=20, vocab=V, std=0.5)
     prompt = [1, 2, 3]
@@ -169,6 +169,9 @@ def test_speculative_sampling_matches_exact_distribution(params, proposer):
         prop = DraftModelProposer(tiny_model(seed=21, vocab=V, std=0.5, layers=1))
     elif proposer == "close_draft":
         prop = DraftModelProposer(close_draft())
+    elif proposer == "reduced_vocab_draft":                          # q = 0 outside 5 of the 8 tokens
+        from specdec.models.distilled import DistilledDraft
+        prop = DraftModelProposer(DistilledDraft(target, torch.tensor([0, 2, 3, 5, 7]), [1]).prepare(torch.float32))
     else:
         prop = NgramProposer(1, 2)                                   # point-mass drafts
         prompt = [1, 2, 3, 1, 2, 3, 1, 2]

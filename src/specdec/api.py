@@ -22,9 +22,13 @@ from .sampling import SamplingParams
 
 METHODS = ("none", "ngram", "draft", "eagle", "medusa")
 WEIGHTS_DIR = Path(__file__).parent / "weights"
-SHIPPED = {("smollm2-135m", "eagle"): "eagle-smollm2-135m.safetensors",
+SHIPPED = {("smollm2-135m", "draft"): "draft-smollm2-135m.safetensors",
+           ("smollm2-135m", "eagle"): "eagle-smollm2-135m.safetensors",
            ("smollm2-135m", "medusa"): "medusa-smollm2-135m.safetensors"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# the draft `--method draft` (and the benchmark) uses when none is given: our distilled one, where shipped
+DEFAULT_DRAFT = {m: str(WEIGHTS_DIR / f) for (m, kind), f in SHIPPED.items()
+                 if kind == "draft" and (WEIGHTS_DIR / f).is_file()}
 
 Prompt = str | list[int]
 
@@ -166,9 +170,20 @@ def make_proposer(method: str, target: CausalLM, target_tok: Tokenizer, draft_mo
     if method == "ngram":
         return NgramProposer()
     if method == "draft":
-        if draft_model is None:
-            raise SpecdecError("method 'draft' needs a draft model: draft_model=NAME|PATH (--draft-model)")
-        if isinstance(draft_model, str) and draft_model.startswith("self:"):
+        if draft_model is None:                               # the distilled draft we ship for this target
+            if (getattr(target, "config", None) is None
+                    or (target.config.name, "draft") not in SHIPPED):
+                raise SpecdecError("method 'draft' needs a draft model for this target: draft_model=NAME|PATH|"
+                                   "self:N (--draft-model), or train one with `specdec train draft`")
+            draft_model = str(shipped(target.config.name, "draft"))
+        if isinstance(draft_model, str) and draft_model.endswith(".safetensors"):
+            from .models.decoder import Transformer
+            from .models.distilled import DistilledDraft
+
+            if not isinstance(target, Transformer):
+                raise SpecdecError("a distilled draft (.safetensors) needs a lean GGUF target")
+            draft = DistilledDraft.load(Path(draft_model), target)
+        elif isinstance(draft_model, str) and draft_model.startswith("self:"):
             draft = early_exit_draft(target, draft_model)
         elif isinstance(draft_model, str):
             draft, draft_tok, _ = load_model(draft_model, dtype, device)

@@ -69,16 +69,12 @@ class KVCache:
             ar = torch.arange(T, device=keep.device)
             if not torch.equal(keep, ar.expand(B, T)):          # a tree path: move rows into place
                 base = self.lengths[rows][:, None]
-                src = base + keep.clamp(min=0)                 # [B, T]
-                dst = base + ar                                # [B, T]
+                src = base + keep.clamp(min=0)                 # [B, T] scratch slots on the path
+                dst = base + ar                                # [B, T] where they belong
+                r = rows[:, None].expand(B, T)
                 for buf in (self.k, self.v):
-                    # gather [L, B, n_kv, T, hd] then scatter to dst
-                    idx = src[None, :, None, :, None].expand(buf.shape[0], B, buf.shape[2], T, buf.shape[4])
-                    moved = torch.gather(buf[:, rows], 3, idx)
-                    didx = dst[None, :, None, :, None].expand_as(idx)
-                    sub = buf[:, rows]
-                    sub.scatter_(3, didx, moved)
-                    buf[:, rows] = sub
+                    # advanced indices around a slice: the indexed view is [B, T, L, n_kv, hd]
+                    buf.permute(1, 3, 0, 2, 4)[r, dst] = buf.permute(1, 3, 0, 2, 4)[r, src]
         self.lengths[rows] += num_keep
 
     def truncate(self, rows: Tensor, lengths: Tensor) -> None:

@@ -15,7 +15,7 @@ from .draft_length import POLICIES, make_policy
 from .errors import SpecdecError
 from .models.registry import DEFAULT_MODEL, MODELS, resolve
 
-DEFAULT_METHODS = "none,ngram,draft"
+DEFAULT_METHODS = "none,ngram,draft,eagle,medusa"
 
 
 def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter]) -> None:
@@ -24,8 +24,9 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
                        formatter_class=fmt)
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"registered name ({', '.join(MODELS)}) or a .gguf path")
     p.add_argument("--methods", default=DEFAULT_METHODS,
-                   help=f"comma-separated methods ({', '.join(METHODS)}); NAME=DRAFT gives one its own draft; "
-                        "'none' is always run (the baseline)")
+                   help=f"comma-separated methods ({', '.join(METHODS)}); NAME=DRAFT gives one its own draft, "
+                        "NAME@POLICY its own draft-length policy (e.g. ngram@auto); 'none' is always run "
+                        "(the baseline)")
     p.add_argument("--suite", default="mini", choices=SUITES, help="prompt suite")
     p.add_argument("--categories", default=None, help=f"comma-separated subset of: {', '.join(CATEGORIES)}")
     p.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
@@ -122,7 +123,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
                     if peer_names else ([], []))
     config = {"model": name, "dtype": a.dtype, "device": a.device, "suite": a.suite, "limit": a.limit,
               "num_draft_tokens": a.num_draft_tokens, "draft_policy": a.draft_policy, "draft_model": peer_draft,
-              "method_specs": [{"label": s.label, "method": s.method, "draft": s.draft} for s in specs],
+              "method_specs": [{"label": s.label, "method": s.method, "draft": s.draft,
+                                "policy": s.policy or a.draft_policy} for s in specs],
               "peer_notes": notes}
     results = runner.benchmark([*systems, *peers], prompts, tokenizer, config, runner.machine_info(a.dtype),
                                command_line(a), a.repeats, a.temperature, a.seed, a.progress)

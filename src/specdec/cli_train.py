@@ -44,12 +44,22 @@ def cmd_medusa(a: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_unavailable(a: argparse.Namespace) -> int:
-    raise SpecdecError(f"`specdec train {a.kind}` is not implemented yet; `specdec train eagle` is")
+def cmd_draft(a: argparse.Namespace) -> int:
+    from .train.draft import train_draft
+
+    _check_target(a.model)
+    try:
+        layers = [int(x) for x in a.layers.split(",")]
+    except ValueError:
+        raise SpecdecError(f"--layers takes comma-separated layer numbers, got {a.layers!r}") from None
+    report = train_draft(a.model, Path(a.data or f"runs/data/{a.model}"), Path(a.out), a.minutes, layers,
+                         a.vocab_size, a.window, a.batch, a.lr, a.max_seq, a.max_rows, a.overwrite)
+    print(json.dumps(report, indent=2))
+    return 0
 
 
 def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter]) -> None:
-    p = sub.add_parser("train", help="train drafts for a target (data, eagle)", formatter_class=fmt)
+    p = sub.add_parser("train", help="train drafts for a target (data, draft, eagle, medusa)", formatter_class=fmt)
     tsub = p.add_subparsers(dest="kind", required=True, metavar="KIND")
 
     d = tsub.add_parser("data", help="the target's own generations for training prompts (resumable shards)",
@@ -92,6 +102,19 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     m.add_argument("--overwrite", action="store_true")
     m.set_defaults(func=cmd_medusa)
 
-    for kind in ("draft",):
-        u = tsub.add_parser(kind, help=f"{kind} (not implemented yet)", formatter_class=fmt)
-        u.set_defaults(func=cmd_unavailable)
+    r = tsub.add_parser("draft", help="a small draft model distilled from the target (KL to its outputs)",
+                        formatter_class=fmt)
+    r.add_argument("--model", default=DEFAULT_MODEL)
+    r.add_argument("--data", default=None, help="data directory (default runs/data/MODEL)")
+    r.add_argument("--out", required=True, help="output .safetensors (a .json report lands beside it; "
+                                                "a .ckpt beside it resumes an interrupted run)")
+    r.add_argument("--minutes", type=float, default=40.0, help="training time budget (after feature extraction)")
+    r.add_argument("--layers", default="0,29", help="target layers the draft starts from")
+    r.add_argument("--vocab-size", type=int, default=8192, help="reduced draft vocabulary (most frequent tokens)")
+    r.add_argument("--window", type=int, default=128)
+    r.add_argument("--batch", type=int, default=8)
+    r.add_argument("--lr", type=float, default=3e-4)
+    r.add_argument("--max-seq", type=int, default=256, help="keep the last N tokens of each example")
+    r.add_argument("--max-rows", type=int, default=0, help="use at most N examples (0 = all)")
+    r.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    r.set_defaults(func=cmd_draft)

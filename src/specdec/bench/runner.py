@@ -61,6 +61,7 @@ class MethodSpec:
     label: str
     method: str
     draft: str | None
+    policy: str = ""              # draft-length policy; "" = the run's --draft-policy
 
 
 def default_draft(model_name: str) -> str:
@@ -77,21 +78,27 @@ def parse_methods(specs: str | Sequence[str], draft_model: str | None) -> list[M
     """Method specs (comma-separated or a list) -> MethodSpecs, ``none`` first (added if missing).
 
     ``NAME`` uses ``draft_model`` for the ``draft`` method and no draft otherwise; ``NAME=DRAFT``
-    gives a method its own draft (e.g. ``draft=self:8``), so one method can be compared with itself.
+    gives a method its own draft (e.g. ``draft=self:8``), so one method can be compared with itself;
+    a ``@POLICY`` suffix gives it its own draft-length policy (``ngram@auto`` next to ``ngram``).
     """
+    from ..draft_length import POLICIES
+
     items = [s.strip() for s in (specs.split(",") if isinstance(specs, str) else specs) if s.strip()]
     if not items:
         raise SpecdecError(f"no methods given; choose from: {', '.join(METHODS)}")
     out: list[MethodSpec] = []
     for item in items:
-        method, _, draft = item.partition("=")
+        body, _, policy = item.partition("@")
+        method, _, draft = body.partition("=")
+        if policy and policy not in POLICIES:
+            raise SpecdecError(f"unknown draft policy {policy!r} in {item!r}; choose from: {', '.join(POLICIES)}")
         if method not in METHODS:
             raise SpecdecError(f"unknown method {method!r}; choose from: {', '.join(METHODS)}")
         if not draft:
             draft = draft_model if method == "draft" else None
         if any(s.label == item for s in out):
             raise SpecdecError(f"method {item!r} is given twice")
-        out.append(MethodSpec(item, method, draft or None))
+        out.append(MethodSpec(item, method, draft or None, policy))
     if not any(s.label == BASELINE for s in out):
         out.insert(0, MethodSpec(BASELINE, BASELINE, None))
     out.sort(key=lambda s: s.label != BASELINE)
@@ -143,7 +150,7 @@ def build_systems(target: CausalLM, tokenizer, specs: Sequence[MethodSpec], dtyp
     systems = []
     for spec in specs:
         proposer = make_proposer(spec.method, target, tokenizer, spec.draft, dtype, device)
-        gen = Generator(target, tokenizer, proposer, draft_policy, num_draft_tokens, name)
+        gen = Generator(target, tokenizer, proposer, spec.policy or draft_policy, num_draft_tokens, name)
         systems.append(MethodSystem(spec.label, gen))
     return systems
 

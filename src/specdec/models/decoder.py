@@ -45,10 +45,98 @@ def pack(w: Tensor) -> Tensor:
 
 
 def linear(x: Tensor, w: Tensor, packed: dict[str, Tensor], name: str) -> Tensor:
+    """x [..., in] @ w.T, row-count invariant: a lone row is computed as a pair.
+
+    CPU GEMM libraries take a different reduction path for a single row (gemv)
+    than for two or more, which changes the last bit. Verifying K drafts must
+    give bit-for-bit the logits that K+1 one-token steps would, so every call
+    here sees >= 2 rows (measured: for M >= 2 each row's result is independent
+    of M, fp32 and bf16, packed and not; tests/test_model.py checks it).
+    """
+    if x.numel() == x.shape[-1]:                                 # one row, any leading shape
+        return linear(x.reshape(1, -1).expand(2, -1), w, packed, name)[0].view(*x.shape[:-1], -1)
     p = packed.get(name)
-    if p is None:
-        return F.linear(x, w)
-    return torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+    return F.linear(x, w) if p is None else torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+
+
+KV_BLOCK = 128             # keys per attention tile; caches are read in whole blocks
+ROW_TILE = 8               # query rows per attention tile
+INVARIANT_MAX_T = 72       # forwards of up to this many tokens (decode, verify, trees) use `attention`;
+                           # longer ones (prefills) use SDPA, whose speed there matters more
+
+
+class AttentionMask:
+    """Who sees whom in one forward: mask [B, 1, T, S] (True = attend), S a multiple of KV_BLOCK.
+
+    Built once per forward, shared by every layer; `bias` gives it as 0 / -inf tiles laid
+    out like the grouped queries in `attention`.
+    """
+
+    CHUNK = 128                                                  # queries per attention call
+
+    def __init__(self, mask: Tensor, n_kv: int, n_heads: int) -> None:
+        self.mask, self.n_kv, self.n_heads = mask, n_kv, n_heads
+        self._bias: dict[int, Tensor] = {}
+
+    @property
+    def length(self) -> int:
+        return self.mask.shape[2]
+
+    @property
+    def invariant(self) -> bool:
+        """Score with the row-invariant `attention` (else SDPA: a prefill, never compared bit for bit)."""
+        return self.length <= INVARIANT_MAX_T
+
+    def bias(self, lo: int, hi: int) -> Tensor:
+        """[B*nkv, nb, nt, ROW_TILE, KV_BLOCK] for queries lo..hi-1 (kept when one chunk covers all)."""
+        if lo in self._bias:
+            return self._bias[lo]
+        m = self.mask[:, :, lo:hi]                                              # [B, 1, t, S]
+        B, _, t, S = m.shape
+        nb, g = S // KV_BLOCK, self.n_heads // self.n_kv
+        rows = g * t
+        nt = -(-rows // ROW_TILE)
+        out = torch.zeros(m.shape, dtype=torch.float32, device=m.device).masked_fill_(~m, float("-inf"))
+        out = out.view(B, 1, 1, t, nb, KV_BLOCK).expand(B, self.n_kv, g, t, nb, KV_BLOCK)
+        out = out.permute(0, 1, 4, 2, 3, 5).reshape(B * self.n_kv, nb, rows, KV_BLOCK)
+        out = F.pad(out, (0, 0, 0, nt * ROW_TILE - rows)).view(B * self.n_kv, nb, nt, ROW_TILE, KV_BLOCK)
+        if hi - lo == self.length:
+            self._bias[lo] = out
+        return out
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float) -> Tensor:
+    """Attention whose result for a query does not depend on what else is in the forward.
+
+    q [B, nh, T, hd]; k, v [B, nkv, S, hd] with S a multiple of KV_BLOCK -> [B, nh, T, hd].
+    CPU GEMM libraries pick kernels (and so rounding) by matrix shape, and SDPA's CPU kernel
+    splits work by sequence length. Here every GEMM has one fixed shape: the g = nh/nkv heads
+    sharing a kv head are stacked as rows, cut into tiles of ROW_TILE rows, against keys in
+    blocks of KV_BLOCK; each (tile, block) does max, exp, sum and p @ v, and blocks combine
+    flash-style by a sum over the block axis, where blocks a query cannot see add exact zeros.
+    So a token scored alone, with its drafts or in a ragged batch gets the same bits
+    (tests/test_model.py). Prefills (more than INVARIANT_MAX_T tokens) use SDPA instead.
+    """
+    B, nh, T, hd = q.shape
+    nkv, S = k.shape[1], k.shape[2]
+    g, nb = nh // nkv, S // KV_BLOCK
+    kb = k.reshape(B * nkv, nb, 1, KV_BLOCK, hd).transpose(-1, -2)             # [X, nb, 1, hd, KB]
+    vb = v.reshape(B * nkv, nb, 1, KV_BLOCK, hd)                               # [X, nb, 1, KB, hd]
+    outs = []
+    for lo in range(0, T, mask.CHUNK):
+        hi = min(T, lo + mask.CHUNK)
+        rows = g * (hi - lo)
+        nt = -(-rows // ROW_TILE)
+        qg = q[:, :, lo:hi].reshape(B * nkv, rows, hd)
+        qg = F.pad(qg, (0, 0, 0, nt * ROW_TILE - rows)).view(B * nkv, 1, nt, ROW_TILE, hd)
+        s = torch.matmul(qg, kb).mul_(scale).add_(mask.bias(lo, hi))           # [X, nb, nt, R, KB]
+        m = s.amax(-1, keepdim=True)                                           # [X, nb, nt, R, 1]
+        p = torch.exp(s - m.clamp(min=-1e30))                                  # blocks it cannot see: 0
+        o = torch.matmul(p, vb)                                                # [X, nb, nt, R, hd]
+        w = torch.exp(m - m.amax(1, keepdim=True))                             # block weights, 0 unseen
+        o = (o * w).sum(1) / (p.sum(-1, keepdim=True) * w).sum(1)             # [X, nt, R, hd]
+        outs.append(o.view(B * nkv, nt * ROW_TILE, hd)[:, :rows].reshape(B, nh, hi - lo, hd))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
 class Block(nn.Module):
@@ -70,7 +158,7 @@ class Block(nn.Module):
             self.post_ffn_norm = nn.Parameter(torch.ones(cfg.dim))
         self.packed: dict[str, Tensor] = {}       # inference-only prepacked copies (see Transformer.pack)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache: KVCache,
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: AttentionMask, cache: KVCache,
                 rows: Tensor, kv_len: int, contiguous: bool) -> Tensor:
         cfg = self.cfg
         B, T, _ = x.shape
@@ -86,8 +174,12 @@ class Block(nn.Module):
         q, k = qk[:, :nh], qk[:, nh:]
         cache.write(self.layer, rows, k, v, contiguous)
         kc, vc = cache.read(self.layer, rows, kv_len, contiguous)              # [B, nkv, S, hd] float32
-        o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=cfg.scale,
-                                           enable_gqa=nkv != nh)                # [B, nh, T, hd]
+        if mask.invariant:
+            o = attention(q, kc, vc, mask, cfg.scale)                          # [B, nh, T, hd]
+        else:
+            o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask.mask, scale=cfg.scale,
+                                               enable_gqa=nkv != nh)
+
         o = linear(o.transpose(1, 2).reshape(B, T, nh * hd).to(x.dtype), self.wo, self.packed, "wo")
         if cfg.sandwich_norm:
             o = rms_norm(o, self.post_attn_norm, cfg.norm_eps)
@@ -139,8 +231,9 @@ class Transformer(nn.Module):
     def new_cache(self, rows: int, slots: int) -> KVCache:
         c = self.config
         # float32 cache even for bfloat16 weights: CPU attention is faster and exact-er in fp32
-        return KVCache(c.n_layers, rows, c.n_kv_heads, min(slots, c.max_seq_len), c.head_dim,
-                       torch.float32, self.device)
+        # +1 slot: a lone token is scored as a pair (see forward_embeds); whole key blocks
+        n = -(-(min(slots, c.max_seq_len) + 1) // KV_BLOCK) * KV_BLOCK
+        return KVCache(c.n_layers, rows, c.n_kv_heads, n, c.head_dim, torch.float32, self.device)
 
     def embed_tokens(self, tokens: Tensor) -> Tensor:
         x = F.embedding(tokens, self.embed)
@@ -174,15 +267,24 @@ class Transformer(nn.Module):
                        tree_mask: Tensor | None = None) -> Tensor:
         """Like forward, from input vectors x [B, T, H] (EAGLE feeds fused token + feature vectors)."""
         B, T = positions.shape
+        if T == 1:                      # a lone token is scored as a pair, so that it meets the same
+            x = torch.cat([x, x], 1)    # kernels (and bits) as when it is verified with its drafts
+            eye = torch.eye(2, dtype=torch.bool, device=x.device)
+            if tree_mask is not None:
+                eye = eye.expand(B, 2, 2).clone()
+                eye[:, :1, :1] = tree_mask
+            return self.forward_embeds(x, positions.repeat(1, 2), cache, rows, eye.expand(B, 2, 2))[:, :1]
         cache.check_room(rows, T)
         lengths = cache.lengths[rows]                                          # [B]
-        kv_len = int(lengths.max()) + T
+        kv_len = -(-(int(lengths.max()) + T) // KV_BLOCK) * KV_BLOCK          # whole key blocks
         contiguous = bool(rows.numel() == 1 or torch.equal(rows, torch.arange(int(rows[0]), int(rows[0]) + B, device=rows.device)))
-        mask, kpos = self._mask(lengths, positions, T, kv_len, tree_mask)
+        visible, kpos = self._mask(lengths, positions, T, kv_len, tree_mask)
+        mask = AttentionMask(visible, self.config.n_kv_heads, self.config.n_heads)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, T, hd]
         if self.config.sliding_window > 0:
             lcos, lsin = self.lcos[positions][:, None], self.lsin[positions][:, None]
-            local = mask & (positions[:, None, :, None] - kpos[:, :, None, :] < self.config.sliding_window)
+            window = positions[:, None, :, None] - kpos[:, :, None, :] < self.config.sliding_window
+            local = AttentionMask(visible & window, self.config.n_kv_heads, self.config.n_heads)
         for i, layer in enumerate(self.layers):
             if self.config.is_local(i):
                 x = layer(x, lcos, lsin, local, cache, rows, kv_len, contiguous)

@@ -19,8 +19,7 @@ from tqdm import tqdm
 from ..api import load_model
 from ..errors import SpecdecError
 from ..models.eagle import EagleHead
-from .data import read_data
-from .features import extract, vocab_subset
+from .features import training_set, vocab_subset
 
 
 def _windows(seqs, feats, idx, window, rng):
@@ -76,20 +75,9 @@ def train_eagle(model: str, data: Path, out: Path, minutes: float, vocab_size: i
     torch.manual_seed(seed)
     rng = random.Random(seed)
     target, tok, name = load_model(model, "bfloat16")
-    rows = read_data(data)
-    rows = rows[:max_rows] if max_rows > 0 else rows
-    seqs = [r["tokens"][-max_seq:] for r in rows]
-    rng.shuffle(seqs)
+    seqs, feats = training_set(target, data, max_rows, max_seq, rng)
     n_eval = max(8, len(seqs) // 20)
     ids = vocab_subset(seqs, vocab_size, target.vocab_size)
-    answer = [t for r in rows for t in r["tokens"][r["prompt_len"]:]]
-    coverage = float(torch.isin(torch.tensor(answer), ids).float().mean()) if answer else 0.0
-    cache_file = data / f"features-{len(seqs)}-{max_seq}.pt"
-    if cache_file.exists():                                   # extraction is the slow part: reuse it
-        feats = torch.load(cache_file, weights_only=True)
-    else:
-        feats = extract(target, seqs)
-        torch.save(feats, cache_file)
     head = EagleHead(target, ids)
     head.train()
     w_sub = head.lm_weight().float().detach()
@@ -132,7 +120,7 @@ def train_eagle(model: str, data: Path, out: Path, minutes: float, vocab_size: i
             accs_all.append(head_losses(head, toks, f, lens, w_sub)[1])
     acc = [sum(a[k] for a in accs_all) / len(accs_all) for k in range(2)]
     report = {"target": name, "sequences": len(seqs), "tokens": sum(len(s) for s in seqs), "steps": step,
-              "minutes": (time.time() - t0) / 60, "vocab_size": len(ids), "answer_coverage": coverage,
+              "minutes": (time.time() - t0) / 60, "vocab_size": len(ids),
               "heldout_top1_agreement": {"depth1": acc[0], "depth2_unrolled": acc[1]}}
     out.parent.mkdir(parents=True, exist_ok=True)
     head.save(out, {"report": json.dumps(report)})

@@ -35,3 +35,25 @@ def vocab_subset(seqs: list[list[int]], size: int, vocab: int) -> Tensor:
     for s in seqs:
         counts += torch.bincount(torch.tensor(s), minlength=vocab)
     return counts.topk(min(size, vocab)).indices.sort().values
+
+
+def training_set(target: Transformer, data, max_rows: int, max_seq: int, rng) -> tuple[list[list[int]], list[Tensor]]:
+    """The self-distillation sequences (last `max_seq` tokens, shuffled by `rng`) and their target features.
+
+    Features are extracted once per (rows, max_seq) and cached beside the data.
+    """
+    from pathlib import Path
+
+    from .data import read_data
+
+    rows = read_data(Path(data))
+    rows = rows[:max_rows] if max_rows > 0 else rows
+    seqs = [r["tokens"][-max_seq:] for r in rows]
+    rng.shuffle(seqs)
+    cache_file = Path(data) / f"features-{len(seqs)}-{max_seq}.pt"
+    if cache_file.exists():
+        feats = torch.load(cache_file, weights_only=True)
+    else:
+        feats = extract(target, seqs)
+        torch.save(feats, cache_file)
+    return seqs, feats

@@ -1,0 +1,109 @@
+"""A small draft model distilled from its target: a few of the target's layers, retrained.
+
+Same tokenizer and the target's token embeddings (shared, frozen, never saved); its
+own layers (initialised from chosen target layers), final norm and an LM head over a
+reduced vocabulary of frequent tokens (where the head would dominate a small model's
+cost). `lm_head` returns full-vocabulary logits with -inf outside that vocabulary, so
+the draft is an ordinary CausalLM for the `draft` proposer, and q(x) = 0 for tokens it
+never proposes (verification stays exact: the residual max(0, p - q) covers them).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from ..cache import KVCache
+from ..errors import SpecdecError
+from .decoder import Transformer, linear
+from .eagle import read_weights, target_fingerprint
+
+
+class DistilledDraft(nn.Module):
+    def __init__(self, target: Transformer, vocab_ids: Tensor, layers: list[int]) -> None:
+        super().__init__()
+        cfg = replace(target.config, n_layers=len(layers), name=f"{target.config.name}-draft{len(layers)}")
+        with torch.device("meta"):
+            core = Transformer(cfg)
+        core = core.to_empty(device="cpu").float()
+        core.cos, core.sin = target.cos.cpu(), target.sin.cpu()
+        if cfg.sliding_window > 0:
+            core.lcos, core.lsin = target.lcos.cpu(), target.lsin.cpu()
+        with torch.no_grad():
+            for mine, theirs in zip(core.layers, [target.layers[i] for i in layers]):
+                for (_, p), (_, q) in zip(mine.named_parameters(), theirs.named_parameters()):
+                    p.copy_(q.float())
+            core.norm.copy_(target.norm.float())
+            w = target.output if target.output.numel() else target.embed
+            core.output = nn.Parameter(w[vocab_ids.long()].float().clone())             # [V', H]
+        self.core = core
+        self.source_layers = list(layers)
+        self.register_buffer("vocab_ids", vocab_ids.long().clone())
+        self.target = [target]                                    # not a submodule: frozen, never saved
+        self.core.embed = nn.Parameter(torch.empty(0), requires_grad=False)  # the target's, see forward
+
+    # ---- the CausalLM contract ------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.target[0].vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.target[0].max_seq_len
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.core.norm.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.core.norm.device
+
+    def new_cache(self, rows: int, slots: int) -> KVCache:
+        return self.core.new_cache(rows, slots)
+
+    def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache, rows: Tensor,
+                tree_mask: Tensor | None = None) -> Tensor:
+        """tokens, positions [B, T] -> hidden [B, T, H] (the target's embeddings, the draft's layers)."""
+        x = self.target[0].embed_tokens(tokens).to(self.dtype)
+        return self.core.forward_embeds(x, positions, cache, rows, tree_mask)
+
+    def sub_logits(self, hidden: Tensor) -> Tensor:
+        """hidden [..., H] -> float32 logits over the reduced vocabulary [..., V']."""
+        return linear(hidden, self.core.output, self.core.packed, "lm_head").float()
+
+    def lm_head(self, hidden: Tensor) -> Tensor:
+        """hidden [..., H] -> float32 logits [..., V], -inf outside the draft's vocabulary."""
+        sub = self.sub_logits(hidden)
+        out = torch.full((*sub.shape[:-1], self.vocab_size), float("-inf"), device=sub.device)
+        return out.index_copy_(-1, self.vocab_ids, sub)
+
+    def prepare(self, dtype: torch.dtype) -> "DistilledDraft":
+        """Inference set-up: the target's dtype, prepacked linears on CPU."""
+        self.to(dtype).eval().requires_grad_(False)
+        self.core.cos, self.core.sin = self.core.cos.float(), self.core.sin.float()
+        self.core.pack()                                  # also packs the reduced head as "lm_head"
+        return self
+
+    # ---- persistence --------------------------------------------------------------------------
+    def save(self, path: Path, meta: dict) -> None:
+        from safetensors.torch import save_file
+
+        sd = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in self.state_dict().items()
+              if k != "vocab_ids" and v.numel()}
+        sd["vocab_ids"] = self.vocab_ids.to(torch.int32)
+        info = {"kind": "draft", "layers": ",".join(map(str, self.source_layers)),
+                "target": target_fingerprint(self.target[0]), **{k: str(v) for k, v in meta.items()}}
+        save_file(sd, str(path), metadata=info)
+
+    @staticmethod
+    def load(path: Path, target: Transformer) -> "DistilledDraft":
+        sd, meta = read_weights(path, "draft", target)
+        layers = [int(i) for i in meta["layers"].split(",")]
+        draft = DistilledDraft(target, sd.pop("vocab_ids").long(), layers)
+        missing, unexpected = draft.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
+        if unexpected or [m for m in missing if m not in ("vocab_ids", "core.embed")]:
+            raise SpecdecError(f"{path} does not fit a distilled draft: missing {missing}, unexpected {unexpected}")
+        return draft.prepare(target.dtype)

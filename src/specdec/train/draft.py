@@ -1,0 +1,120 @@
+"""`specdec train draft`: distil a small draft model from the target's own outputs.
+
+The draft is a few of the target's layers (see models/distilled.py), retrained with
+the KL divergence to the target's next-token distributions (over the draft's reduced
+vocabulary), teacher-forced on the target's own generations. The target's
+distributions come from its cached final features, so a step costs only the draft.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..api import load_model
+from ..errors import SpecdecError
+from ..models.distilled import DistilledDraft
+from .features import training_set, vocab_subset
+
+
+def _windows(seqs: list[list[int]], feats: list[torch.Tensor], idx: list[int], window: int,
+             rng: random.Random) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tokens [B, W], target features [B, W, H] (right-padded) and lengths [B] of random windows."""
+    W = min(window, max(len(seqs[i]) for i in idx))
+    toks = torch.zeros(len(idx), W, dtype=torch.long)
+    f = torch.zeros(len(idx), W, feats[idx[0]].shape[-1])
+    lens = torch.zeros(len(idx), dtype=torch.long)
+    for r, i in enumerate(idx):
+        start = rng.randrange(0, max(1, len(seqs[i]) - W + 1))
+        m = min(W, len(seqs[i]) - start)
+        toks[r, :m] = torch.tensor(seqs[i][start:start + m])
+        f[r, :m] = feats[i][start:start + m].float()
+        lens[r] = m
+    return toks, f, lens
+
+
+def draft_losses(draft: DistilledDraft, toks: torch.Tensor, f: torch.Tensor, lens: torch.Tensor,
+                 w_sub: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """KL(target || draft) per position over the reduced vocabulary; returns (loss, top-1 agreement)."""
+    B, W = toks.shape
+    valid = (torch.arange(W)[None] < lens[:, None]).float()                     # [B, W]
+    with torch.no_grad():
+        logp = torch.log_softmax(f @ w_sub.T, -1)                               # [B, W, V'] target at t -> t+1
+    cache = draft.new_cache(B, W)
+    h = draft(toks, torch.arange(W).expand(B, W), cache, torch.arange(B))        # [B, W, H]
+    logq = torch.log_softmax(draft.sub_logits(h), -1)
+    kl = (logp.exp() * (logp - logq)).sum(-1)                                   # [B, W]
+    n = valid.sum().clamp(min=1)
+    agree = float(((logq.argmax(-1) == logp.argmax(-1)).float() * valid).sum() / n)
+    return (kl * valid).sum() / n, agree
+
+
+def train_draft(model: str, data: Path, out: Path, minutes: float, layers: list[int], vocab_size: int,
+                window: int, batch: int, lr: float, max_seq: int, max_rows: int, overwrite: bool,
+                seed: int = 0) -> dict:
+    if out.exists() and not overwrite:
+        raise SpecdecError(f"{out} exists; pass --overwrite to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    target, tok, name = load_model(model, "bfloat16")
+    bad = [i for i in layers if not 0 <= i < target.config.n_layers]
+    if not layers or bad:
+        raise SpecdecError(f"--layers must name target layers in 0..{target.config.n_layers - 1}, got {layers}")
+    seqs, feats = training_set(target, data, max_rows, max_seq, rng)
+    n_eval = max(8, len(seqs) // 20)
+    ids = vocab_subset(seqs, vocab_size, target.vocab_size)
+    draft = DistilledDraft(target, ids, layers)
+    draft.train()
+    w_sub = (target.output if target.output.numel() else target.embed)[ids].float().detach()
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    ckpt = out.with_suffix(".ckpt")
+    step, spent = 0, 0.0
+    if ckpt.exists():                                          # resume: weights, optimiser, clock
+        state = torch.load(ckpt, weights_only=True)
+        draft.load_state_dict(state["draft"])
+        opt.load_state_dict(state["opt"])
+        step, spent = state["step"], state["seconds"]
+        print(f"resumed from {ckpt} at step {step} ({spent / 60:.1f} min)")
+    train_idx, eval_idx = list(range(n_eval, len(seqs))), list(range(n_eval))
+    budget = minutes * 60
+    t0 = time.time() - spent
+    bar = tqdm(desc="train draft", unit="step", initial=step)
+    last_save = time.time()
+    while time.time() - t0 < budget:
+        idx = rng.sample(train_idx, min(batch, len(train_idx)))
+        toks, f, lens = _windows(seqs, feats, idx, window, rng)
+        frac = min(1.0, (time.time() - t0) / budget)
+        for g in opt.param_groups:
+            g["lr"] = lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, agree = draft_losses(draft, toks, f, lens, w_sub)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        bar.update(1)
+        bar.set_postfix(kl=f"{float(loss.detach()):.3f}", agree=f"{agree:.2f}")
+        if time.time() - last_save > 120:                      # a checkpoint every two minutes
+            torch.save({"draft": draft.state_dict(), "opt": opt.state_dict(), "step": step,
+                        "seconds": time.time() - t0}, ckpt)
+            last_save = time.time()
+    bar.close()
+    draft.eval()
+    with torch.no_grad():
+        agrees = [draft_losses(draft, *_windows(seqs, feats, eval_idx[i:i + batch], window, random.Random(1)),
+                               w_sub)[1] for i in range(0, len(eval_idx), batch)]
+    report = {"target": name, "layers": layers, "sequences": len(seqs), "tokens": sum(len(s) for s in seqs),
+              "steps": step, "minutes": (time.time() - t0) / 60, "vocab_size": len(ids),
+              "heldout_top1_agreement": sum(agrees) / len(agrees)}
+    draft.save(out, {"report": json.dumps(report)})
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    ckpt.unlink(missing_ok=True)
+    return report
