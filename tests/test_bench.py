@@ -204,4 +204,10 @@ def test_method_specs():
     with pytest.raises(SpecdecError, match="given twice"):
         runner.parse_methods("ngram,ngram", None)
     assert runner.default_draft("no-such-model") == runner.FALLBACK_DRAFT
+    specs = runner.parse_methods("ngram,ngram@auto,draft=self:2@heuristic", None)
+    assert [(s.label, s.method, s.draft, s.policy) for s in specs[1:]] == [
+        ("ngram", "ngram", None, ""), ("ngram@auto", "ngram", None, "auto"),
+        ("draft=self:2@heuristic", "draft", "self:2", "heuristic")]
+    with pytest.raises(SpecdecError, match="unknown draft policy 'fast'.*fixed, heuristic, auto"):
+        runner.parse_methods("ngram@fast", None)
     assert parse_peers("") == [] and parse_peers("transformers") == ["transformers"]

@@ -131,12 +131,10 @@ def test_scores_do_not_depend_on_how_many_tokens_are_scored(dtype):
         cache = model.new_cache(3, 320)
         r = torch.tensor(rows)
         n = torch.tensor([lens[i] for i in rows])
-        inp = torch.zeros(len(rows), int(n.max()), dtype=torch.long)
-        for j, i in enumerate(rows):
-            inp[j, :lens[i]] = prompts[i]
-        pos = torch.arange(inp.shape[1]).expand_as(inp)
-        model(inp, pos, cache, r)
-        cache.commit(r, pos, n)
+        for j, i in enumerate(rows):                                          # prefill one by one, like the engine
+            pos = torch.arange(lens[i])[None]
+            model(prompts[i][None], pos, cache, r[j:j + 1])
+            cache.commit(r[j:j + 1], pos, n[j:j + 1])
         out, at = [], 0
         for c in chunks:
             p = n[:, None] + torch.arange(at, at + c)
@@ -151,3 +149,39 @@ def test_scores_do_not_depend_on_how_many_tokens_are_scored(dtype):
             assert torch.equal(score([row], chunks), one_by_one), (row, chunks)
         assert torch.equal(score([0, 1, 2], [5, 5, 7])[row:row + 1], one_by_one), row
         assert torch.equal(score([2, 0, 1], [1] * 17)[(row + 1) % 3:(row + 1) % 3 + 1], one_by_one), row
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("context", [40, 120, 250])
+def test_tree_nodes_score_like_the_chain_along_their_path(dtype, context):
+    """Bit-for-bit: every node of a token tree gets the hidden state a chain along its path gets,
+    though its ancestors sit at scratch slots that are not their positions (contexts put the tree
+    inside one key block and across a block boundary)."""
+    from specdec.models.config import ModelConfig
+    from specdec.models.decoder import Transformer, init_random
+    from specdec.tree import TokenTree
+
+    cfg = ModelConfig(vocab_size=512, dim=576, n_layers=2, n_heads=9, n_kv_heads=3, head_dim=64,
+                      hidden_dim=1536, max_seq_len=512, name="smollm2-shaped")
+    model = init_random(Transformer(cfg), seed=4, std=0.05).to(dtype).eval().requires_grad_(False).pack()
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 512, (1, context), generator=g)
+    parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 3, 3, 6, 5, 9]])             # root + 10 nodes, depth 5
+    tokens = torch.randint(0, 512, (1, 11), generator=g)
+    tree = TokenTree(tokens, parents)
+
+    def prefilled():
+        cache = model.new_cache(1, 320)
+        pos = torch.arange(context)[None]
+        model(prompt, pos, cache, torch.tensor([0]))
+        cache.commit(torch.tensor([0]), pos, torch.tensor([context]))
+        return cache
+
+    hidden = model(tokens, context + tree.depth(), prefilled(), torch.tensor([0]), tree.mask())  # [1, 11, H]
+    for node in range(11):
+        path = [node]
+        while int(parents[0, path[-1]]) >= 0:
+            path.append(int(parents[0, path[-1]]))
+        path = path[::-1]
+        chain = model(tokens[:, path], context + torch.arange(len(path))[None], prefilled(), torch.tensor([0]))
+        assert torch.equal(hidden[0, node], chain[0, -1]), node

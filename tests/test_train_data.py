@@ -29,7 +29,8 @@ def test_leak_check_catches_a_benchmark_prompt():
 
 @pytest.mark.parametrize("argv, msg", [
     (["train", "eagle", "--model", "gpt-5", "--out", "x.safetensors"], "unknown target"),
-    (["train", "draft"], "not implemented"),
+    (["train", "draft", "--model", "gpt-5", "--out", "x.safetensors"], "unknown target"),
+    (["train", "draft", "--out", "x.safetensors", "--layers", "first,last"], "comma-separated layer numbers"),
 ])
 def test_train_cli_errors(argv, msg, capsys):
     assert main(argv) == 2

@@ -19,7 +19,9 @@ def add_model_args(p: argparse.ArgumentParser, default_method: str = DEFAULT_MET
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"registered name ({', '.join(MODELS)}) or a .gguf path")
     p.add_argument("--method", default=default_method, help=f"speculative method: {', '.join(METHODS)}")
     p.add_argument("--draft-model", default=None,
-                   help="draft for --method draft: registered name, .gguf path, or self:N (the target's first N layers)")
+                   help="draft for --method draft: registered name, .gguf path, a distilled draft (.safetensors from "
+                        "`specdec train draft`) or self:N (the target's first N layers); default: the distilled draft "
+                        "shipped for the target. For eagle/medusa: their weights file (default: the shipped ones)")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="drafts per step, K (start value for adaptive policies)")
     p.add_argument("--draft-policy", default="fixed", choices=POLICIES, help="draft length policy")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),

@@ -143,13 +143,17 @@ class Engine:
         batch = self._batch(seqs)
         dev = self.target.device
         lens = torch.tensor([len(s.tokens) for s in seqs], device=dev)
-        inp = torch.zeros(len(seqs), int(lens.max()), dtype=torch.long, device=dev)
-        for i, s in enumerate(seqs):
-            inp[i, :len(s.tokens)] = torch.tensor(s.tokens)
         self.cache.truncate(batch.rows, torch.zeros_like(batch.rows))
-        pos = torch.arange(inp.shape[1], device=dev).expand_as(inp)
-        hidden = self.target(inp, pos, self.cache, batch.rows)                # [B, P, H]
-        self.cache.commit(batch.rows, pos, lens)
+        # one prompt per forward: a prompt's cache and logits never depend on who else joined
+        # (long prefills use SDPA, whose results depend on padding); prefill is compute-bound anyway
+        pieces = []
+        for i, s in enumerate(seqs):
+            inp = torch.tensor([s.tokens], device=dev)                         # [1, P_i]
+            pos = torch.arange(inp.shape[1], device=dev)[None]
+            row = batch.rows[i:i + 1]
+            pieces.append(self.target(inp, pos, self.cache, row)[0])          # [P_i, H]
+            self.cache.commit(row, pos, lens[i:i + 1])
+        hidden = torch.nn.utils.rnn.pad_sequence(pieces, batch_first=True)    # [B, P, H]
         last = hidden[torch.arange(len(seqs), device=dev), lens - 1]           # [B, H]
         p = to_probs(self.target.lm_head(last)[:, None], batch.sampling)       # [B, 1, V]
         u = uniforms([self.rngs[s.row][0] for s in seqs], 1, dev)

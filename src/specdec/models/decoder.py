@@ -74,9 +74,16 @@ class AttentionMask:
 
     CHUNK = 128                                                  # queries per attention call
 
-    def __init__(self, mask: Tensor, n_kv: int, n_heads: int) -> None:
+    def __init__(self, mask: Tensor, n_kv: int, n_heads: int,
+                 tree_slots: Tensor = torch.empty(0, dtype=torch.long), tree_visible: Tensor = torch.empty(0)) -> None:
         self.mask, self.n_kv, self.n_heads = mask, n_kv, n_heads
+        self.tree_slots, self.tree_visible = tree_slots, tree_visible
         self._bias: dict[int, Tensor] = {}
+
+    @property
+    def tree(self) -> bool:
+        """A token tree: each query also gets its own position-aligned tail blocks (see `tree_attention`)."""
+        return self.tree_slots.numel() > 0
 
     @property
     def length(self) -> int:
@@ -105,38 +112,82 @@ class AttentionMask:
         return out
 
 
+def _to_rows(x: Tensor, X: int, rows: int) -> Tensor:
+    """[X, nb, nt, R, d] per-tile block results -> [nb, X * rows, d], contiguous (tile padding dropped)."""
+    _, nb, nt, R, d = x.shape
+    return x.permute(1, 0, 2, 3, 4).reshape(nb, X, nt * R, d)[:, :, :rows].reshape(nb, X * rows, d).contiguous()
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float) -> Tensor:
     """Attention whose result for a query does not depend on what else is in the forward.
 
     q [B, nh, T, hd]; k, v [B, nkv, S, hd] with S a multiple of KV_BLOCK -> [B, nh, T, hd].
-    CPU GEMM libraries pick kernels (and so rounding) by matrix shape, and SDPA's CPU kernel
-    splits work by sequence length. Here every GEMM has one fixed shape: the g = nh/nkv heads
-    sharing a kv head are stacked as rows, cut into tiles of ROW_TILE rows, against keys in
-    blocks of KV_BLOCK; each (tile, block) does max, exp, sum and p @ v, and blocks combine
-    flash-style by a sum over the block axis, where blocks a query cannot see add exact zeros.
-    So a token scored alone, with its drafts or in a ragged batch gets the same bits
-    (tests/test_model.py). Prefills (more than INVARIANT_MAX_T tokens) use SDPA instead.
+    CPU GEMM libraries pick kernels (and so rounding) by matrix shape, SDPA's CPU kernel splits
+    work by sequence length, and vectorised exp differs from the scalar exp used on loop tails.
+    Here every GEMM has one fixed shape: the g = nh/nkv heads sharing a kv head are stacked as
+    rows, cut into tiles of ROW_TILE rows, against keys in blocks of KV_BLOCK positions. Scores
+    of all blocks share the query's global max, so exp runs only on whole KV_BLOCK rows; per
+    block p.sum and p @ v, then sums over blocks in position order (blocks a query cannot see
+    add exact zeros) and one division. So a token scored alone, with its drafts, in a token tree
+    or in a ragged batch gets the same bits (tests/test_model.py). Prefills (more than
+    INVARIANT_MAX_T tokens) use SDPA.
     """
     B, nh, T, hd = q.shape
     nkv, S = k.shape[1], k.shape[2]
     g, nb = nh // nkv, S // KV_BLOCK
-    kb = k.reshape(B * nkv, nb, 1, KV_BLOCK, hd).transpose(-1, -2)             # [X, nb, 1, hd, KB]
-    vb = v.reshape(B * nkv, nb, 1, KV_BLOCK, hd)                               # [X, nb, 1, KB, hd]
-    outs = []
-    for lo in range(0, T, mask.CHUNK):
-        hi = min(T, lo + mask.CHUNK)
-        rows = g * (hi - lo)
-        nt = -(-rows // ROW_TILE)
-        qg = q[:, :, lo:hi].reshape(B * nkv, rows, hd)
-        qg = F.pad(qg, (0, 0, 0, nt * ROW_TILE - rows)).view(B * nkv, 1, nt, ROW_TILE, hd)
-        s = torch.matmul(qg, kb).mul_(scale).add_(mask.bias(lo, hi))           # [X, nb, nt, R, KB]
-        m = s.amax(-1, keepdim=True)                                           # [X, nb, nt, R, 1]
-        p = torch.exp(s - m.clamp(min=-1e30))                                  # blocks it cannot see: 0
-        o = torch.matmul(p, vb)                                                # [X, nb, nt, R, hd]
-        w = torch.exp(m - m.amax(1, keepdim=True))                             # block weights, 0 unseen
-        o = (o * w).sum(1) / (p.sum(-1, keepdim=True) * w).sum(1)             # [X, nt, R, hd]
-        outs.append(o.view(B * nkv, nt * ROW_TILE, hd)[:, :rows].reshape(B, nh, hi - lo, hd))
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    X, rows = B * nkv, g * T
+    nt = -(-rows // ROW_TILE)
+    kb = k.reshape(X, nb, 1, KV_BLOCK, hd).transpose(-1, -2)                    # [X, nb, 1, hd, KB]
+    vb = v.reshape(X, nb, 1, KV_BLOCK, hd)                                      # [X, nb, 1, KB, hd]
+    qg = F.pad(q.reshape(X, rows, hd), (0, 0, 0, nt * ROW_TILE - rows)).view(X, 1, nt, ROW_TILE, hd)
+    s = torch.matmul(qg, kb).mul_(scale).add_(mask.bias(0, T))                  # [X, nb, nt, R, KB]
+    top = s.amax(-1, keepdim=True).amax(1, keepdim=True)                        # [X, 1, nt, R, 1]
+    if not mask.tree:
+        p = torch.exp(s - top)
+        l, o = _to_rows(p.sum(-1, keepdim=True), X, rows), _to_rows(torch.matmul(p, vb), X, rows)
+        return (o.sum(0) / l.sum(0)).view(B, nh, T, hd)
+    # a token tree: each node also attends over its own position-aligned tail blocks
+    st, vt, R = tree_tail_scores(q, k, v, mask, scale)                          # st [B*nkv*T, 2, 1, R, KB]
+    tail_top = st.amax(-1, keepdim=True).amax(1, keepdim=True)                  # [B*nkv*T, 1, 1, R, 1]
+    node_rows = tail_top[:, 0, 0, :g, 0].reshape(B, nkv, T, g).transpose(2, 3).reshape(X, rows)
+    shared = _to_rows(top, X, rows)[0, :, 0].view(X, rows)
+    best = torch.maximum(shared, node_rows)                                     # [X, rows] the query's max
+    top = F.pad(best, (0, nt * ROW_TILE - rows)).view(X, 1, nt, ROW_TILE, 1)
+    per_node = F.pad(best.view(B, nkv, g, T).transpose(2, 3).reshape(B * nkv * T, 1, 1, g, 1),
+                     (0, 0, 0, R - g))
+    p, pt = torch.exp(s - top), torch.exp(st - per_node)
+    l, o = _to_rows(p.sum(-1, keepdim=True), X, rows), _to_rows(torch.matmul(p, vb), X, rows)
+    lt, ot = (x[:, :, 0, :g].reshape(B, nkv, T, 2, g, x.shape[-1]).permute(3, 0, 1, 4, 2, 5)
+              .reshape(2, X * rows, x.shape[-1]) for x in (pt.sum(-1, keepdim=True), torch.matmul(pt, vt)))
+    o = torch.cat([o, ot]).sum(0) / torch.cat([l, lt]).sum(0)
+    return o.view(B, nh, T, hd)
+
+
+def tree_tail_scores(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask,
+                     scale: float) -> tuple[Tensor, Tensor, int]:
+    """Scores of each tree node over its own two position-aligned tail blocks, and those blocks' values.
+
+    A tree node's ancestors sit at scratch slots that are not their positions, so the tail
+    blocks (from the committed length's block on) are gathered per node by position: the
+    committed keys, then the node's ancestor at each depth, exactly the keys (and key offsets)
+    a chain along the node's path has; the shared part of the mask hides those blocks.
+    Returns scores [B*nkv*T, 2, 1, R, KB], values [B*nkv*T, 2, 1, KB, hd] and R (rows per tile).
+    """
+    B, nh, T, hd = q.shape
+    nkv = k.shape[1]
+    g = nh // nkv
+    bidx = torch.arange(B, device=q.device)[:, None, None]
+    kq = k.permute(0, 2, 1, 3)[bidx, mask.tree_slots]                           # [B, T, 2KB, nkv, hd]
+    vq = v.permute(0, 2, 1, 3)[bidx, mask.tree_slots]
+    kq = kq.permute(0, 3, 1, 2, 4).reshape(B * nkv * T, 2, 1, KV_BLOCK, hd).transpose(-1, -2)
+    vq = vq.permute(0, 3, 1, 2, 4).reshape(B * nkv * T, 2, 1, KV_BLOCK, hd)
+    R = -(-g // ROW_TILE) * ROW_TILE
+    qt = q.view(B, nkv, g, T, hd).permute(0, 1, 3, 2, 4).reshape(B * nkv * T, 1, 1, g, hd)
+    qt = F.pad(qt, (0, 0, 0, R - g))                                            # [B*nkv*T, 1, 1, R, hd]
+    bias = torch.zeros(mask.tree_visible.shape, device=q.device).masked_fill_(~mask.tree_visible, float("-inf"))
+    bias = bias.view(B, 1, T, 1, 2, 1, KV_BLOCK).expand(B, nkv, T, 1, 2, R, KV_BLOCK)
+    bias = bias.reshape(B * nkv * T, 1, 2, R, KV_BLOCK).transpose(1, 2)        # [B*nkv*T, 2, 1, R, KB]
+    return torch.matmul(qt, kq).mul_(scale).add_(bias), vq, R
 
 
 class Block(nn.Module):
@@ -269,22 +320,36 @@ class Transformer(nn.Module):
         B, T = positions.shape
         if T == 1:                      # a lone token is scored as a pair, so that it meets the same
             x = torch.cat([x, x], 1)    # kernels (and bits) as when it is verified with its drafts
-            eye = torch.eye(2, dtype=torch.bool, device=x.device)
-            if tree_mask is not None:
-                eye = eye.expand(B, 2, 2).clone()
-                eye[:, :1, :1] = tree_mask
-            return self.forward_embeds(x, positions.repeat(1, 2), cache, rows, eye.expand(B, 2, 2))[:, :1]
+            eye = torch.eye(2, dtype=torch.bool, device=x.device).expand(B, 2, 2)
+            return self._forward(x, positions.repeat(1, 2), cache, rows, eye, False)[:, :1]
+        if tree_mask is None:
+            return self._forward(x, positions, cache, rows, torch.ones(T, T, dtype=torch.bool, device=x.device)
+                                 .tril().expand(B, T, T), False)
+        return self._forward(x, positions, cache, rows, tree_mask, T <= INVARIANT_MAX_T)
+
+    def _forward(self, x: Tensor, positions: Tensor, cache: KVCache, rows: Tensor, tree_mask: Tensor,
+                 tree: bool) -> Tensor:
+        """tree: scratch slots are not positions (a token tree), so tails are gathered by position."""
+        B, T = positions.shape
         cache.check_room(rows, T)
         lengths = cache.lengths[rows]                                          # [B]
         kv_len = -(-(int(lengths.max()) + T) // KV_BLOCK) * KV_BLOCK          # whole key blocks
         contiguous = bool(rows.numel() == 1 or torch.equal(rows, torch.arange(int(rows[0]), int(rows[0]) + B, device=rows.device)))
         visible, kpos = self._mask(lengths, positions, T, kv_len, tree_mask)
-        mask = AttentionMask(visible, self.config.n_kv_heads, self.config.n_heads)
+        nkv, nh = self.config.n_kv_heads, self.config.n_heads
+        slots, tvis = torch.empty(0, dtype=torch.long), torch.empty(0)
+        if tree:
+            slots, tvis, tail = self._tree_tails(lengths, positions, tree_mask, cache.slots)
+            visible = visible & (torch.arange(kv_len, device=x.device) < tail[:, None])[:, None, None]
+        mask = AttentionMask(visible, nkv, nh, slots, tvis)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, T, hd]
         if self.config.sliding_window > 0:
             lcos, lsin = self.lcos[positions][:, None], self.lsin[positions][:, None]
             window = positions[:, None, :, None] - kpos[:, :, None, :] < self.config.sliding_window
-            local = AttentionMask(visible & window, self.config.n_kv_heads, self.config.n_heads)
+            if tree:
+                vpos = tail[:, None, None] + torch.arange(2 * KV_BLOCK, device=x.device)
+                tvis = tvis & (positions[:, :, None] - vpos < self.config.sliding_window)
+            local = AttentionMask(visible & window, nkv, nh, slots, tvis)
         for i, layer in enumerate(self.layers):
             if self.config.is_local(i):
                 x = layer(x, lcos, lsin, local, cache, rows, kv_len, contiguous)
@@ -293,15 +358,38 @@ class Transformer(nn.Module):
         return rms_norm(x, self.norm, self.config.norm_eps)
 
     @staticmethod
+    def _tree_tails(lengths: Tensor, positions: Tensor, tree_mask: Tensor, n_slots: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Per node, the cache slots of its two tail blocks laid out by position, and their visibility.
+
+        Tail = the blocks from the one holding the committed length on: committed keys at their
+        slots, then the node's ancestor at each depth. Returns slots, visible [B, T, 2*KV_BLOCK]
+        and the first tail position [B].
+        """
+        B, T = positions.shape
+        dev = positions.device
+        depth = positions - lengths[:, None]                                   # [B, T]
+        anc = torch.zeros(B, T, T + 1, dtype=torch.long, device=dev)           # anc[b, j, d]: node index
+        at = torch.where(tree_mask, depth[:, None, :], T)                      # [B, T(node), T(key)]
+        anc.scatter_(2, at, torch.arange(T, device=dev).expand(B, T, T).contiguous())
+        tail = lengths // KV_BLOCK * KV_BLOCK                                  # [B]
+        vpos = tail[:, None, None] + torch.arange(2 * KV_BLOCK, device=dev)    # [B, 1, 2KB] positions
+        rel = vpos - lengths[:, None, None]                                    # depth below the root
+        committed = rel < 0
+        on_path = (rel >= 0) & (rel <= depth[:, :, None])                      # [B, T, 2KB]
+        node = anc.gather(2, rel.clamp(0, T).expand(B, T, 2 * KV_BLOCK))
+        slots = torch.where(committed, vpos, lengths[:, None, None] + node)
+        visible = committed | on_path
+        slots = torch.where(visible, slots, torch.zeros_like(slots)).clamp(max=n_slots - 1)
+        return slots, visible, tail
+
+    @staticmethod
     def _mask(lengths: Tensor, positions: Tensor, T: int, kv_len: int,
-              tree_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+              tree_mask: Tensor) -> tuple[Tensor, Tensor]:
         """Visibility [B, 1, T, kv_len] (True = attend) and key positions [B, 1, kv_len]."""
         B = lengths.shape[0]
         dev = lengths.device
         j = torch.arange(kv_len, device=dev)
         mask = (j[None, None, :] < lengths[:, None, None]).expand(B, T, kv_len).clone()
-        if tree_mask is None:
-            tree_mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril().expand(B, T, T)
         scratch = lengths[:, None] + torch.arange(T, device=dev)               # [B, T]
         mask.scatter_(2, scratch[:, None, :].expand(B, T, T), tree_mask)
         kpos = j.expand(B, kv_len).clone()
