@@ -80,6 +80,17 @@ class AttentionMask:
         self.tree_slots, self.tree_visible = tree_slots, tree_visible
         self._bias: dict[int, Tensor] = {}
 
+    def tail_bias(self, R: int) -> Tensor:
+        """[B*nkv*T, nq, 1, R, KB] additive bias of the tree tails (built once per forward)."""
+        if -1 not in self._bias:
+            B, T, W = self.tree_visible.shape
+            nq = W // KV_BLOCK
+            bias = torch.zeros(self.tree_visible.shape, device=self.tree_visible.device)
+            bias.masked_fill_(~self.tree_visible, float("-inf"))
+            bias = bias.view(B, 1, T, 1, nq, 1, KV_BLOCK).expand(B, self.n_kv, T, 1, nq, R, KV_BLOCK)
+            self._bias[-1] = bias.reshape(B * self.n_kv * T, 1, nq, R, KV_BLOCK).transpose(1, 2)
+        return self._bias[-1]
+
     @property
     def tree(self) -> bool:
         """A token tree: each query also gets its own position-aligned tail blocks (see `tree_attention`)."""
@@ -147,7 +158,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float
         l, o = _to_rows(p.sum(-1, keepdim=True), X, rows), _to_rows(torch.matmul(p, vb), X, rows)
         return (o.sum(0) / l.sum(0)).view(B, nh, T, hd)
     # a token tree: each node also attends over its own position-aligned tail blocks
-    st, vt, R = tree_tail_scores(q, k, v, mask, scale)                          # st [B*nkv*T, 2, 1, R, KB]
+    st, vt, R = tree_tail_scores(q, k, v, mask, scale)                          # st [B*nkv*T, nq, 1, R, KB]
     tail_top = st.amax(-1, keepdim=True).amax(1, keepdim=True)                  # [B*nkv*T, 1, 1, R, 1]
     node_rows = tail_top[:, 0, 0, :g, 0].reshape(B, nkv, T, g).transpose(2, 3).reshape(X, rows)
     shared = _to_rows(top, X, rows)[0, :, 0].view(X, rows)
@@ -157,37 +168,36 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float
                      (0, 0, 0, R - g))
     p, pt = torch.exp(s - top), torch.exp(st - per_node)
     l, o = _to_rows(p.sum(-1, keepdim=True), X, rows), _to_rows(torch.matmul(p, vb), X, rows)
-    lt, ot = (x[:, :, 0, :g].reshape(B, nkv, T, 2, g, x.shape[-1]).permute(3, 0, 1, 4, 2, 5)
-              .reshape(2, X * rows, x.shape[-1]) for x in (pt.sum(-1, keepdim=True), torch.matmul(pt, vt)))
+    nq = st.shape[1]
+    lt, ot = (x[:, :, 0, :g].reshape(B, nkv, T, nq, g, x.shape[-1]).permute(3, 0, 1, 4, 2, 5)
+              .reshape(nq, X * rows, x.shape[-1]) for x in (pt.sum(-1, keepdim=True), torch.matmul(pt, vt)))
     o = torch.cat([o, ot]).sum(0) / torch.cat([l, lt]).sum(0)
     return o.view(B, nh, T, hd)
 
 
 def tree_tail_scores(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask,
                      scale: float) -> tuple[Tensor, Tensor, int]:
-    """Scores of each tree node over its own two position-aligned tail blocks, and those blocks' values.
+    """Scores of each tree node over its own nq position-aligned tail blocks, and those blocks' values.
 
     A tree node's ancestors sit at scratch slots that are not their positions, so the tail
     blocks (from the committed length's block on) are gathered per node by position: the
     committed keys, then the node's ancestor at each depth, exactly the keys (and key offsets)
     a chain along the node's path has; the shared part of the mask hides those blocks.
-    Returns scores [B*nkv*T, 2, 1, R, KB], values [B*nkv*T, 2, 1, KB, hd] and R (rows per tile).
+    Returns scores [B*nkv*T, nq, 1, R, KB], values [B*nkv*T, nq, 1, KB, hd] and R (rows per tile).
     """
     B, nh, T, hd = q.shape
     nkv = k.shape[1]
     g = nh // nkv
     bidx = torch.arange(B, device=q.device)[:, None, None]
-    kq = k.permute(0, 2, 1, 3)[bidx, mask.tree_slots]                           # [B, T, 2KB, nkv, hd]
+    kq = k.permute(0, 2, 1, 3)[bidx, mask.tree_slots]                           # [B, T, nq*KB, nkv, hd]
     vq = v.permute(0, 2, 1, 3)[bidx, mask.tree_slots]
-    kq = kq.permute(0, 3, 1, 2, 4).reshape(B * nkv * T, 2, 1, KV_BLOCK, hd).transpose(-1, -2)
-    vq = vq.permute(0, 3, 1, 2, 4).reshape(B * nkv * T, 2, 1, KV_BLOCK, hd)
+    nq = mask.tree_slots.shape[-1] // KV_BLOCK
+    kq = kq.permute(0, 3, 1, 2, 4).reshape(B * nkv * T, nq, 1, KV_BLOCK, hd).transpose(-1, -2)
+    vq = vq.permute(0, 3, 1, 2, 4).reshape(B * nkv * T, nq, 1, KV_BLOCK, hd)
     R = -(-g // ROW_TILE) * ROW_TILE
     qt = q.view(B, nkv, g, T, hd).permute(0, 1, 3, 2, 4).reshape(B * nkv * T, 1, 1, g, hd)
     qt = F.pad(qt, (0, 0, 0, R - g))                                            # [B*nkv*T, 1, 1, R, hd]
-    bias = torch.zeros(mask.tree_visible.shape, device=q.device).masked_fill_(~mask.tree_visible, float("-inf"))
-    bias = bias.view(B, 1, T, 1, 2, 1, KV_BLOCK).expand(B, nkv, T, 1, 2, R, KV_BLOCK)
-    bias = bias.reshape(B * nkv * T, 1, 2, R, KV_BLOCK).transpose(1, 2)        # [B*nkv*T, 2, 1, R, KB]
-    return torch.matmul(qt, kq).mul_(scale).add_(bias), vq, R
+    return torch.matmul(qt, kq).mul_(scale).add_(mask.tail_bias(R)), vq, R
 
 
 class Block(nn.Module):
@@ -315,8 +325,11 @@ class Transformer(nn.Module):
         return self.forward_embeds(self.embed_tokens(tokens), positions, cache, rows, tree_mask)
 
     def forward_embeds(self, x: Tensor, positions: Tensor, cache: KVCache, rows: Tensor,
-                       tree_mask: Tensor | None = None) -> Tensor:
-        """Like forward, from input vectors x [B, T, H] (EAGLE feeds fused token + feature vectors)."""
+                       tree_mask: Tensor | None = None, exact_tree: bool = True) -> Tensor:
+        """Like forward, from input vectors x [B, T, H] (EAGLE feeds fused token + feature vectors).
+
+        exact_tree=False skips the per-node tails of a token tree (faster; for drafters, whose
+        bits never reach the output: the same q drafts and is verified against)."""
         B, T = positions.shape
         if T == 1:                      # a lone token is scored as a pair, so that it meets the same
             x = torch.cat([x, x], 1)    # kernels (and bits) as when it is verified with its drafts
@@ -325,7 +338,7 @@ class Transformer(nn.Module):
         if tree_mask is None:
             return self._forward(x, positions, cache, rows, torch.ones(T, T, dtype=torch.bool, device=x.device)
                                  .tril().expand(B, T, T), False)
-        return self._forward(x, positions, cache, rows, tree_mask, T <= INVARIANT_MAX_T)
+        return self._forward(x, positions, cache, rows, tree_mask, exact_tree and T <= INVARIANT_MAX_T)
 
     def _forward(self, x: Tensor, positions: Tensor, cache: KVCache, rows: Tensor, tree_mask: Tensor,
                  tree: bool) -> Tensor:
@@ -347,7 +360,7 @@ class Transformer(nn.Module):
             lcos, lsin = self.lcos[positions][:, None], self.lsin[positions][:, None]
             window = positions[:, None, :, None] - kpos[:, :, None, :] < self.config.sliding_window
             if tree:
-                vpos = tail[:, None, None] + torch.arange(2 * KV_BLOCK, device=x.device)
+                vpos = tail[:, None, None] + torch.arange(tvis.shape[-1], device=x.device)
                 tvis = tvis & (positions[:, :, None] - vpos < self.config.sliding_window)
             local = AttentionMask(visible & window, nkv, nh, slots, tvis)
         for i, layer in enumerate(self.layers):
@@ -359,7 +372,7 @@ class Transformer(nn.Module):
 
     @staticmethod
     def _tree_tails(lengths: Tensor, positions: Tensor, tree_mask: Tensor, n_slots: int) -> tuple[Tensor, Tensor, Tensor]:
-        """Per node, the cache slots of its two tail blocks laid out by position, and their visibility.
+        """Per node, the cache slots of its tail blocks laid out by position, and their visibility.
 
         Tail = the blocks from the one holding the committed length on: committed keys at their
         slots, then the node's ancestor at each depth. Returns slots, visible [B, T, 2*KV_BLOCK]
@@ -372,11 +385,12 @@ class Transformer(nn.Module):
         at = torch.where(tree_mask, depth[:, None, :], T)                      # [B, T(node), T(key)]
         anc.scatter_(2, at, torch.arange(T, device=dev).expand(B, T, T).contiguous())
         tail = lengths // KV_BLOCK * KV_BLOCK                                  # [B]
-        vpos = tail[:, None, None] + torch.arange(2 * KV_BLOCK, device=dev)    # [B, 1, 2KB] positions
+        nq = int(((lengths - tail) + depth.amax(1)).amax()) // KV_BLOCK + 1     # tail blocks that hold nodes
+        vpos = tail[:, None, None] + torch.arange(nq * KV_BLOCK, device=dev)   # [B, 1, W] positions
         rel = vpos - lengths[:, None, None]                                    # depth below the root
         committed = rel < 0
-        on_path = (rel >= 0) & (rel <= depth[:, :, None])                      # [B, T, 2KB]
-        node = anc.gather(2, rel.clamp(0, T).expand(B, T, 2 * KV_BLOCK))
+        on_path = (rel >= 0) & (rel <= depth[:, :, None])                      # [B, T, W]
+        node = anc.gather(2, rel.clamp(0, T).expand(B, T, vpos.shape[-1]))
         slots = torch.where(committed, vpos, lengths[:, None, None] + node)
         visible = committed | on_path
         slots = torch.where(visible, slots, torch.zeros_like(slots)).clamp(max=n_slots - 1)

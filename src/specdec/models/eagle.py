@@ -65,7 +65,7 @@ class EagleHead(nn.Module):
         e = self.tgt.embed_tokens(tokens).to(features.dtype)
         x = linear(torch.cat([e, features], -1), self.fc.weight, self.packed, "fc")
         x = x + self.fc.bias.to(x.dtype)
-        return self.core.forward_embeds(x, positions, cache, rows, tree_mask)
+        return self.core.forward_embeds(x, positions, cache, rows, tree_mask, exact_tree=False)
 
     def logits(self, features: Tensor) -> Tensor:
         """Draft logits over the reduced vocabulary [.., V'] (float32)."""
