@@ -28,7 +28,7 @@ test: install
 	$(BIN)/python -m pytest -q
 
 bench: install
-	$(BIN)/specdec bench --suite mini --peers transformers --repeats 3
+	$(BIN)/specdec bench --suite mini --methods none,ngram,ngram@auto,draft,draft@auto,eagle,medusa --peers transformers --repeats 1
 
 serve: install
 	$(BIN)/specdec serve

@@ -83,7 +83,10 @@ class DistilledDraft(nn.Module):
     def prepare(self, dtype: torch.dtype) -> "DistilledDraft":
         """Inference set-up: the target's dtype, prepacked linears on CPU."""
         self.to(dtype).eval().requires_grad_(False)
-        self.core.cos, self.core.sin = self.core.cos.float(), self.core.sin.float()
+        t = self.target[0]
+        self.core.cos, self.core.sin = t.cos, t.sin                            # float32 rope, never cast
+        if t.config.sliding_window > 0:
+            self.core.lcos, self.core.lsin = t.lcos, t.lsin
         self.core.pack()                                  # also packs the reduced head as "lm_head"
         return self
 

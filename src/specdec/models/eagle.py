@@ -74,7 +74,7 @@ class EagleHead(nn.Module):
     def prepare(self, dtype: torch.dtype) -> "EagleHead":
         """Inference set-up: cast to the target's dtype, cache the LM-head rows, prepack on CPU."""
         self.to(dtype).eval().requires_grad_(False)
-        self.core.cos, self.core.sin = self.core.cos.float(), self.core.sin.float()
+        self.core.cos, self.core.sin = self.tgt.cos, self.tgt.sin            # float32 rope, never cast
         self.lm_weight_cached = self.lm_weight().to(dtype).contiguous()
         if packed_linear_available(self.lm_weight_cached.device):
             self.core.pack()
