@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from specdec.api import Generator, early_exit_draft, load_model
 from specdec.bench.suites import load_suite

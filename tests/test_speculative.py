@@ -1,7 +1,6 @@
 """Lossless speculative decoding on tiny random models: greedy equality and exact sampling distributions."""
 from __future__ import annotations
 
-import itertools
 import random
 
 import numpy as np
@@ -122,7 +121,7 @@ V, NEW, N = 8, 4, 20_000
 def exact_joint(model, prompt, params: SamplingParams) -> dict[tuple, float]:
     """P(whole NEW-token continuation) under the transform, by enumeration."""
     s = BatchSampling.of([params])
-    out, frontier = {}, [((), 1.0)]
+    frontier = [((), 1.0)]
     for depth in range(NEW):
         nxt = []
         for path, pr in frontier:

@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.draft_length import make_policy
 from specdec.reference import reference_greedy
-from specdec.sampling import make_rng, to_probs, BatchSampling, SamplingParams
+from specdec.sampling import make_rng, SamplingParams
 from specdec.tree import TokenTree, chain_tree, verify_tree
 from specdec.verify import Draft
 
