@@ -72,8 +72,6 @@ class AttentionMask:
     out like the grouped queries in `attention`.
     """
 
-    CHUNK = 128                                                  # queries per attention call
-
     def __init__(self, mask: Tensor, n_kv: int, n_heads: int,
                  tree_slots: Tensor = torch.empty(0, dtype=torch.long), tree_visible: Tensor = torch.empty(0)) -> None:
         self.mask, self.n_kv, self.n_heads = mask, n_kv, n_heads
@@ -105,11 +103,11 @@ class AttentionMask:
         """Score with the row-invariant `attention` (else SDPA: a prefill, never compared bit for bit)."""
         return self.length <= INVARIANT_MAX_T
 
-    def bias(self, lo: int, hi: int) -> Tensor:
-        """[B*nkv, nb, nt, ROW_TILE, KV_BLOCK] for queries lo..hi-1 (kept when one chunk covers all)."""
-        if lo in self._bias:
-            return self._bias[lo]
-        m = self.mask[:, :, lo:hi]                                              # [B, 1, t, S]
+    def bias(self) -> Tensor:
+        """[B*nkv, nb, nt, ROW_TILE, KV_BLOCK] additive bias of all queries (built once per forward)."""
+        if 0 in self._bias:
+            return self._bias[0]
+        m = self.mask                                                           # [B, 1, t, S]
         B, _, t, S = m.shape
         nb, g = S // KV_BLOCK, self.n_heads // self.n_kv
         rows = g * t
@@ -118,8 +116,7 @@ class AttentionMask:
         out = out.view(B, 1, 1, t, nb, KV_BLOCK).expand(B, self.n_kv, g, t, nb, KV_BLOCK)
         out = out.permute(0, 1, 4, 2, 3, 5).reshape(B * self.n_kv, nb, rows, KV_BLOCK)
         out = F.pad(out, (0, 0, 0, nt * ROW_TILE - rows)).view(B * self.n_kv, nb, nt, ROW_TILE, KV_BLOCK)
-        if hi - lo == self.length:
-            self._bias[lo] = out
+        self._bias[0] = out
         return out
 
 
@@ -151,7 +148,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float
     kb = k.reshape(X, nb, 1, KV_BLOCK, hd).transpose(-1, -2)                    # [X, nb, 1, hd, KB]
     vb = v.reshape(X, nb, 1, KV_BLOCK, hd)                                      # [X, nb, 1, KB, hd]
     qg = F.pad(q.reshape(X, rows, hd), (0, 0, 0, nt * ROW_TILE - rows)).view(X, 1, nt, ROW_TILE, hd)
-    s = torch.matmul(qg, kb).mul_(scale).add_(mask.bias(0, T))                  # [X, nb, nt, R, KB]
+    s = torch.matmul(qg, kb).mul_(scale).add_(mask.bias())                  # [X, nb, nt, R, KB]
     top = s.amax(-1, keepdim=True).amax(1, keepdim=True)                        # [X, 1, nt, R, 1]
     if not mask.tree:
         p = torch.exp(s - top)
