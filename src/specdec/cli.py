@@ -11,7 +11,8 @@ from .errors import SpecdecError
 DEFAULT_METHOD = "none"
 
 
-def add_model_args(p: argparse.ArgumentParser, default_method: str = DEFAULT_METHOD) -> None:
+def add_model_args(p: argparse.ArgumentParser, default_method: str = DEFAULT_METHOD,
+                   default_policy: str = "fixed") -> None:
     from .api import DTYPES, METHODS
     from .draft_length import POLICIES
     from .models.registry import DEFAULT_MODEL, MODELS
@@ -23,7 +24,9 @@ def add_model_args(p: argparse.ArgumentParser, default_method: str = DEFAULT_MET
                         "`specdec train draft`) or self:N (the target's first N layers); default: the distilled draft "
                         "shipped for the target. For eagle/medusa: their weights file (default: the shipped ones)")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="drafts per step, K (start value for adaptive policies)")
-    p.add_argument("--draft-policy", default="fixed", choices=POLICIES, help="draft length policy")
+    p.add_argument("--draft-policy", default=default_policy, choices=POLICIES,
+                   help="draft length policy (auto: K from measured acceptance and costs, 0 when a big batch makes "
+                        "drafting a loss)")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
                    help="bfloat16 is the speed mode, float32 the exactness mode")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")

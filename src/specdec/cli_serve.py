@@ -19,7 +19,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter]) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI API (completions, chat, streaming) with speculation",
                        formatter_class=fmt)
-    add_model_args(p)
+    add_model_args(p, default_policy="auto")             # batches come and go: K follows the batch size
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told otherwise)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,

@@ -173,7 +173,7 @@ class Engine:
         B = len(seqs)
         room = min(min(s.request.max_new_tokens - len(s.generated) for s in seqs) - 1,
                    min(self.slots - len(s.tokens) - 1 for s in seqs))
-        k = max(0, min(self.policy.choose(), room)) if self.speculative else 0
+        k = max(0, min(self.policy.choose(B), room)) if self.speculative else 0
         t0 = time.perf_counter()
         draft = self.proposer.propose(batch, k) if k > 0 else Draft(torch.empty(B, 0, dtype=torch.long, device=dev))
         k = draft.tokens.shape[1]
@@ -220,7 +220,7 @@ class Engine:
         t4 = time.perf_counter()
         for s in seqs:
             s.counters.draft_seconds += t4 - t3
-        self.policy.observe(k, valid, verdict.num_accepted, t1 - t0 + t4 - t3, t2 - t1)
+        self.policy.observe(B, k, valid, verdict.num_accepted, t1 - t0 + t4 - t3, t2 - t1)
         for s in seqs:
             self._check_stop(s)
             if not s.done:

@@ -289,8 +289,7 @@ class Transformer(nn.Module):
     def new_cache(self, rows: int, slots: int) -> KVCache:
         c = self.config
         # float32 cache even for bfloat16 weights: CPU attention is faster and exact-er in fp32
-        # +1 slot: a lone token is scored as a pair (see forward_embeds); whole key blocks
-        n = -(-(min(slots, c.max_seq_len) + 1) // KV_BLOCK) * KV_BLOCK
+        n = -(-min(slots, c.max_seq_len) // KV_BLOCK) * KV_BLOCK                # whole key blocks
         return KVCache(c.n_layers, rows, c.n_kv_heads, n, c.head_dim, torch.float32, self.device)
 
     def embed_tokens(self, tokens: Tensor) -> Tensor:
@@ -328,10 +327,6 @@ class Transformer(nn.Module):
         exact_tree=False skips the per-node tails of a token tree (faster; for drafters, whose
         bits never reach the output: the same q drafts and is verified against)."""
         B, T = positions.shape
-        if T == 1:                      # a lone token is scored as a pair, so that it meets the same
-            x = torch.cat([x, x], 1)    # kernels (and bits) as when it is verified with its drafts
-            eye = torch.eye(2, dtype=torch.bool, device=x.device).expand(B, 2, 2)
-            return self._forward(x, positions.repeat(1, 2), cache, rows, eye, False)[:, :1]
         if tree_mask is None:
             return self._forward(x, positions, cache, rows, torch.ones(T, T, dtype=torch.bool, device=x.device)
                                  .tril().expand(B, T, T), False)

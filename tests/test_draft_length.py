@@ -1,0 +1,97 @@
+"""Draft-length policies: the cost-aware choice of K (incl. K = 0 for big batches) and losslessness
+when plain and speculative steps mix."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specdec.draft_length import CostAware
+from specdec.engine import Engine, Request
+from specdec.proposers.draft_model import DraftModelProposer
+from specdec.proposers.eagle import EagleProposer
+from specdec.proposers.medusa import MedusaProposer
+from specdec.proposers.ngram import NgramProposer
+from specdec.reference import reference_greedy
+
+from conftest import tiny_model
+from test_eagle import head_for
+from test_medusa import heads_for
+from test_speculative import PROMPTS
+
+
+def trained(policy: CostAware, alpha: float, cost, batches=(1, 8), steps: int = 40) -> CostAware:
+    """Feed `policy` steps at each batch size: every 4th step tries the next K in turn, the others
+    take the K it picks; each draft position is accepted with probability alpha (seeded) and a
+    target forward over `rows` rows takes cost(rows) seconds."""
+    rng = random.Random(0)
+    for b in batches:
+        for step in range(steps):
+            k = policy.choose(b) if step % 4 else step // 4 % (policy.k_max + 1)
+            accepted = []
+            for _ in range(b):
+                n = 0
+                while n < k and rng.random() < alpha:
+                    n += 1
+                accepted.append(n)
+            policy.observe(b, k, torch.full((b,), k), torch.tensor(accepted), 1e-5 * k, cost(b * (k + 1)))
+    return policy
+
+
+def test_cost_aware_drafts_long_when_forwards_are_overhead_bound():
+    p = trained(CostAware(4, 8), alpha=0.9, cost=lambda rows: 0.020 + 0.0001 * rows)
+    assert p.choose(1) >= 4
+    assert p.choose(8) >= 4
+
+
+def test_cost_aware_stops_drafting_when_the_batch_is_compute_bound():
+    """Cost proportional to rows: extra rows cost as much as the tokens they may save, so K=0 wins."""
+    p = trained(CostAware(4, 8), alpha=0.5, cost=lambda rows: 0.001 + 0.002 * rows)
+    assert p.choose(16) == 0
+    q = trained(CostAware(4, 8), alpha=0.5, cost=lambda rows: 0.020 + 0.0005 * rows)
+    assert q.choose(1) > 0 and q.choose(64) == 0                               # same machine, bigger batch
+
+
+def test_cost_aware_prior_before_any_measurement_drafts():
+    p = CostAware(4, 8)
+    assert 1 <= p.choose(1) <= 8
+    assert p.target_cost(40) > p.target_cost(8) > 0
+
+
+class Alternating:
+    """A scripted policy: plain steps (K = 0) between speculative ones of varying K."""
+
+    def __init__(self, ks: list[int]) -> None:
+        self.ks, self.i = ks, 0
+
+    def choose(self, batch: int) -> int:
+        self.i += 1
+        return self.ks[self.i % len(self.ks)]
+
+    def observe(self, batch, k, valid, accepted, draft_s, target_s) -> None:
+        pass
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram", "eagle", "medusa"])
+def test_greedy_equals_plain_when_plain_and_speculative_steps_mix(method):
+    target = tiny_model(seed=8)
+    if method == "draft":
+        draft = tiny_model(seed=8, layers=1)
+        draft.load_state_dict({n: p for n, p in target.state_dict().items() if not n.startswith("layers.1.")})
+        prop = DraftModelProposer(draft)
+    elif method == "ngram":
+        prop = NgramProposer(1, 3)
+    elif method == "eagle":
+        prop = EagleProposer(head_for(target), 2, 3, 6)
+    else:
+        prop = MedusaProposer(heads_for(target, 3))
+    eng = Engine(target, prop, Alternating([0, 3, 0, 0, 2, 4, 1, 0]), lambda ids: "", frozenset())
+    eng.allocate(len(PROMPTS), max(map(len, PROMPTS)) + 40)
+    seqs = [eng.add(Request(list(p), 25)) for p in PROMPTS]
+    with torch.inference_mode():
+        while eng.busy:
+            eng.step()
+    for p, s in zip(PROMPTS, seqs):
+        assert s.generated == reference_greedy(target, p, 25)
+    assert sum(s.counters.drafted for s in seqs) > 0
