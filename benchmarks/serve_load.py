@@ -264,7 +264,7 @@ def main() -> int:
     ap.add_argument("--method", default="ngram")
     ap.add_argument("--draft-model", default=None)
     ap.add_argument("--num-draft-tokens", type=int, default=4)
-    ap.add_argument("--draft-policy", default="fixed")
+    ap.add_argument("--draft-policy", default="auto")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=0, help="server torch threads (0 = default)")
     ap.add_argument("--omp-passive", action=argparse.BooleanOptionalAction, default=False,

@@ -31,7 +31,10 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 beyond)")
     p.add_argument("--prefill-tokens", type=int, default=2048,
                    help="padded prompt tokens admitted into the batch per step (bounds the pause a burst causes)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads (0 = torch's default less one, at least 1: a core stays free for the HTTP "
+                        "side, whose wake-ups otherwise stall every parallel region of the decoder; measured on 2 cores: "
+                        "1 thread serves 1.1x (batched) to 1.4x (one at a time) the tokens/s of 2)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 
@@ -68,8 +71,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     config = ServeConfig(max_batch=a.max_batch, max_waiting=a.max_waiting, max_prompt_tokens=a.max_prompt_tokens,
                          max_tokens=a.max_tokens, max_body_bytes=a.max_body_bytes, api_key=key,
                          prefill_tokens=a.prefill_tokens)
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    torch.set_num_threads(a.threads or max(1, torch.get_num_threads() - 1))
     gen = specdec.load(a.model, method=a.method, dtype=a.dtype, device=a.device, draft_model=a.draft_model,
                        num_draft_tokens=a.num_draft_tokens, draft_policy=a.draft_policy)
     state = ServerState(gen, config, drafts_for_server(a, gen), a.dtype)
