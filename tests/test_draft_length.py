@@ -75,6 +75,7 @@ class Alternating:
 
 @pytest.mark.parametrize("method", ["draft", "ngram", "eagle", "medusa"])
 def test_greedy_equals_plain_when_plain_and_speculative_steps_mix(method):
+    """`auto` may choose K = 0 between speculative steps: the target stays exact, proposers stay in step."""
     target = tiny_model(seed=8)
     if method == "draft":
         draft = tiny_model(seed=8, layers=1)
@@ -89,9 +90,14 @@ def test_greedy_equals_plain_when_plain_and_speculative_steps_mix(method):
     eng = Engine(target, prop, Alternating([0, 3, 0, 0, 2, 4, 1, 0]), lambda ids: "", frozenset())
     eng.allocate(len(PROMPTS), max(map(len, PROMPTS)) + 40)
     seqs = [eng.add(Request(list(p), 25)) for p in PROMPTS]
+    fed: dict[int, int] = {}
     with torch.inference_mode():
         while eng.busy:
             eng.step()
+            if method == "draft":                  # the draft's cache only grows: a plain step rolls nothing back
+                for s in seqs:
+                    assert prop.fed.get(s.row, 0) >= fed.get(s.row, 0), "draft cache rolled back on a plain step"
+                    fed[s.row] = prop.fed.get(s.row, 0)
     for p, s in zip(PROMPTS, seqs):
         assert s.generated == reference_greedy(target, p, 25)
     assert sum(s.counters.drafted for s in seqs) > 0

@@ -20,7 +20,7 @@ def head_for(target, seed=0, vocab=None):
     return EagleHead(target, ids).prepare(torch.float32)
 
 
-@pytest.mark.parametrize("topk, depth, budget", [(2, 3, 6), (4, 5, 16), (3, 2, 4)])
+@pytest.mark.parametrize("topk, depth, budget", [(2, 3, 6), (4, 5, 16), (3, 2, 4), (1, 4, 4)])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_eagle_greedy_equals_plain(topk, depth, budget, batch):
     target = tiny_model(seed=7)

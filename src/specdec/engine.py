@@ -187,6 +187,10 @@ class Engine:
                 tt[off, 1:], tp[off, 1:] = -1, -1
                 tree = TokenTree(tt, tp)
             draft = Draft(tokens, draft.probs, tree)
+        k_asked = k
+        if draft.tree is None and k:                                           # drop all-empty trailing columns
+            k = int((draft.tokens >= 0).any(0).nonzero().amax()) + 1 if bool((draft.tokens >= 0).any()) else 0
+            draft = Draft(draft.tokens[:, :k], None if draft.probs is None else draft.probs[:, :k])
         t1 = time.perf_counter()
         pending = torch.tensor([s.tokens[-1] for s in seqs], device=dev)
         base = self.cache.lengths[batch.rows]
@@ -195,8 +199,9 @@ class Engine:
             pos = base[:, None] + torch.arange(k + 1, device=dev)
             hidden = self.target(inp, pos, self.cache, batch.rows)             # [B, k+1, H]
             p = to_probs(self.target.lm_head(hidden), batch.sampling)          # [B, k+1, V]
-            u = uniforms([self.rngs[s.row][0] for s in seqs], k + 1, dev)
-            verdict = verify(draft, p, u[:, :k], u[:, k])
+            u = uniforms([self.rngs[s.row][0] for s in seqs], k_asked + 1, dev)   # as many as asked: a
+            verdict = verify(draft, p, u[:, :k], u[:, k_asked])                     # row's stream never
+                                                                                   # depends on its batch
         else:                                                                  # a token tree, root = pending
             tree = draft.tree
             assert torch.equal(tree.tokens[:, 0], pending), "tree root must be the pending token"

@@ -87,3 +87,4 @@ class DraftModelProposer:
         self.cache.truncate(rows, base + keep)
         for r, n in zip(rows.tolist(), (base + keep).tolist()):
             self.fed[r] = n
+        self.drafted = 0                      # a step without propose (K = 0) has nothing to roll back

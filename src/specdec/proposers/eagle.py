@@ -5,7 +5,7 @@ committed position i, and `pred` is the head's output at the last one (the
 predicted feature of the pending token's position). Drafting expands, depth by
 depth, the `topk` best nodes by cumulative draft log-probability, each into its
 `topk` best children; the `budget` best nodes overall form the tree the target
-verifies. After verification the accepted path's true target features are fed
+verifies (topk = 1 drafts a plain chain instead). After verification the accepted path's true target features are fed
 back, so drafting always restarts from exact features.
 """
 from __future__ import annotations
@@ -112,6 +112,8 @@ class EagleProposer:
             best = cscore.topk(K, -1).indices                      # expand the best K children next
             frontier = total + best
             total += K * K
+        if K == 1:                     # a chain: verified as one (cheaper than a tree forward), q a point mass
+            return Draft(torch.cat(nodes_tok, 1))                  # [B, depth], one node per depth in order
         return Draft(torch.zeros(B, 1, dtype=torch.long, device=dev), None,
                      self._select(batch, torch.cat(nodes_tok, 1), torch.cat(nodes_par, 1),
                                   torch.cat(nodes_score, 1), torch.cat(nodes_depth, 1)))

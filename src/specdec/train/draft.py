@@ -16,10 +16,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..api import load_model
 from ..errors import SpecdecError
 from ..models.distilled import DistilledDraft
-from .features import training_set, vocab_subset
+from .features import begin, training_set, vocab_subset
 
 
 def _windows(seqs: list[list[int]], feats: list[torch.Tensor], idx: list[int], window: int,
@@ -57,12 +56,7 @@ def draft_losses(draft: DistilledDraft, toks: torch.Tensor, f: torch.Tensor, len
 def train_draft(model: str, data: Path, out: Path, minutes: float, layers: list[int], vocab_size: int,
                 window: int, batch: int, lr: float, max_seq: int, max_rows: int, overwrite: bool,
                 seed: int = 0) -> dict:
-    if out.exists() and not overwrite:
-        raise SpecdecError(f"{out} exists; pass --overwrite to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
-    target, tok, name = load_model(model, "bfloat16")
+    target, name, rng = begin(model, out, overwrite, seed)
     bad = [i for i in layers if not 0 <= i < target.config.n_layers]
     if not layers or bad:
         raise SpecdecError(f"--layers must name target layers in 0..{target.config.n_layers - 1}, got {layers}")

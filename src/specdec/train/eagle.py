@@ -16,10 +16,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..api import load_model
-from ..errors import SpecdecError
 from ..models.eagle import EagleHead
-from .features import training_set, vocab_subset
+from .features import begin, training_set, vocab_subset
 
 
 def _windows(seqs, feats, idx, window, rng):
@@ -69,12 +67,7 @@ def head_losses(head: EagleHead, toks, f, lens, w_sub, unroll: int = 2):
 
 def train_eagle(model: str, data: Path, out: Path, minutes: float, vocab_size: int, window: int, batch: int,
                 lr: float, max_seq: int, overwrite: bool, max_rows: int = 0, seed: int = 0) -> dict:
-    if out.exists() and not overwrite:
-        raise SpecdecError(f"{out} exists; pass --overwrite to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
-    target, tok, name = load_model(model, "bfloat16")
+    target, name, rng = begin(model, out, overwrite, seed)
     seqs, feats = training_set(target, data, max_rows, max_seq, rng)
     n_eval = max(8, len(seqs) // 20)
     ids = vocab_subset(seqs, vocab_size, target.vocab_size)

@@ -1,6 +1,9 @@
 """Teacher-forced target features for training heads: the target's final hidden states per token."""
 from __future__ import annotations
 
+import random
+from pathlib import Path
+
 import torch
 from torch import Tensor
 from tqdm import tqdm
@@ -29,6 +32,19 @@ def extract(target: Transformer, seqs: list[list[int]], batch: int = 8, desc: st
     return out
 
 
+def begin(model: str, out: Path, overwrite: bool, seed: int) -> tuple[Transformer, str, random.Random]:
+    """The common start of a training run: refuse to overwrite `out`, seed, load the target (bfloat16)."""
+    from ..api import load_model
+    from ..errors import SpecdecError
+
+    if out.exists() and not overwrite:
+        raise SpecdecError(f"{out} exists; pass --overwrite to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    target, _, name = load_model(model, "bfloat16")
+    return target, name, random.Random(seed)
+
+
 def vocab_subset(seqs: list[list[int]], size: int, vocab: int) -> Tensor:
     """The `size` most frequent token ids of the data (sorted ids)."""
     counts = torch.zeros(vocab, dtype=torch.long)
@@ -42,8 +58,6 @@ def training_set(target: Transformer, data, max_rows: int, max_seq: int, rng) ->
 
     Features are extracted once per (rows, max_seq) and cached beside the data.
     """
-    from pathlib import Path
-
     from .data import read_data
 
     rows = read_data(Path(data))

@@ -10,11 +10,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..api import load_model
-from ..errors import SpecdecError
 from ..models.medusa import MedusaHeads
 from .data import read_data
-from .features import extract, vocab_subset
+from .features import begin, extract, vocab_subset
 
 
 def medusa_loss(heads: MedusaHeads, f: torch.Tensor, w_sub: torch.Tensor, decay: float = 0.8):
@@ -34,12 +32,7 @@ def medusa_loss(heads: MedusaHeads, f: torch.Tensor, w_sub: torch.Tensor, decay:
 
 def train_medusa(model: str, data: Path, out: Path, minutes: float, vocab_size: int, n_heads: int, window: int,
                  batch: int, lr: float, max_seq: int, max_rows: int, overwrite: bool, seed: int = 0) -> dict:
-    if out.exists() and not overwrite:
-        raise SpecdecError(f"{out} exists; pass --overwrite to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
-    target, _, name = load_model(model, "bfloat16")
+    target, name, rng = begin(model, out, overwrite, seed)
     rows = read_data(data)
     rows = rows[:max_rows] if max_rows > 0 else rows
     seqs = [r["tokens"][-max_seq:] for r in rows]
