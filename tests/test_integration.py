@@ -7,12 +7,13 @@ import sys
 
 import pytest
 
-from specdec.api import Generator, early_exit_draft, load_model
+from specdec.api import Generator, early_exit_draft, load_model, make_proposer
 from specdec.bench.suites import load_suite
 from specdec.proposers.base import NoProposer
 from specdec.proposers.draft_model import DraftModelProposer
 from specdec.proposers.ngram import NgramProposer
 from specdec.reference import reference_greedy
+from specdec.tree import TreeShape
 
 pytestmark = pytest.mark.integration
 
@@ -61,6 +62,19 @@ def test_speculation_is_lossless_on_real_prompts(request, method, dtype):
     for a, b in zip(plain, spec):
         assert b.tokens == a.tokens and b.text == a.text
     assert sum(r.metrics["acceptance_rate"] for r in spec) > 0
+
+
+@pytest.mark.parametrize("method, tree", [("draft", TreeShape()), ("eagle", TreeShape()),
+                                          ("eagle", TreeShape(4, 16)), ("medusa", TreeShape())])
+def test_shipped_drafts_are_lossless_on_real_prompts(target_bf16, method, tree):
+    """The weights we ship (distilled draft, EAGLE chain and dynamic tree, Medusa static tree), batched, bf16."""
+    model, tok = target_bf16
+    ps = prompts(12)[::2]
+    plain = Generator(model, tok, NoProposer()).generate(ps, max_new_tokens=32)
+    proposer = make_proposer(method, model, tok, None, "bfloat16", "cpu", tree)
+    spec = Generator(model, tok, proposer, "fixed", 4).generate(ps, max_new_tokens=32)
+    assert [r.tokens for r in spec] == [r.tokens for r in plain]
+    assert sum(r.metrics["target_forwards"] for r in spec) < sum(r.metrics["target_forwards"] for r in plain)
 
 
 def test_streaming_and_stop_strings(target):

@@ -31,6 +31,10 @@ def test_leak_check_catches_a_benchmark_prompt():
     (["train", "eagle", "--model", "gpt-5", "--out", "x.safetensors"], "unknown target"),
     (["train", "draft", "--model", "gpt-5", "--out", "x.safetensors"], "unknown target"),
     (["train", "draft", "--out", "x.safetensors", "--layers", "first,last"], "comma-separated layer numbers"),
+    (["train", "eagle", "--out", "x.safetensors", "--minutes", "0"], "--minutes must be > 0"),
+    (["train", "medusa", "--out", "x.safetensors", "--heads", "-1"], "--heads must be > 0"),
+    (["train", "draft", "--out", "x.safetensors", "--max-rows", "-5"], "--max-rows must be >= 0"),
+    (["train", "data", "--batch", "0"], "--batch must be > 0"),
 ])
 def test_train_cli_errors(argv, msg, capsys):
     assert main(argv) == 2

@@ -8,7 +8,7 @@ from typing import Iterator, Sequence as Seq
 
 import torch
 
-from .draft_length import POLICIES, make_policy
+from .draft_length import MAX_DRAFT_TOKENS, POLICIES, make_policy
 from .engine import Engine, Request
 from .errors import SpecdecError
 from .models.base import CausalLM
@@ -19,6 +19,7 @@ from .proposers.base import NoProposer, Proposer
 from .proposers.draft_model import DraftModelProposer
 from .proposers.ngram import NgramProposer
 from .sampling import SamplingParams
+from .tree import TreeShape
 
 METHODS = ("none", "ngram", "draft", "eagle", "medusa")
 WEIGHTS_DIR = Path(__file__).parent / "weights"
@@ -164,7 +165,7 @@ class Generator:
 
 
 def make_proposer(method: str, target: CausalLM, target_tok: Tokenizer, draft_model: str | CausalLM | None,
-                  dtype: str, device: str) -> Proposer:
+                  dtype: str, device: str, tree: TreeShape = TreeShape()) -> Proposer:
     if method == "none":
         return NoProposer()
     if method == "ngram":
@@ -205,7 +206,7 @@ def make_proposer(method: str, target: CausalLM, target_tok: Tokenizer, draft_mo
         if not isinstance(target, Transformer):
             raise SpecdecError("method 'eagle' needs a lean GGUF target")
         path = draft_model if isinstance(draft_model, str) else shipped(target.config.name, "eagle")
-        return EagleProposer(EagleHead.load(Path(path), target))
+        return EagleProposer(EagleHead.load(Path(path), target), tree.topk, MAX_DRAFT_TOKENS, tree.budget)
     if method == "medusa":
         from .models.decoder import Transformer
         from .models.medusa import MedusaHeads
@@ -245,13 +246,19 @@ def _params(m: CausalLM) -> int:
 
 def load(model: str = DEFAULT_MODEL, method: str = "none", dtype: str = "float32", device: str = "cpu",
          draft_model: str | CausalLM | None = None, num_draft_tokens: int = 4,
-         draft_policy: str = "fixed") -> Generator:
-    """Load a target (registered name or .gguf path) with a speculative method."""
+         draft_policy: str = "fixed", tree: TreeShape | str = TreeShape()) -> Generator:
+    """Load a target (registered name or .gguf path) with a speculative method.
+
+    `tree` shapes EAGLE's drafts: a TreeShape or "TOPKxBUDGET" (e.g. "4x16" for a dynamic tree); the
+    default (topk 1) is a chain, the fastest on our CPU measurements."""
     if method not in METHODS:
         raise SpecdecError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
     if draft_policy not in POLICIES:
         raise SpecdecError(f"unknown draft policy {draft_policy!r}; choose one of: {', '.join(POLICIES)}")
     make_policy(draft_policy, num_draft_tokens)
+    tree = TreeShape.parse(tree) if isinstance(tree, str) else tree
+    if tree != TreeShape() and method != "eagle":
+        raise SpecdecError(f"a draft tree shape ({tree}) applies to method 'eagle' only, not {method!r}")
     target, tok, name = load_model(model, dtype, device)
-    proposer = make_proposer(method, target, tok, draft_model, dtype, device)
+    proposer = make_proposer(method, target, tok, draft_model, dtype, device, tree)
     return Generator(target, tok, proposer, draft_policy, num_draft_tokens, name)

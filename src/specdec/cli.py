@@ -27,6 +27,8 @@ def add_model_args(p: argparse.ArgumentParser, default_method: str = DEFAULT_MET
     p.add_argument("--draft-policy", default=default_policy, choices=POLICIES,
                    help="draft length policy (auto: K from measured acceptance and costs, 0 when a big batch makes "
                         "drafting a loss)")
+    p.add_argument("--tree", default="1", help="EAGLE's draft shape: TOPKxBUDGET for a dynamic tree (e.g. 4x16: "
+                                                "4 children per node, 16 best nodes kept), 1 for a chain of K")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
                    help="bfloat16 is the speed mode, float32 the exactness mode")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
@@ -45,7 +47,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     else:
         prompt = a.prompt
     gen = specdec.load(a.model, method=a.method, dtype=a.dtype, device=a.device, draft_model=a.draft_model,
-                       num_draft_tokens=a.num_draft_tokens, draft_policy=a.draft_policy)
+                       num_draft_tokens=a.num_draft_tokens, draft_policy=a.draft_policy, tree=a.tree)
     chat = gen.tokenizer.has_chat_template if a.chat is None else a.chat
     kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
               seed=a.seed, stop=tuple(a.stop), chat=chat, truncate=a.truncate)

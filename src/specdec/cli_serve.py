@@ -62,6 +62,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     import specdec
     from .server import ServeConfig, ServerState, create_app
+    from .tree import TreeShape
 
     if not 0 <= a.port <= 65535:
         raise SpecdecError(f"--port must be in [0, 65535], got {a.port}")
@@ -73,8 +74,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
                          prefill_tokens=a.prefill_tokens)
     torch.set_num_threads(a.threads or max(1, torch.get_num_threads() - 1))
     gen = specdec.load(a.model, method=a.method, dtype=a.dtype, device=a.device, draft_model=a.draft_model,
-                       num_draft_tokens=a.num_draft_tokens, draft_policy=a.draft_policy)
-    state = ServerState(gen, config, drafts_for_server(a, gen), a.dtype)
+                       num_draft_tokens=a.num_draft_tokens, draft_policy=a.draft_policy, tree=a.tree)
+    state = ServerState(gen, config, drafts_for_server(a, gen), a.dtype, TreeShape.parse(a.tree))
     if a.host not in LOOPBACK and key is None:
         print(f"specdec: warning: listening on {a.host} without an API key (--api-key or SPECDEC_API_KEY)",
               file=sys.stderr)

@@ -14,10 +14,24 @@ def _check_target(model: str) -> None:
         raise SpecdecError(f"unknown target {model!r} for training; known models: {', '.join(MODELS)}")
 
 
+def _check_numbers(a: argparse.Namespace) -> None:
+    """Sizes and budgets must be positive (max_rows 0 = all)."""
+    for name in ("minutes", "vocab_size", "window", "batch", "lr", "max_seq", "heads", "max_prompts",
+                 "max_new_tokens"):
+        value = getattr(a, name, 1)
+        if not value > 0:
+            raise SpecdecError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+    if not 0 <= getattr(a, "greedy_fraction", 0) <= 1:
+        raise SpecdecError(f"--greedy-fraction must be in [0, 1], got {a.greedy_fraction}")
+    if getattr(a, "max_rows", 0) < 0:
+        raise SpecdecError(f"--max-rows must be >= 0 (0 = all), got {a.max_rows}")
+
+
 def cmd_data(a: argparse.Namespace) -> int:
     from .train.data import generate_data
 
     _check_target(a.model)
+    _check_numbers(a)
     out = generate_data(a.model, Path(a.out or f"runs/data/{a.model}"), a.max_prompts, a.max_new_tokens, a.batch,
                         a.greedy_fraction, a.seed)
     print(f"data in {out}")
@@ -28,6 +42,7 @@ def cmd_eagle(a: argparse.Namespace) -> int:
     from .train.eagle import train_eagle
 
     _check_target(a.model)
+    _check_numbers(a)
     report = train_eagle(a.model, Path(a.data or f"runs/data/{a.model}"), Path(a.out), a.minutes, a.vocab_size,
                          a.window, a.batch, a.lr, a.max_seq, a.overwrite, a.max_rows)
     print(json.dumps(report, indent=2))
@@ -38,6 +53,7 @@ def cmd_medusa(a: argparse.Namespace) -> int:
     from .train.medusa import train_medusa
 
     _check_target(a.model)
+    _check_numbers(a)
     report = train_medusa(a.model, Path(a.data or f"runs/data/{a.model}"), Path(a.out), a.minutes, a.vocab_size,
                           a.heads, a.window, a.batch, a.lr, a.max_seq, a.max_rows, a.overwrite)
     print(json.dumps(report, indent=2))
@@ -48,6 +64,7 @@ def cmd_draft(a: argparse.Namespace) -> int:
     from .train.draft import train_draft
 
     _check_target(a.model)
+    _check_numbers(a)
     try:
         layers = [int(x) for x in a.layers.split(",")]
     except ValueError:
@@ -64,56 +81,58 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
 
     d = tsub.add_parser("data", help="the target's own generations for training prompts (resumable shards)",
                         formatter_class=fmt)
-    d.add_argument("--model", default=DEFAULT_MODEL)
+    d.add_argument("--model", default=DEFAULT_MODEL, help="target whose generations to record")
     d.add_argument("--out", default=None, help="directory (default runs/data/MODEL)")
-    d.add_argument("--max-prompts", type=int, default=6144)
-    d.add_argument("--max-new-tokens", type=int, default=128)
-    d.add_argument("--batch", type=int, default=32)
+    d.add_argument("--max-prompts", type=int, default=6144, help="training prompts to answer")
+    d.add_argument("--max-new-tokens", type=int, default=128, help="answer length cap")
+    d.add_argument("--batch", type=int, default=32, help="prompts decoded together (bf16 batches)")
     d.add_argument("--greedy-fraction", type=float, default=0.75, help="share of batches decoded greedily")
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--seed", type=int, default=0, help="prompt order and sampling seed")
     d.set_defaults(func=cmd_data)
 
     e = tsub.add_parser("eagle", help="an EAGLE-style head on the target's features", formatter_class=fmt)
-    e.add_argument("--model", default=DEFAULT_MODEL)
+    e.add_argument("--model", default=DEFAULT_MODEL, help="target to train for")
     e.add_argument("--data", default=None, help="data directory (default runs/data/MODEL)")
-    e.add_argument("--out", required=True, help="output .safetensors (a .json report lands beside it)")
+    e.add_argument("--out", required=True, help="output .safetensors (a .json report lands beside it; "
+                                                "a .ckpt beside it resumes an interrupted run)")
     e.add_argument("--minutes", type=float, default=40.0, help="training time budget (after feature extraction)")
     e.add_argument("--vocab-size", type=int, default=8192, help="reduced draft vocabulary (most frequent tokens)")
-    e.add_argument("--window", type=int, default=128)
-    e.add_argument("--batch", type=int, default=8)
-    e.add_argument("--lr", type=float, default=1e-3)
+    e.add_argument("--window", type=int, default=128, help="tokens per training window")
+    e.add_argument("--batch", type=int, default=8, help="windows per step")
+    e.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (cosine to 10%%)")
     e.add_argument("--max-seq", type=int, default=384, help="keep the last N tokens of each example")
     e.add_argument("--max-rows", type=int, default=0, help="use at most N examples (0 = all)")
     e.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     e.set_defaults(func=cmd_eagle)
 
     m = tsub.add_parser("medusa", help="Medusa heads (one per future position)", formatter_class=fmt)
-    m.add_argument("--model", default=DEFAULT_MODEL)
+    m.add_argument("--model", default=DEFAULT_MODEL, help="target to train for")
     m.add_argument("--data", default=None, help="data directory (default runs/data/MODEL)")
-    m.add_argument("--out", required=True, help="output .safetensors")
-    m.add_argument("--minutes", type=float, default=10.0)
-    m.add_argument("--heads", type=int, default=4)
-    m.add_argument("--vocab-size", type=int, default=8192)
-    m.add_argument("--window", type=int, default=128)
-    m.add_argument("--batch", type=int, default=8)
-    m.add_argument("--lr", type=float, default=1e-3)
-    m.add_argument("--max-seq", type=int, default=384)
-    m.add_argument("--max-rows", type=int, default=0)
-    m.add_argument("--overwrite", action="store_true")
+    m.add_argument("--out", required=True, help="output .safetensors (a .json report lands beside it; "
+                                                "a .ckpt beside it resumes an interrupted run)")
+    m.add_argument("--minutes", type=float, default=10.0, help="training time budget (after feature extraction)")
+    m.add_argument("--heads", type=int, default=4, help="future positions predicted (one head each)")
+    m.add_argument("--vocab-size", type=int, default=8192, help="reduced draft vocabulary (most frequent tokens)")
+    m.add_argument("--window", type=int, default=128, help="tokens per training window")
+    m.add_argument("--batch", type=int, default=8, help="windows per step")
+    m.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (cosine to 10%%)")
+    m.add_argument("--max-seq", type=int, default=384, help="keep the last N tokens of each example")
+    m.add_argument("--max-rows", type=int, default=0, help="use at most N examples (0 = all)")
+    m.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     m.set_defaults(func=cmd_medusa)
 
     r = tsub.add_parser("draft", help="a small draft model distilled from the target (KL to its outputs)",
                         formatter_class=fmt)
-    r.add_argument("--model", default=DEFAULT_MODEL)
+    r.add_argument("--model", default=DEFAULT_MODEL, help="target to train for")
     r.add_argument("--data", default=None, help="data directory (default runs/data/MODEL)")
     r.add_argument("--out", required=True, help="output .safetensors (a .json report lands beside it; "
                                                 "a .ckpt beside it resumes an interrupted run)")
     r.add_argument("--minutes", type=float, default=40.0, help="training time budget (after feature extraction)")
     r.add_argument("--layers", default="0,29", help="target layers the draft starts from")
     r.add_argument("--vocab-size", type=int, default=8192, help="reduced draft vocabulary (most frequent tokens)")
-    r.add_argument("--window", type=int, default=128)
-    r.add_argument("--batch", type=int, default=8)
-    r.add_argument("--lr", type=float, default=3e-4)
+    r.add_argument("--window", type=int, default=128, help="tokens per training window")
+    r.add_argument("--batch", type=int, default=8, help="windows per step")
+    r.add_argument("--lr", type=float, default=3e-4, help="peak AdamW learning rate (cosine to 10%%)")
     r.add_argument("--max-seq", type=int, default=256, help="keep the last N tokens of each example")
     r.add_argument("--max-rows", type=int, default=0, help="use at most N examples (0 = all)")
     r.add_argument("--overwrite", action="store_true", help="replace an existing output file")

@@ -13,6 +13,39 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .errors import SpecdecError
+
+
+MAX_TREE_BUDGET = 64      # nodes per tree: the exact (batch-invariant) tree forward takes up to 72 tokens
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """How EAGLE drafts: `topk` children per expanded node and depth, the best `budget` nodes kept.
+
+    topk 1 is a plain chain (verified as one, no tree mask); the depth is the draft length K.
+    """
+
+    topk: int = 1
+    budget: int = 16
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.topk <= 16:
+            raise SpecdecError(f"tree topk must be in [1, 16], got {self.topk}")
+        if not self.topk <= self.budget <= MAX_TREE_BUDGET:
+            raise SpecdecError(f"tree budget must be in [topk={self.topk}, {MAX_TREE_BUDGET}], got {self.budget}")
+
+    @staticmethod
+    def parse(text: str) -> "TreeShape":
+        """"TOPKxBUDGET", e.g. "4x16"; "1" (or "1xN") is a chain."""
+        topk, _, budget = text.strip().lower().partition("x")
+        if not topk.isdigit() or (budget and not budget.isdigit()):
+            raise SpecdecError(f"a tree shape is TOPKxBUDGET (e.g. 4x16) or 1 for a chain, got {text!r}")
+        return TreeShape(int(topk), int(budget) if budget else max(16, int(topk)))
+
+    def __str__(self) -> str:
+        return "chain" if self.topk == 1 else f"{self.topk}x{self.budget}"
+
 
 @dataclass(frozen=True)
 class TokenTree:

@@ -42,6 +42,7 @@ from ..errors import SpecdecError
 from ..metrics import Counters
 from ..models.base import CausalLM
 from ..sampling import SamplingParams
+from ..tree import TreeShape
 from .suites import Prompt
 
 SCHEMA = "specdec-bench/1"
@@ -62,6 +63,7 @@ class MethodSpec:
     method: str
     draft: str | None
     policy: str = ""              # draft-length policy; "" = the run's --draft-policy
+    tree: TreeShape = TreeShape()  # EAGLE's draft shape (``eagle:4x16``)
 
 
 def default_draft(model_name: str) -> str:
@@ -79,7 +81,8 @@ def parse_methods(specs: str | Sequence[str], draft_model: str | None) -> list[M
 
     ``NAME`` uses ``draft_model`` for the ``draft`` method and no draft otherwise; ``NAME=DRAFT``
     gives a method its own draft (e.g. ``draft=self:8``), so one method can be compared with itself;
-    a ``@POLICY`` suffix gives it its own draft-length policy (``ngram@auto`` next to ``ngram``).
+    a ``@POLICY`` suffix gives it its own draft-length policy (``ngram@auto`` next to ``ngram``);
+    ``NAME:TOPKxBUDGET`` an EAGLE draft tree (``eagle:4x16`` next to the chain ``eagle``).
     """
     from ..draft_length import POLICIES
 
@@ -90,6 +93,10 @@ def parse_methods(specs: str | Sequence[str], draft_model: str | None) -> list[M
     for item in items:
         body, _, policy = item.partition("@")
         method, _, draft = body.partition("=")
+        method, _, shape = method.partition(":")
+        tree = TreeShape.parse(shape) if shape else TreeShape()
+        if shape and method != "eagle":
+            raise SpecdecError(f"a tree shape ({item!r}) applies to eagle only")
         if policy and policy not in POLICIES:
             raise SpecdecError(f"unknown draft policy {policy!r} in {item!r}; choose from: {', '.join(POLICIES)}")
         if method not in METHODS:
@@ -98,7 +105,7 @@ def parse_methods(specs: str | Sequence[str], draft_model: str | None) -> list[M
             draft = draft_model if method == "draft" else None
         if any(s.label == item for s in out):
             raise SpecdecError(f"method {item!r} is given twice")
-        out.append(MethodSpec(item, method, draft or None, policy))
+        out.append(MethodSpec(item, method, draft or None, policy, tree))
     if not any(s.label == BASELINE for s in out):
         out.insert(0, MethodSpec(BASELINE, BASELINE, None))
     out.sort(key=lambda s: s.label != BASELINE)
@@ -149,7 +156,7 @@ def build_systems(target: CausalLM, tokenizer, specs: Sequence[MethodSpec], dtyp
     """One Generator per method spec, all sharing ``target`` (loaded once)."""
     systems = []
     for spec in specs:
-        proposer = make_proposer(spec.method, target, tokenizer, spec.draft, dtype, device)
+        proposer = make_proposer(spec.method, target, tokenizer, spec.draft, dtype, device, spec.tree)
         gen = Generator(target, tokenizer, proposer, spec.policy or draft_policy, num_draft_tokens, name)
         systems.append(MethodSystem(spec.label, gen))
     return systems

@@ -26,6 +26,7 @@ from ..draft_length import MAX_DRAFT_TOKENS
 from ..engine import Request
 from ..errors import SpecdecError
 from ..sampling import SamplingParams
+from ..tree import TreeShape
 from .scheduler import (Done, DraftSpec, EnginePool, Event, Failed, Job, Piece, QueueFull, Scheduler, ServerMetrics,
                         SpecChoice)
 
@@ -62,9 +63,9 @@ class ServerState:
     """Everything one app serves: the model, its engines and worker, limits and metrics."""
 
     def __init__(self, generator: Generator, config: ServeConfig, drafts: dict[str, DraftSpec] | None = None,
-                 dtype: str = "float32") -> None:
+                 dtype: str = "float32", tree: TreeShape = TreeShape()) -> None:
         """`drafts`: per method, the draft_model argument of make_proposer (e.g. {"draft": a loaded draft});
-        `dtype`: the target's dtype name, for anything a proposer loads."""
+        `dtype`: the target's dtype name, for anything a proposer loads; `tree`: EAGLE's draft shape."""
         self.generator, self.config, self.drafts = generator, config, dict(drafts or {})
         self.model_name = generator.name
         self.created = int(time.time())
@@ -73,7 +74,7 @@ class ServerState:
         self.max_draft_tokens = min(MAX_DRAFT_TOKENS, max(16, k))
         self.metrics = ServerMetrics()
         self.pool = EnginePool(generator, self.drafts, dtype, self.default, config.max_batch,
-                               config.max_prompt_tokens + config.max_tokens, config.max_engines)
+                               config.max_prompt_tokens + config.max_tokens, config.max_engines, tree)
         self.scheduler = Scheduler(self.pool, self.metrics, config.max_batch, config.max_waiting,
                                    config.prefill_tokens)
 

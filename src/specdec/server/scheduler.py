@@ -22,6 +22,7 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..api import Generator, make_proposer
+from ..tree import TreeShape
 from ..engine import Engine, Request, Sequence
 from ..errors import SpecdecError
 from ..models.base import CausalLM
@@ -154,12 +155,12 @@ class EnginePool:
     """Engines keyed by (method, K), built lazily from one target; idle extra engines are evicted (LRU).
 
     `drafts` maps a method to the draft_model argument its proposers are built with (a draft model
-    loaded once and shared, or e.g. a weights path); methods not in it get None.
+    loaded once and shared, or e.g. a weights path); methods not in it get None. `tree` shapes EAGLE's drafts.
     """
 
     def __init__(self, generator: Generator, drafts: dict[str, DraftSpec], dtype: str, default: SpecChoice,
-                 rows: int, base_slots: int, max_engines: int) -> None:
-        self.gen, self.drafts, self.dtype, self.default = generator, drafts, dtype, default
+                 rows: int, base_slots: int, max_engines: int, tree: TreeShape = TreeShape()) -> None:
+        self.gen, self.drafts, self.dtype, self.default, self.tree = generator, drafts, dtype, default, tree
         self.rows, self.base_slots, self.max_engines = rows, base_slots, max_engines
         self.engines: dict[SpecChoice, Engine] = {}
         self.engines[default] = self._build(default)
@@ -171,7 +172,7 @@ class EnginePool:
     def _build(self, spec: SpecChoice) -> Engine:
         device = str(self.gen.target.device)
         proposer = make_proposer(spec.method, self.gen.target, self.gen.tokenizer, self.drafts.get(spec.method),
-                                 self.dtype, device)
+                                 self.dtype, device, self.tree)
         k = max(spec.num_draft_tokens, 1)
         gen = Generator(self.gen.target, self.gen.tokenizer, proposer, self.gen.policy_name, k, self.gen.name)
         return gen.engine(self.rows, self.slots(k))

@@ -8,17 +8,15 @@ distributions come from its cached final features, so a step costs only the draf
 from __future__ import annotations
 
 import json
-import math
 import random
-import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from ..errors import SpecdecError
 from ..models.distilled import DistilledDraft
 from .features import begin, training_set, vocab_subset
+from .loop import Checkpoint, train_loop
 
 
 def _windows(seqs: list[list[int]], feats: list[torch.Tensor], idx: list[int], window: int,
@@ -68,47 +66,23 @@ def train_draft(model: str, data: Path, out: Path, minutes: float, layers: list[
     w_sub = (target.output if target.output.numel() else target.embed)[ids].float().detach()
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    ckpt = out.with_suffix(".ckpt")
-    step, spent = 0, 0.0
-    if ckpt.exists():                                          # resume: weights, optimiser, clock
-        state = torch.load(ckpt, weights_only=True)
-        draft.load_state_dict(state["draft"])
-        opt.load_state_dict(state["opt"])
-        step, spent = state["step"], state["seconds"]
-        print(f"resumed from {ckpt} at step {step} ({spent / 60:.1f} min)")
     train_idx, eval_idx = list(range(n_eval, len(seqs))), list(range(n_eval))
-    budget = minutes * 60
-    t0 = time.time() - spent
-    bar = tqdm(desc="train draft", unit="step", initial=step)
-    last_save = time.time()
-    while time.time() - t0 < budget:
+
+    def step_fn() -> tuple[torch.Tensor, dict[str, str]]:
         idx = rng.sample(train_idx, min(batch, len(train_idx)))
-        toks, f, lens = _windows(seqs, feats, idx, window, rng)
-        frac = min(1.0, (time.time() - t0) / budget)
-        for g in opt.param_groups:
-            g["lr"] = lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss, agree = draft_losses(draft, toks, f, lens, w_sub)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        step += 1
-        bar.update(1)
-        bar.set_postfix(kl=f"{float(loss.detach()):.3f}", agree=f"{agree:.2f}")
-        if time.time() - last_save > 120:                      # a checkpoint every two minutes
-            torch.save({"draft": draft.state_dict(), "opt": opt.state_dict(), "step": step,
-                        "seconds": time.time() - t0}, ckpt)
-            last_save = time.time()
-    bar.close()
+        loss, agree = draft_losses(draft, *_windows(seqs, feats, idx, window, rng), w_sub)
+        return loss, {"agree": f"{agree:.2f}"}
+
+    ckpt = Checkpoint(out, draft, opt)
+    steps, spent_min = train_loop("train draft", params, opt, lr, minutes, ckpt, step_fn)
     draft.eval()
     with torch.no_grad():
         agrees = [draft_losses(draft, *_windows(seqs, feats, eval_idx[i:i + batch], window, random.Random(1)),
                                w_sub)[1] for i in range(0, len(eval_idx), batch)]
     report = {"target": name, "layers": layers, "sequences": len(seqs), "tokens": sum(len(s) for s in seqs),
-              "steps": step, "minutes": (time.time() - t0) / 60, "vocab_size": len(ids),
+              "steps": steps, "minutes": spent_min, "vocab_size": len(ids),
               "heldout_top1_agreement": sum(agrees) / len(agrees)}
     draft.save(out, {"report": json.dumps(report)})
     out.with_suffix(".json").write_text(json.dumps(report, indent=2))
-    ckpt.unlink(missing_ok=True)
+    ckpt.done()
     return report

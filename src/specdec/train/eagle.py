@@ -7,17 +7,15 @@ unrolled step feeds the head its own predicted features (robustness at depth >= 
 from __future__ import annotations
 
 import json
-import math
 import random
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from ..models.eagle import EagleHead
 from .features import begin, training_set, vocab_subset
+from .loop import Checkpoint, train_loop
 
 
 def _windows(seqs, feats, idx, window, rng):
@@ -74,37 +72,17 @@ def train_eagle(model: str, data: Path, out: Path, minutes: float, vocab_size: i
     head = EagleHead(target, ids)
     head.train()
     w_sub = head.lm_weight().float().detach()
-    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
-    ckpt = out.with_suffix(".ckpt")
-    step0 = 0
-    if ckpt.exists():
-        state = torch.load(ckpt, weights_only=True)
-        head.load_state_dict(state["head"])
-        opt.load_state_dict(state["opt"])
-        step0 = state["step"]
     train_idx, eval_idx = list(range(n_eval, len(seqs))), list(range(n_eval))
-    t_end = time.time() + minutes * 60
-    t0 = time.time()
-    bar = tqdm(desc="train eagle", unit="step")
-    step = step0
-    while time.time() < t_end:
+
+    def step_fn() -> tuple[torch.Tensor, dict[str, str]]:
         idx = rng.sample(train_idx, min(batch, len(train_idx)))
-        toks, f, lens = _windows(seqs, feats, idx, window, rng)
-        frac = min(1.0, (time.time() - t0) / (minutes * 60))
-        for g in opt.param_groups:
-            g["lr"] = lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-        with torch.autocast("cpu", dtype=torch.bfloat16):          # AVX-512 bf16 matmuls; master weights fp32
-            loss, accs = head_losses(head, toks, f, lens, w_sub)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
-        step += 1
-        bar.update(1)
-        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc1=f"{accs[0]:.2f}", acc2=f"{accs[1]:.2f}")
-        if step % 200 == 0:
-            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt)
-    bar.close()
+        loss, accs = head_losses(head, *_windows(seqs, feats, idx, window, rng), w_sub)
+        return loss, {"acc1": f"{accs[0]:.2f}", "acc2": f"{accs[1]:.2f}"}
+
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    ckpt = Checkpoint(out, head, opt)
+    steps, spent_min = train_loop("train eagle", params, opt, lr, minutes, ckpt, step_fn)
     head.eval()
     with torch.no_grad():
         accs_all = []
@@ -112,11 +90,10 @@ def train_eagle(model: str, data: Path, out: Path, minutes: float, vocab_size: i
             toks, f, lens = _windows(seqs, feats, eval_idx[i:i + batch], window, random.Random(1))
             accs_all.append(head_losses(head, toks, f, lens, w_sub)[1])
     acc = [sum(a[k] for a in accs_all) / len(accs_all) for k in range(2)]
-    report = {"target": name, "sequences": len(seqs), "tokens": sum(len(s) for s in seqs), "steps": step,
-              "minutes": (time.time() - t0) / 60, "vocab_size": len(ids),
+    report = {"target": name, "sequences": len(seqs), "tokens": sum(len(s) for s in seqs), "steps": steps,
+              "minutes": spent_min, "vocab_size": len(ids),
               "heldout_top1_agreement": {"depth1": acc[0], "depth2_unrolled": acc[1]}}
-    out.parent.mkdir(parents=True, exist_ok=True)
     head.save(out, {"report": json.dumps(report)})
     out.with_suffix(".json").write_text(json.dumps(report, indent=2))
-    ckpt.unlink(missing_ok=True)
+    ckpt.done()
     return report

@@ -39,7 +39,6 @@ def begin(model: str, out: Path, overwrite: bool, seed: int) -> tuple[Transforme
 
     if out.exists() and not overwrite:
         raise SpecdecError(f"{out} exists; pass --overwrite to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     target, _, name = load_model(model, "bfloat16")
     return target, name, random.Random(seed)
