@@ -11,6 +11,7 @@ from specdec.bench.peers import parse_peers
 from specdec.bench.suites import Prompt
 from specdec.cli import main
 from specdec.errors import SpecdecError
+from specdec.tree import TreeShape
 
 from conftest import tiny_model
 
@@ -210,4 +211,9 @@ def test_method_specs():
         ("draft=self:2@heuristic", "draft", "self:2", "heuristic")]
     with pytest.raises(SpecdecError, match="unknown draft policy 'fast'.*fixed, heuristic, auto"):
         runner.parse_methods("ngram@fast", None)
+    specs = runner.parse_methods("eagle,eagle:4x16@auto", None)
+    assert [(s.label, s.method, s.tree, s.policy) for s in specs[1:]] == [
+        ("eagle", "eagle", TreeShape(1, 16), ""), ("eagle:4x16@auto", "eagle", TreeShape(4, 16), "auto")]
+    with pytest.raises(SpecdecError, match="TOPKxBUDGET"):
+        runner.parse_methods("eagle:wide", None)
     assert parse_peers("") == [] and parse_peers("transformers") == ["transformers"]
