@@ -11,6 +11,7 @@ from specdec.draft_length import CostAware
 from specdec.engine import Engine, Request
 from specdec.proposers.draft_model import DraftModelProposer
 from specdec.proposers.eagle import EagleProposer
+from specdec.proposers.hybrid import HybridProposer
 from specdec.proposers.medusa import MedusaProposer
 from specdec.proposers.ngram import NgramProposer
 from specdec.reference import reference_greedy
@@ -73,7 +74,7 @@ class Alternating:
         pass
 
 
-@pytest.mark.parametrize("method", ["draft", "ngram", "eagle", "medusa"])
+@pytest.mark.parametrize("method", ["draft", "ngram", "eagle", "medusa", "hybrid"])
 def test_greedy_equals_plain_when_plain_and_speculative_steps_mix(method):
     """`auto` may choose K = 0 between speculative steps: the target stays exact, proposers stay in step."""
     target = tiny_model(seed=8)
@@ -85,6 +86,8 @@ def test_greedy_equals_plain_when_plain_and_speculative_steps_mix(method):
         prop = NgramProposer(1, 3)
     elif method == "eagle":
         prop = EagleProposer(head_for(target), 2, 3, 6)
+    elif method == "hybrid":
+        prop = HybridProposer(EagleProposer(head_for(target), 1, 4, 4), NgramProposer(1, 3), 2)
     else:
         prop = MedusaProposer(heads_for(target, 3))
     eng = Engine(target, prop, Alternating([0, 3, 0, 0, 2, 4, 1, 0]), lambda ids: "", frozenset())

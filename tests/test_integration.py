@@ -65,9 +65,10 @@ def test_speculation_is_lossless_on_real_prompts(request, method, dtype):
 
 
 @pytest.mark.parametrize("method, tree", [("draft", TreeShape()), ("eagle", TreeShape()),
-                                          ("eagle", TreeShape(4, 16)), ("medusa", TreeShape())])
+                                          ("eagle", TreeShape(4, 16)), ("medusa", TreeShape()),
+                                          ("hybrid", TreeShape())])
 def test_shipped_drafts_are_lossless_on_real_prompts(target_bf16, method, tree):
-    """The weights we ship (distilled draft, EAGLE chain and dynamic tree, Medusa static tree), batched, bf16."""
+    """The weights we ship (distilled draft, EAGLE chain and dynamic tree, Medusa static tree, hybrid), batched, bf16."""
     model, tok = target_bf16
     ps = prompts(12)[::2]
     plain = Generator(model, tok, NoProposer()).generate(ps, max_new_tokens=32)

@@ -21,7 +21,7 @@ from .proposers.ngram import NgramProposer
 from .sampling import SamplingParams
 from .tree import TreeShape
 
-METHODS = ("none", "ngram", "draft", "eagle", "medusa")
+METHODS = ("none", "ngram", "draft", "eagle", "medusa", "hybrid")
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 SHIPPED = {("smollm2-135m", "draft"): "draft-smollm2-135m.safetensors",
            ("smollm2-135m", "eagle"): "eagle-smollm2-135m.safetensors",
@@ -199,14 +199,11 @@ def make_proposer(method: str, target: CausalLM, target_tok: Tokenizer, draft_mo
             warnings.warn("the draft model is larger than the target: speculation will likely be slower", stacklevel=3)
         return DraftModelProposer(draft)
     if method == "eagle":
-        from .models.decoder import Transformer
-        from .models.eagle import EagleHead
-        from .proposers.eagle import EagleProposer
+        return eagle_proposer(target, draft_model, tree)
+    if method == "hybrid":
+        from .proposers.hybrid import HybridProposer
 
-        if not isinstance(target, Transformer):
-            raise SpecdecError("method 'eagle' needs a lean GGUF target")
-        path = draft_model if isinstance(draft_model, str) else shipped(target.config.name, "eagle")
-        return EagleProposer(EagleHead.load(Path(path), target), tree.topk, MAX_DRAFT_TOKENS, tree.budget)
+        return HybridProposer(eagle_proposer(target, draft_model, TreeShape()), NgramProposer())
     if method == "medusa":
         from .models.decoder import Transformer
         from .models.medusa import MedusaHeads
@@ -217,6 +214,18 @@ def make_proposer(method: str, target: CausalLM, target_tok: Tokenizer, draft_mo
         path = draft_model if isinstance(draft_model, str) else shipped(target.config.name, "medusa")
         return MedusaProposer(MedusaHeads.load(Path(path), target))
     raise SpecdecError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
+
+
+def eagle_proposer(target: CausalLM, head: str | CausalLM | None, tree: TreeShape) -> Proposer:
+    """The EAGLE proposer for a lean target: the head at `head` (a path) or the one we ship."""
+    from .models.decoder import Transformer
+    from .models.eagle import EagleHead
+    from .proposers.eagle import EagleProposer
+
+    if not isinstance(target, Transformer):
+        raise SpecdecError("EAGLE drafting (methods 'eagle', 'hybrid') needs a lean GGUF target")
+    path = head if isinstance(head, str) else shipped(target.config.name, "eagle")
+    return EagleProposer(EagleHead.load(Path(path), target), tree.topk, MAX_DRAFT_TOKENS, tree.budget)
 
 
 def shipped(model: str, kind: str) -> Path:

@@ -31,15 +31,15 @@ class NgramIndex:
                     m[tuple(tokens[end - n + 1:end + 1])] = end + 1
         self.indexed = max(self.indexed, len(tokens) - 1)
 
-    def lookup(self, tokens: list[int], k: int) -> list[int]:
-        """Continuation (up to k tokens) of the longest n-gram suffix seen before."""
+    def lookup(self, tokens: list[int], k: int) -> tuple[int, list[int]]:
+        """(n, continuation of up to k tokens) of the longest n-gram suffix seen before; (0, []) if none."""
         for n in range(self.n_max, self.n_min - 1, -1):
             if len(tokens) < n:
                 continue
             start = self.maps[n].get(tuple(tokens[-n:]))
             if start is not None:
-                return tokens[start:start + k]
-        return []
+                return n, tokens[start:start + k]
+        return 0, []
 
 
 class NgramProposer:
@@ -60,14 +60,19 @@ class NgramProposer:
             self.index[r].update(p)
 
     def propose(self, batch: ActiveBatch, k: int) -> Draft:
+        return Draft(self.match(batch, k)[1].to(batch.rows.device))
+
+    def match(self, batch: ActiveBatch, k: int) -> tuple[Tensor, Tensor]:
+        """Per sequence the matched n-gram length [B] (0 = no match) and its continuation [B, k] (-1 = none)."""
+        n = torch.zeros(len(batch.tokens), dtype=torch.long)
         out = torch.full((len(batch.tokens), k), -1, dtype=torch.long)
         for i, (r, toks) in enumerate(zip(batch.rows.tolist(), batch.tokens)):
             idx = self.index[r]
             idx.update(toks)
-            cont = idx.lookup(toks, k)
+            n[i], cont = idx.lookup(toks, k)
             if cont:
                 out[i, :len(cont)] = torch.tensor(cont)
-        return Draft(out.to(batch.rows.device))
+        return n, out
 
     def commit(self, batch: ActiveBatch, verdict: Verdict, hidden: Tensor) -> None:
         pass                          # the index catches up lazily in propose

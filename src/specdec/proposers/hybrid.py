@@ -1,0 +1,58 @@
+"""Hybrid proposer: prompt lookup where the text repeats itself, an EAGLE chain elsewhere.
+
+The two are complementary (measured on the mini suite): prompt lookup wins where the
+answer copies its context (code, summaries, multi-turn chat), the EAGLE head where it
+does not (QA, math, RAG). Per sequence and step, if the longest n-gram suffix of the
+text seen before is at least `min_match` tokens long, its continuation is the draft;
+otherwise the EAGLE head drafts a chain. Both drafts are deterministic (point-mass q),
+so verification is the plain chain verifier and the output is the target's, exactly.
+The EAGLE head ingests every committed token's features either way, so it is always
+ready to draft from exact features.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import SpecdecError
+from ..verify import Draft, Verdict
+from .base import ActiveBatch
+from .eagle import EagleProposer
+from .ngram import NgramProposer
+
+
+class HybridProposer:
+    name = "hybrid"
+
+    def __init__(self, eagle: EagleProposer, ngram: NgramProposer, min_match: int = 2) -> None:
+        if eagle.topk != 1:
+            raise SpecdecError("the hybrid proposer drafts chains: its EAGLE proposer needs topk = 1")
+        self.eagle, self.ngram, self.min_match = eagle, ngram, min_match
+        self.steps_ngram = 0          # sequence-steps drafted by prompt lookup / by EAGLE (for reports)
+        self.steps_eagle = 0
+
+    def allocate(self, rows: int, slots: int) -> None:
+        self.eagle.allocate(rows, slots)
+        self.ngram.allocate(rows, slots)
+
+    def start(self, rows: torch.Tensor, prompts: list[list[int]], hidden: torch.Tensor) -> None:
+        self.eagle.start(rows, prompts, hidden)
+        self.ngram.start(rows, prompts, hidden)
+
+    def propose(self, batch: ActiveBatch, k: int) -> Draft:
+        n, tokens = self.ngram.match(batch, k)                       # [B], [B, k]
+        tokens = tokens.to(batch.rows.device)
+        need = (n < self.min_match).nonzero().flatten().tolist()     # sequences EAGLE drafts for
+        self.steps_eagle += len(need)
+        self.steps_ngram += len(batch.tokens) - len(need)
+        if need:
+            idx = torch.tensor(need, device=batch.rows.device)
+            sub = ActiveBatch(batch.rows[idx], [batch.tokens[i] for i in need], batch.sampling.select(idx),
+                              [batch.rngs[i] for i in need])
+            e = self.eagle.propose(sub, k).tokens                    # [b, <=k]
+            tokens[idx] = -1
+            tokens[idx, :e.shape[1]] = e
+        return Draft(tokens)
+
+    def commit(self, batch: ActiveBatch, verdict: Verdict, hidden: torch.Tensor) -> None:
+        self.eagle.commit(batch, verdict, hidden)
+        self.ngram.commit(batch, verdict, hidden)

@@ -1,0 +1,58 @@
+"""Hybrid proposer (prompt lookup where the text repeats, EAGLE chain elsewhere): lossless, both paths used."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.errors import SpecdecError
+from specdec.proposers.eagle import EagleProposer
+from specdec.proposers.hybrid import HybridProposer
+from specdec.proposers.ngram import NgramProposer
+from specdec.reference import reference_greedy
+from specdec.sampling import SamplingParams
+
+from conftest import tiny_generator, tiny_model
+from test_eagle import head_for
+from test_speculative import V, check_joint, exact_joint, sample_engine
+
+# repeats in the prompts give prompt lookup matches of length >= 2, the rest falls to EAGLE
+PROMPTS = [[3, 5, 7, 9, 3, 5, 7], list(range(10, 28)), [42, 1, 42, 1, 42, 1]]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("min_match", [1, 2])
+def test_hybrid_greedy_equals_plain(k, batch, min_match):
+    target = tiny_model(seed=7)
+    prop = HybridProposer(EagleProposer(head_for(target), 1, k, k), NgramProposer(1, 4), min_match)
+    gen = tiny_generator(target, prop, "fixed", k)
+    for p, r in zip(PROMPTS[:batch], gen.generate(PROMPTS[:batch], max_new_tokens=30)):
+        assert r.tokens == reference_greedy(target, p, 30)
+    assert prop.steps_eagle > 0
+    if min_match == 1:                           # a unigram match exists from the first step on
+        assert prop.steps_ngram > 0
+
+
+def test_hybrid_uses_both_proposers_within_one_batch():
+    target = tiny_model(seed=7)
+    prop = HybridProposer(EagleProposer(head_for(target), 1, 4, 4), NgramProposer(1, 4), 2)
+    gen = tiny_generator(target, prop, "fixed", 4)
+    rs = gen.generate(PROMPTS, max_new_tokens=20)
+    assert [r.tokens for r in rs] == [reference_greedy(target, p, 20) for p in PROMPTS]
+    assert prop.steps_ngram > 0 and prop.steps_eagle > 0
+
+
+@pytest.mark.parametrize("params", [SamplingParams(0.7, 5, 0.9), SamplingParams(1.0, 6, 0.95)], ids=["t0.7", "t1.0"])
+def test_hybrid_sampling_matches_exact_distribution(params):
+    target = tiny_model(seed=20, vocab=V, std=0.5)
+    prompt = [1, 2, 3, 1, 2]
+    prop = HybridProposer(EagleProposer(head_for(target), 1, 3, 3), NgramProposer(1, 3), 1)
+    samples = sample_engine(target, prop, params, prompt, n=20_000, k=3)
+    assert prop.steps_ngram > 0 and prop.steps_eagle > 0
+    assert check_joint(samples, exact_joint(target, prompt, params)) > 1e-3
+
+
+def test_hybrid_needs_a_chain():
+    target = tiny_model(seed=7)
+    with pytest.raises(SpecdecError, match="topk = 1"):
+        HybridProposer(EagleProposer(head_for(target), 2, 3, 6), NgramProposer(), 2)
