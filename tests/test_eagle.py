@@ -4,6 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdec.draft_length import make_policy
+from specdec.engine import Engine, Request
 from specdec.errors import SpecdecError
 from specdec.models.eagle import EagleHead
 from specdec.proposers.eagle import EagleProposer
@@ -28,6 +30,24 @@ def test_eagle_greedy_equals_plain(topk, depth, budget, batch):
     gen = tiny_generator(target, prop, "fixed", depth)
     for p, r in zip(PROMPTS[:batch], gen.generate(PROMPTS[:batch], max_new_tokens=30)):
         assert r.tokens == reference_greedy(target, p, 30)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_eagle_chain_confidence_cutoff_is_lossless_and_drafts_less(batch):
+    target = tiny_model(seed=7)
+    drafted = []
+    for conf in (0.0, 0.02):
+        eng = Engine(target, EagleProposer(head_for(target), 1, 4, 4, min_confidence=conf), make_policy("fixed", 4),
+                     lambda ids: "", frozenset())
+        eng.allocate(batch, 80)
+        seqs = [eng.add(Request(list(p), 30)) for p in PROMPTS[:batch]]
+        with torch.inference_mode():
+            while eng.busy:
+                eng.step()
+        for p, s in zip(PROMPTS[:batch], seqs):
+            assert s.generated == reference_greedy(target, p, 30)
+        drafted.append(sum(s.counters.drafted for s in seqs))
+    assert 0 < drafted[1] < drafted[0]
 
 
 def test_eagle_head_trained_on_target_accepts_more_than_random():

@@ -216,6 +216,11 @@ def make_proposer(method: str, target: CausalLM, target_tok: Tokenizer, draft_mo
     raise SpecdecError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
 
 
+# an EAGLE chain stops drafting where the head's cumulative confidence falls below this (measured on the
+# mini suite, 21 prompts, 1 run: geometric-mean speedup eagle 1.17x -> 1.24x, hybrid 1.42x -> 1.49x; 0.25: 1.20x / 1.48x)
+EAGLE_CHAIN_MIN_CONFIDENCE = 0.1
+
+
 def eagle_proposer(target: CausalLM, head: str | CausalLM | None, tree: TreeShape) -> Proposer:
     """The EAGLE proposer for a lean target: the head at `head` (a path) or the one we ship."""
     from .models.decoder import Transformer
@@ -225,7 +230,8 @@ def eagle_proposer(target: CausalLM, head: str | CausalLM | None, tree: TreeShap
     if not isinstance(target, Transformer):
         raise SpecdecError("EAGLE drafting (methods 'eagle', 'hybrid') needs a lean GGUF target")
     path = head if isinstance(head, str) else shipped(target.config.name, "eagle")
-    return EagleProposer(EagleHead.load(Path(path), target), tree.topk, MAX_DRAFT_TOKENS, tree.budget)
+    return EagleProposer(EagleHead.load(Path(path), target), tree.topk, MAX_DRAFT_TOKENS, tree.budget,
+                         EAGLE_CHAIN_MIN_CONFIDENCE)
 
 
 def shipped(model: str, kind: str) -> Path:

@@ -15,7 +15,7 @@ from .draft_length import POLICIES, make_policy
 from .errors import SpecdecError
 from .models.registry import DEFAULT_MODEL, MODELS, resolve
 
-DEFAULT_METHODS = "none,ngram,draft,eagle,medusa"
+DEFAULT_METHODS = "none,ngram,draft,eagle,medusa,hybrid"
 
 
 def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter]) -> None:

@@ -10,6 +10,8 @@ back, so drafting always restarts from exact features.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -22,8 +24,13 @@ from .base import ActiveBatch
 class EagleProposer:
     name = "eagle"
 
-    def __init__(self, head: EagleHead, topk: int = 4, depth: int = 5, budget: int = 16) -> None:
+    def __init__(self, head: EagleHead, topk: int = 4, depth: int = 5, budget: int = 16,
+                 min_confidence: float = 0.0) -> None:
+        """min_confidence: a chain stops where the head's cumulative probability of its drafts falls
+        below it (0 = always draft `depth` tokens); drafts that would rarely be accepted cost
+        target compute and head forwards for nothing. Trees use `budget` instead."""
         self.head, self.topk, self.depth, self.budget = head, topk, depth, budget
+        self.log_min_confidence = math.log(min_confidence) if min_confidence > 0 else -math.inf
         self.pred: dict[int, Tensor] = {}
 
     def allocate(self, rows: int, slots: int) -> None:
@@ -80,6 +87,8 @@ class EagleProposer:
         total = K
         outs = pred[:, None]
         for d in range(1, min(self.depth, k)):                     # feed depth-d frontier -> depth d+1 children
+            if K == 1 and bool((nodes_score[-1] < self.log_min_confidence).all()):
+                break                                              # every chain fell below min_confidence
             all_par = torch.cat(nodes_par, 1)
             if d == 1:
                 feat = pred[:, None].expand(B, K, pred.shape[-1])
@@ -113,7 +122,9 @@ class EagleProposer:
             frontier = total + best
             total += K * K
         if K == 1:                     # a chain: verified as one (cheaper than a tree forward), q a point mass
-            return Draft(torch.cat(nodes_tok, 1))                  # [B, depth], one node per depth in order
+            tokens = torch.cat(nodes_tok, 1)                       # [B, depth], one node per depth in order
+            low = torch.cat(nodes_score, 1) < self.log_min_confidence  # cumulative: a suffix of each chain
+            return Draft(tokens.masked_fill(low, -1))
         return Draft(torch.zeros(B, 1, dtype=torch.long, device=dev), None,
                      self._select(batch, torch.cat(nodes_tok, 1), torch.cat(nodes_par, 1),
                                   torch.cat(nodes_score, 1), torch.cat(nodes_depth, 1)))
