@@ -22,7 +22,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 install: $(STAMP)
 
 demo: install
-	$(BIN)/specdec generate --method ngram --prompt "Explain speculative decoding in two sentences." --max-new-tokens 128 --dtype bfloat16
+	$(BIN)/specdec generate --method hybrid --prompt "Explain speculative decoding in two sentences." --max-new-tokens 128 --dtype bfloat16
 
 test: install
 	$(BIN)/python -m pytest -q

@@ -182,18 +182,19 @@ def plot_speedup(results: dict, path: Path) -> None:
     plt = _pyplot()
     cols = _columns(results)
     methods = {n: c for n, c in results["summary"]["methods"].items() if n != BASELINE}
-    fig, ax = plt.subplots(figsize=(max(7.0, 1.2 * len(cols) + 2), 4.5))
+    fig, ax = plt.subplots(figsize=(max(7.0, 0.16 * len(cols) * max(1, len(methods)) + 3.5), 4.8))
     width = 0.8 / max(1, len(methods))
     for i, (name, cells) in enumerate(methods.items()):
         xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(cols))]
         ys = [cells[c]["speedup"] or 0.0 for c in cols]
         bars = ax.bar(xs, ys, width, label=name)
-        ax.bar_label(bars, labels=[f"{y:.2f}" for y in ys], fontsize=7, padding=1)
+        ax.bar_label(bars, labels=[f"{y:.2f}" for y in ys], fontsize=6, padding=1, rotation=90)
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--", label="none (1.0)")
     ax.set_xticks(range(len(cols)), cols, rotation=20)
     ax.set_ylabel("speedup over none (tokens/s ratio)")
     ax.set_title(_title(results, "Speedup"), fontsize=10)
-    ax.legend(fontsize=8)
+    ax.margins(y=0.12)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -213,7 +214,7 @@ def plot_acceptance(results: dict, path: Path) -> None:
     if not drawn:
         ax.text(0.5, 0.5, "no drafting method", ha="center", va="center", transform=ax.transAxes)
     else:
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.set_ylim(0, 1.02)
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance rate at position i")
