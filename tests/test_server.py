@@ -13,7 +13,7 @@ import pytest
 import requests
 import uvicorn
 
-from specdec.api import Generator, early_exit_draft, load_model
+from specdec.api import Generator, early_exit_draft, load_model, make_proposer
 from specdec.proposers.base import NoProposer
 from specdec.proposers.draft_model import DraftModelProposer
 from specdec.proposers.ngram import NgramProposer
@@ -100,6 +100,9 @@ def offline(gen: Generator, prompt: str, n: int, chat: bool, method: str = "ngra
     elif method == "draft":
         g = Generator(gen.target, gen.tokenizer, DraftModelProposer(early_exit_draft(gen.target, "self:10")),
                       "fixed", 3, gen.name)
+    elif method == "hybrid":                       # the shipped EAGLE head + prompt lookup
+        g = Generator(gen.target, gen.tokenizer, make_proposer("hybrid", gen.target, gen.tokenizer, None, "float32", "cpu"),
+                      "fixed", 4, gen.name)
     return g.generate(prompt, max_new_tokens=n, chat=chat, **kw)
 
 
@@ -174,14 +177,15 @@ def test_stop_and_seeded_sampling(gen, client):
 
 
 def test_per_request_speculation(gen, client):
-    """Each method (run concurrently: three engines stepped round-robin) gives the offline greedy text."""
-    choices = [{"method": "none"}, {"method": "ngram", "num_draft_tokens": 2}, {"method": "draft", "num_draft_tokens": 3}]
+    """Each method (run concurrently: four engines stepped round-robin) gives the offline greedy text."""
+    choices = [{"method": "none"}, {"method": "ngram", "num_draft_tokens": 2}, {"method": "draft", "num_draft_tokens": 3},
+               {"method": "hybrid", "num_draft_tokens": 4}]
 
     def ask(spec: dict):
         return client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0,
                                          extra_body={"speculative": spec})
 
-    with ThreadPoolExecutor(3) as ex:
+    with ThreadPoolExecutor(len(choices)) as ex:
         results = list(ex.map(ask, choices))
     for spec, got in zip(choices, results):
         want = offline(gen, PROMPT, 16, chat=False, method=spec["method"])
