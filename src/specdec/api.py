@@ -4,7 +4,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence as Seq
+from typing import TYPE_CHECKING, Iterator, Sequence as Seq
 
 import torch
 
@@ -20,6 +20,9 @@ from .proposers.draft_model import DraftModelProposer
 from .proposers.ngram import NgramProposer
 from .sampling import SamplingParams
 from .tree import TreeShape
+
+if TYPE_CHECKING:
+    from .proposers.eagle import EagleProposer
 
 METHODS = ("none", "ngram", "draft", "eagle", "medusa", "hybrid")
 WEIGHTS_DIR = Path(__file__).parent / "weights"
@@ -221,7 +224,7 @@ def make_proposer(method: str, target: CausalLM, target_tok: Tokenizer, draft_mo
 EAGLE_CHAIN_MIN_CONFIDENCE = 0.1
 
 
-def eagle_proposer(target: CausalLM, head: str | CausalLM | None, tree: TreeShape) -> Proposer:
+def eagle_proposer(target: CausalLM, head: str | CausalLM | None, tree: TreeShape) -> EagleProposer:
     """The EAGLE proposer for a lean target: the head at `head` (a path) or the one we ship."""
     from .models.decoder import Transformer
     from .models.eagle import EagleHead
