@@ -104,7 +104,7 @@ class AttentionMask:
         return self.length <= INVARIANT_MAX_T
 
     def bias(self) -> Tensor:
-        """[B*nkv, nb, nt, ROW_TILE, KV_BLOCK] additive bias of all queries (built once per forward)."""
+        """[nb, B*nkv, nt, ROW_TILE, KV_BLOCK] additive bias of all queries (built once per forward)."""
         if 0 in self._bias:
             return self._bias[0]
         m = self.mask                                                           # [B, 1, t, S]
@@ -114,16 +114,40 @@ class AttentionMask:
         nt = -(-rows // ROW_TILE)
         out = torch.zeros(m.shape, dtype=torch.float32, device=m.device).masked_fill_(~m, float("-inf"))
         out = out.view(B, 1, 1, t, nb, KV_BLOCK).expand(B, self.n_kv, g, t, nb, KV_BLOCK)
-        out = out.permute(0, 1, 4, 2, 3, 5).reshape(B * self.n_kv, nb, rows, KV_BLOCK)
-        out = F.pad(out, (0, 0, 0, nt * ROW_TILE - rows)).view(B * self.n_kv, nb, nt, ROW_TILE, KV_BLOCK)
+        out = out.permute(4, 0, 1, 2, 3, 5).reshape(nb, B * self.n_kv, rows, KV_BLOCK)
+        out = F.pad(out, (0, 0, 0, nt * ROW_TILE - rows)).view(nb, B * self.n_kv, nt, ROW_TILE, KV_BLOCK)
         self._bias[0] = out
         return out
 
 
 def _to_rows(x: Tensor, X: int, rows: int) -> Tensor:
-    """[X, nb, nt, R, d] per-tile block results -> [nb, X * rows, d], contiguous (tile padding dropped)."""
-    _, nb, nt, R, d = x.shape
-    return x.permute(1, 0, 2, 3, 4).reshape(nb, X, nt * R, d)[:, :, :rows].reshape(nb, X * rows, d).contiguous()
+    """[nb, X, nt, R, d] per-tile block results -> [nb, X * rows, d], contiguous (tile padding dropped)."""
+    nb, _, nt, R, d = x.shape
+    return x.reshape(nb, X, nt * R, d)[:, :, :rows].reshape(nb, X * rows, d).contiguous()
+
+
+def _block_scores(qg: Tensor, k: Tensor, nb: int) -> Tensor:
+    """qg [X, M, hd] (M a multiple of ROW_TILE) against key blocks of k [X, >= nb*KB, hd] -> [nb, X, M, KB].
+
+    One batched GEMM per key block, reading the block in place (a strided view of the cache:
+    no copy); measured, the fp32 GEMM's per-row bits are the same for every M >= 3, so stacking
+    the tiles as rows keeps each query's bits independent of how many share the forward.
+    """
+    X, M, _ = qg.shape
+    s = qg.new_empty(nb, X, M, KV_BLOCK)
+    for j in range(nb):
+        torch.bmm(qg, k[:, j * KV_BLOCK:(j + 1) * KV_BLOCK].transpose(1, 2), out=s[j])
+    return s
+
+
+def _block_values(p: Tensor, v: Tensor, X: int, rows: int) -> Tensor:
+    """p [nb, X, nt, R, KB] (probabilities per key block) @ value blocks of v [X, >= nb*KB, hd] -> [nb, X * rows, hd]."""
+    nb, _, nt, R, _ = p.shape
+    pb = p.view(nb, X, nt * R, KV_BLOCK)
+    o = p.new_empty(nb, X, nt * R, v.shape[-1])
+    for j in range(nb):
+        torch.bmm(pb[j], v[:, j * KV_BLOCK:(j + 1) * KV_BLOCK], out=o[j])
+    return o[:, :, :rows].reshape(nb, X * rows, v.shape[-1])
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float) -> Tensor:
@@ -132,10 +156,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float
     q [B, nh, T, hd]; k, v [B, nkv, S, hd] with S a multiple of KV_BLOCK -> [B, nh, T, hd].
     CPU GEMM libraries pick kernels (and so rounding) by matrix shape, SDPA's CPU kernel splits
     work by sequence length, and vectorised exp differs from the scalar exp used on loop tails.
-    Here every GEMM has one fixed shape: the g = nh/nkv heads sharing a kv head are stacked as
-    rows, cut into tiles of ROW_TILE rows, against keys in blocks of KV_BLOCK positions. Scores
-    of all blocks share the query's global max, so exp runs only on whole KV_BLOCK rows; per
-    block p.sum and p @ v, then sums over blocks in position order (blocks a query cannot see
+    Here every GEMM reads whole key blocks of KV_BLOCK positions: the g = nh/nkv heads sharing
+    a kv head are stacked as rows (padded to whole tiles of ROW_TILE rows) against each key block.
+    Scores of all blocks share the query's global max, so exp runs only on whole KV_BLOCK rows;
+    per block p.sum and p @ v, then sums over blocks in position order (blocks a query cannot see
     add exact zeros) and one division. So a token scored alone, with its drafts, in a token tree
     or in a ragged batch gets the same bits (tests/test_model.py). Prefills (more than
     INVARIANT_MAX_T tokens) use SDPA.
@@ -145,14 +169,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float
     g, nb = nh // nkv, S // KV_BLOCK
     X, rows = B * nkv, g * T
     nt = -(-rows // ROW_TILE)
-    kb = k.reshape(X, nb, 1, KV_BLOCK, hd).transpose(-1, -2)                    # [X, nb, 1, hd, KB]
-    vb = v.reshape(X, nb, 1, KV_BLOCK, hd)                                      # [X, nb, 1, KB, hd]
-    qg = F.pad(q.reshape(X, rows, hd), (0, 0, 0, nt * ROW_TILE - rows)).view(X, 1, nt, ROW_TILE, hd)
-    s = torch.matmul(qg, kb).mul_(scale).add_(mask.bias())                  # [X, nb, nt, R, KB]
-    top = s.amax(-1, keepdim=True).amax(1, keepdim=True)                        # [X, 1, nt, R, 1]
+    kx, vx = k.reshape(X, S, hd), v.reshape(X, S, hd)                           # views of the cache rows
+    qg = F.pad(q.reshape(X, rows, hd), (0, 0, 0, nt * ROW_TILE - rows))         # [X, M, hd]
+    s = _block_scores(qg, kx, nb).view(nb, X, nt, ROW_TILE, KV_BLOCK)
+    s.mul_(scale).add_(mask.bias())                                             # [nb, X, nt, R, KB]
+    top = s.amax(-1, keepdim=True).amax(0, keepdim=True)                        # [1, X, nt, R, 1]
     if not mask.tree:
         p = torch.exp(s - top)
-        l, o = _to_rows(p.sum(-1, keepdim=True), X, rows), _to_rows(torch.matmul(p, vb), X, rows)
+        l, o = _to_rows(p.sum(-1, keepdim=True), X, rows), _block_values(p, vx, X, rows)
         return (o.sum(0) / l.sum(0)).view(B, nh, T, hd)
     # a token tree: each node also attends over its own position-aligned tail blocks
     st, vt, R = tree_tail_scores(q, k, v, mask, scale)                          # st [B*nkv*T, nq, 1, R, KB]
@@ -160,11 +184,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float
     node_rows = tail_top[:, 0, 0, :g, 0].reshape(B, nkv, T, g).transpose(2, 3).reshape(X, rows)
     shared = _to_rows(top, X, rows)[0, :, 0].view(X, rows)
     best = torch.maximum(shared, node_rows)                                     # [X, rows] the query's max
-    top = F.pad(best, (0, nt * ROW_TILE - rows)).view(X, 1, nt, ROW_TILE, 1)
+    top = F.pad(best, (0, nt * ROW_TILE - rows)).view(1, X, nt, ROW_TILE, 1)
     per_node = F.pad(best.view(B, nkv, g, T).transpose(2, 3).reshape(B * nkv * T, 1, 1, g, 1),
                      (0, 0, 0, R - g))
     p, pt = torch.exp(s - top), torch.exp(st - per_node)
-    l, o = _to_rows(p.sum(-1, keepdim=True), X, rows), _to_rows(torch.matmul(p, vb), X, rows)
+    l, o = _to_rows(p.sum(-1, keepdim=True), X, rows), _block_values(p, vx, X, rows)
     nq = st.shape[1]
     lt, ot = (x[:, :, 0, :g].reshape(B, nkv, T, nq, g, x.shape[-1]).permute(3, 0, 1, 4, 2, 5)
               .reshape(nq, X * rows, x.shape[-1]) for x in (pt.sum(-1, keepdim=True), torch.matmul(pt, vt)))
