@@ -57,6 +57,8 @@ class ServerProcess:
             cmd += ["--draft-model", args.draft_model]
         if args.threads:
             cmd += ["--threads", str(args.threads)]
+        if args.prefill_threads:
+            cmd += ["--prefill-threads", str(args.prefill_threads)]
         self.cmd = cmd
         self.log = tempfile.TemporaryFile("w+")            # not a pipe: a chatty server must never block on it
         env = dict(os.environ)
@@ -267,6 +269,7 @@ def main() -> int:
     ap.add_argument("--draft-policy", default="auto")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=0, help="server torch threads (0 = default)")
+    ap.add_argument("--prefill-threads", type=int, default=0, help="server torch threads while prefilling (0 = default)")
     ap.add_argument("--omp-passive", action=argparse.BooleanOptionalAction, default=False,
                     help="run the server with OMP_WAIT_POLICY=PASSIVE (unless already set)")
     ap.add_argument("--max-batch", type=int, default=16, help="server batch slots for the burst and the soak")

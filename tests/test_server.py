@@ -358,3 +358,32 @@ def test_metrics(server, client):
     assert metric(text, "specdec:requests_total", '{endpoint="/v1/completions",status="200"}') > 0
     assert metric(text, "specdec:num_requests_running") == 0
     assert metric(text, "specdec:num_requests_waiting") == 0
+
+
+def test_prefill_steps_run_with_prefill_threads(gen, monkeypatch):
+    """--prefill-threads: a step that prefills runs with that many torch threads, decode steps with the
+    process's own setting, which is restored afterwards; 0 threads is a clear error."""
+    import torch
+
+    from specdec.engine import Engine, Request
+    from specdec.errors import SpecdecError
+
+    with pytest.raises(SpecdecError, match="prefill_threads"):
+        ServeConfig(prefill_threads=0)
+    base = torch.get_num_threads()
+    seen: dict[str, set[int]] = {"prefill": set(), "speculate": set()}
+    for name in seen:
+        real = getattr(Engine, f"_{name}")
+
+        def spy(self, seqs, _real=real, _name=name):
+            seen[_name].add(torch.get_num_threads())
+            return _real(self, seqs)
+        monkeypatch.setattr(Engine, f"_{name}", spy)
+    state = ServerState(gen, ServeConfig(max_batch=2, max_prompt_tokens=64, max_tokens=4, prefill_threads=base + 1))
+    eng = state.pool.get(state.default)
+    eng.add(Request(gen.tokenizer.encode(PROMPT, chat=False), 3))
+    with torch.inference_mode():
+        while eng.busy:
+            state.scheduler._step(eng)
+    assert seen == {"prefill": {base + 1}, "speculate": {base}}
+    assert torch.get_num_threads() == base

@@ -257,3 +257,26 @@ def test_speculation_can_be_disabled_per_sequence():
             eng.step()
     assert on.generated == truth[tuple(PROMPTS[0])][:30] and off.generated == truth[tuple(PROMPTS[1])][:30]
     assert on.counters.accepted > 0 and off.counters.drafted == 0 and off.counters.target_forwards == 30
+
+
+def test_rows_are_reused_lowest_first_and_kept_in_order():
+    """Joins and leaves at step boundaries: a newcomer takes the lowest free cache row, the batch stays
+    ordered by row (so a dense batch is read from the cache in place), and every output stays exact."""
+    model = tiny_model(seed=7)
+    prompts = PROMPTS + [[8, 6, 4, 2]]
+    truth = {tuple(p): reference_greedy(model, p, 12) for p in prompts}
+    eng = Engine(model, NgramProposer(), make_policy("fixed", 3), lambda ids: "", frozenset())
+    eng.allocate(4, 60)
+    lengths = [12, 3, 12]
+    seqs = [eng.add(Request(p, n)) for p, n in zip(PROMPTS, lengths)]
+    assert [s.row for s in seqs] == [0, 1, 2]
+    late = None
+    with torch.inference_mode():
+        while eng.busy:
+            eng.step()
+            if late is None and seqs[1].done:                  # row 1 freed: the newcomer must take it, not row 3
+                late = eng.add(Request(prompts[3], 12))
+            assert [s.row for s in eng.active] == sorted(s.row for s in eng.active)
+    assert late is not None and late.row == 1
+    for s, p, n in zip(seqs + [late], prompts, lengths + [12]):
+        assert s.generated == truth[tuple(p)][:n]

@@ -87,7 +87,11 @@ class Engine:
         if need > self.slots:
             raise SpecdecError(f"prompt ({len(request.prompt)} tokens) + max_new_tokens ({request.max_new_tokens}) "
                                f"exceeds the context of {self.slots} tokens")
-        seq = Sequence(request, self.free.pop(0), list(request.prompt), started=time.perf_counter())
+        # the lowest free row: active rows stay one contiguous block of the cache as long as they can, so
+        # the decoder reads their keys in place instead of gathering them (see KVCache.read)
+        row = min(self.free)
+        self.free.remove(row)
+        seq = Sequence(request, row, list(request.prompt), started=time.perf_counter())
         s = request.sampling.seed
         self.rngs[seq.row] = (make_rng(s), make_rng(s + 0x9E3779B1))
         self.pending.append(seq)
@@ -117,6 +121,7 @@ class Engine:
             seqs, self.pending = self.pending, []
             self._prefill(seqs)
             self.active.extend(seqs)
+            self.active.sort(key=lambda s: s.row)                              # rows in order: contiguous if dense
         elif self.active:
             self._speculate(self.active)
         else:

@@ -133,20 +133,14 @@ def _block_scores(qg: Tensor, k: Tensor, nb: int) -> Tensor:
     no copy); measured, the fp32 GEMM's per-row bits are the same for every M >= 3, so stacking
     the tiles as rows keeps each query's bits independent of how many share the forward.
     """
-    X, M, _ = qg.shape
-    s = qg.new_empty(nb, X, M, KV_BLOCK)
-    for j in range(nb):
-        torch.bmm(qg, k[:, j * KV_BLOCK:(j + 1) * KV_BLOCK].transpose(1, 2), out=s[j])
-    return s
+    return torch.stack([torch.bmm(qg, k[:, j * KV_BLOCK:(j + 1) * KV_BLOCK].transpose(1, 2)) for j in range(nb)])
 
 
 def _block_values(p: Tensor, v: Tensor, X: int, rows: int) -> Tensor:
     """p [nb, X, nt, R, KB] (probabilities per key block) @ value blocks of v [X, >= nb*KB, hd] -> [nb, X * rows, hd]."""
     nb, _, nt, R, _ = p.shape
     pb = p.view(nb, X, nt * R, KV_BLOCK)
-    o = p.new_empty(nb, X, nt * R, v.shape[-1])
-    for j in range(nb):
-        torch.bmm(pb[j], v[:, j * KV_BLOCK:(j + 1) * KV_BLOCK], out=o[j])
+    o = torch.stack([torch.bmm(pb[j], v[:, j * KV_BLOCK:(j + 1) * KV_BLOCK]) for j in range(nb)])
     return o[:, :, :rows].reshape(nb, X * rows, v.shape[-1])
 
 
@@ -196,6 +190,22 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float
     return o.view(B, nh, T, hd)
 
 
+def _gather_slots(x: Tensor, slots: Tensor) -> Tensor:
+    """x [B, nkv, S, hd] (a view of cache rows), slots [B, T, W] -> [B*nkv*T*W, hd]: the vectors at those slots.
+
+    One index_select of whole hd-vectors from the cache's storage (as rows of hd): a plain
+    row copy, where indexing a permuted view takes a slow elementwise path.
+    """
+    B, nkv, S, hd = x.shape
+    if x.stride(3) != 1 or x.stride(2) != hd or x.stride(1) % hd or x.stride(0) % hd:
+        x = x.contiguous()
+    base = (torch.arange(B, device=x.device)[:, None] * x.stride(0)
+            + torch.arange(nkv, device=x.device)[None, :] * x.stride(1)) // hd           # [B, nkv]
+    idx = base[:, :, None, None] + slots[:, None]                                          # [B, nkv, T, W]
+    rows = x.as_strided(((B - 1) * x.stride(0) // hd + (nkv - 1) * x.stride(1) // hd + S, hd), (hd, 1))
+    return rows.index_select(0, idx.reshape(-1))
+
+
 def tree_tail_scores(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask,
                      scale: float) -> tuple[Tensor, Tensor, int]:
     """Scores of each tree node over its own nq position-aligned tail blocks, and those blocks' values.
@@ -209,12 +219,9 @@ def tree_tail_scores(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask,
     B, nh, T, hd = q.shape
     nkv = k.shape[1]
     g = nh // nkv
-    bidx = torch.arange(B, device=q.device)[:, None, None]
-    kq = k.permute(0, 2, 1, 3)[bidx, mask.tree_slots]                           # [B, T, nq*KB, nkv, hd]
-    vq = v.permute(0, 2, 1, 3)[bidx, mask.tree_slots]
     nq = mask.tree_slots.shape[-1] // KV_BLOCK
-    kq = kq.permute(0, 3, 1, 2, 4).reshape(B * nkv * T, nq, 1, KV_BLOCK, hd).transpose(-1, -2)
-    vq = vq.permute(0, 3, 1, 2, 4).reshape(B * nkv * T, nq, 1, KV_BLOCK, hd)
+    kq = _gather_slots(k, mask.tree_slots).view(B * nkv * T, nq, 1, KV_BLOCK, hd).transpose(-1, -2)
+    vq = _gather_slots(v, mask.tree_slots).view(B * nkv * T, nq, 1, KV_BLOCK, hd)
     R = -(-g // ROW_TILE) * ROW_TILE
     qt = q.view(B, nkv, g, T, hd).permute(0, 1, 3, 2, 4).reshape(B * nkv * T, 1, 1, g, hd)
     qt = F.pad(qt, (0, 0, 0, R - g))                                            # [B*nkv*T, 1, 1, R, hd]

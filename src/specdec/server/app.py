@@ -46,10 +46,11 @@ class ServeConfig:
     api_key: str | None = None
     max_engines: int = 4                # distinct (method, K) engines kept at once
     prefill_tokens: int = 2048          # padded prompt tokens admitted per step boundary (at least one request)
+    prefill_threads: int = 1            # torch threads while prefilling (decode steps use the process's setting)
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_prompt_tokens", "max_tokens", "max_body_bytes", "max_engines",
-                     "prefill_tokens"):
+                     "prefill_tokens", "prefill_threads"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise SpecdecError(f"{name} must be a positive integer, got {value!r}")
@@ -76,7 +77,7 @@ class ServerState:
         self.pool = EnginePool(generator, self.drafts, dtype, self.default, config.max_batch,
                                config.max_prompt_tokens + config.max_tokens, config.max_engines, tree)
         self.scheduler = Scheduler(self.pool, self.metrics, config.max_batch, config.max_waiting,
-                                   config.prefill_tokens)
+                                   config.prefill_tokens, config.prefill_threads)
 
 
 # ---- errors ------------------------------------------------------------------------------

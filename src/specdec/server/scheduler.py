@@ -209,9 +209,12 @@ class Scheduler:
     """The worker thread and its thread-safe inbox."""
 
     def __init__(self, pool: EnginePool, metrics: ServerMetrics, max_batch: int, max_waiting: int,
-                 prefill_tokens: int) -> None:
+                 prefill_tokens: int, prefill_threads: int = 1) -> None:
+        """prefill_threads: torch threads for steps that prefill (compute-bound GEMMs over whole prompts,
+        which a stalled thread slows less than the short decode steps; those keep the process's setting)."""
         self.pool, self.metrics = pool, metrics
         self.max_batch, self.max_waiting, self.prefill_tokens = max_batch, max_waiting, prefill_tokens
+        self.prefill_threads = prefill_threads
         self.inbox: queue.Queue = queue.Queue()
         self.waiting: deque[Job] = deque()
         self.running: dict[int, Job] = {}           # id(seq) -> job
@@ -331,7 +334,7 @@ class Scheduler:
     def _step_all(self) -> None:
         for eng in self.pool.busy():
             try:
-                events = eng.step()
+                events = self._step(eng)
             except Exception as e:  # noqa: BLE001 - a failed step must not kill the worker
                 self._fail_engine(eng, f"generation failed: {type(e).__name__}: {e}")
                 continue
@@ -341,6 +344,17 @@ class Scheduler:
                 job = self.running.get(id(seq))
                 if job is not None:
                     self._deliver(job, seq, piece, now)
+
+    def _step(self, eng: Engine) -> list[tuple[Sequence, str]]:
+        """One engine step, with `prefill_threads` torch threads if the step prefills."""
+        threads = torch.get_num_threads()
+        if not eng.pending or threads == self.prefill_threads:
+            return eng.step()
+        torch.set_num_threads(self.prefill_threads)
+        try:
+            return eng.step()
+        finally:
+            torch.set_num_threads(threads)
 
     def _deliver(self, job: Job, seq: Sequence, piece: str, now: float) -> None:
         if piece:
