@@ -277,7 +277,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request")
     ap.add_argument("--soak-seconds", type=float, default=600.0)
     ap.add_argument("--soak-concurrency", type=int, default=16)
-    ap.add_argument("--compare-requests", type=int, default=16, help="requests in the batched vs one-at-a-time run")
+    ap.add_argument("--compare-requests", type=int, default=32, help="requests in the batched vs one-at-a-time run")
     ap.add_argument("--compare-concurrency", type=int, default=8)
     ap.add_argument("--rss-every", type=float, default=5.0, help="seconds between RSS samples")
     ap.add_argument("--json", default=None, help="also write the results to this file")

@@ -152,6 +152,33 @@ def test_scores_do_not_depend_on_how_many_tokens_are_scored(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_equal_length_prompts_prefilled_together_get_the_bits_of_their_own_prefill(dtype):
+    """The engine prefills equal-length prompts of up to batch_prefill_limit tokens in one forward
+    (up to 8 x 72 = 576 rows per GEMM): each prompt's hidden states and cached keys and values must
+    equal those of a forward of its own, bit for bit, on target-shaped layers."""
+    from specdec.models.config import ModelConfig
+    from specdec.models.decoder import Transformer, init_random
+
+    cfg = ModelConfig(vocab_size=512, dim=576, n_layers=2, n_heads=9, n_kv_heads=3, head_dim=64,
+                      hidden_dim=1536, max_seq_len=512, name="smollm2-shaped")
+    model = init_random(Transformer(cfg), seed=6, std=0.05).to(dtype).eval().requires_grad_(False).pack()
+    g = torch.Generator().manual_seed(2)
+    for n in (1, 9, model.batch_prefill_limit):
+        prompts = torch.randint(0, 512, (8, n), generator=g)                  # [G, P]
+        pos = torch.arange(n).expand(8, n)
+        together = model.new_cache(8, 128)
+        rows = torch.tensor([5, 0, 3, 1, 7, 2, 6, 4])                         # any rows, any order
+        hidden = model(prompts, pos, together, rows)
+        for j in range(8):
+            alone = model.new_cache(8, 128)
+            own = model(prompts[j:j + 1], pos[:1], alone, rows[j:j + 1])
+            assert torch.equal(hidden[j:j + 1], own), (n, j)
+            r = int(rows[j])
+            assert torch.equal(together.k[:, r, :, :n], alone.k[:, r, :, :n]), (n, j)
+            assert torch.equal(together.v[:, r, :, :n], alone.v[:, r, :, :n]), (n, j)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("context", [40, 120, 250])
 def test_tree_nodes_score_like_the_chain_along_their_path(dtype, context):
     """Bit-for-bit: every node of a token tree gets the hidden state a chain along its path gets,

@@ -133,6 +133,8 @@ def exact_joint(model, prompt, params: SamplingParams) -> dict[tuple, float]:
 
 
 def sample_engine(target, proposer, params, prompt, n=N, k=3):
+    # packed weights (as every loaded model has) let the engine prefill the n equal prompts in one forward
+    target.pack()
     eng = Engine(target, proposer, make_policy("fixed", k), lambda ids: "", frozenset())
     eng.allocate(n, len(prompt) + NEW + k + 20)          # room for token trees
     seqs = [eng.add(Request(list(prompt), NEW, SamplingParams(params.temperature, params.top_k, params.top_p, seed)))

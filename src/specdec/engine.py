@@ -149,16 +149,23 @@ class Engine:
         dev = self.target.device
         lens = torch.tensor([len(s.tokens) for s in seqs], device=dev)
         self.cache.truncate(batch.rows, torch.zeros_like(batch.rows))
-        # one prompt per forward: a prompt's cache and logits never depend on who else joined
-        # (long prefills use SDPA, whose results depend on padding); prefill is compute-bound anyway
-        pieces = []
+        # a prompt's cache and logits never depend on who else joined: prompts of equal length up to the
+        # target's batch_prefill_limit share a forward (no padding; its kernels are batch-invariant there),
+        # any other prompt gets a forward of its own (long prefills use SDPA, whose bits depend on padding)
+        groups: dict[int, list[int]] = {}
         for i, s in enumerate(seqs):
-            inp = torch.tensor([s.tokens], device=dev)                         # [1, P_i]
-            pos = torch.arange(inp.shape[1], device=dev)[None]
-            row = batch.rows[i:i + 1]
-            pieces.append(self.target(inp, pos, self.cache, row)[0])          # [P_i, H]
-            self.cache.commit(row, pos, lens[i:i + 1])
-        hidden = torch.nn.utils.rnn.pad_sequence(pieces, batch_first=True)    # [B, P, H]
+            n = len(s.tokens)
+            groups.setdefault(n if n <= self.target.batch_prefill_limit else -1 - i, []).append(i)
+        pieces: dict[int, Tensor] = {}                                        # seq index -> hidden [P_i, H]
+        for idx in groups.values():
+            inp = torch.tensor([seqs[i].tokens for i in idx], device=dev)     # [G, P]
+            pos = torch.arange(inp.shape[1], device=dev).expand_as(inp)
+            rows = batch.rows[idx]
+            hidden = self.target(inp, pos, self.cache, rows)                   # [G, P, H]
+            self.cache.commit(rows, pos, lens[idx])
+            for j, i in enumerate(idx):
+                pieces[i] = hidden[j]
+        hidden = torch.nn.utils.rnn.pad_sequence([pieces[i] for i in range(len(seqs))], batch_first=True)  # [B, P, H]
         last = hidden[torch.arange(len(seqs), device=dev), lens - 1]           # [B, H]
         p = to_probs(self.target.lm_head(last)[:, None], batch.sampling)       # [B, 1, V]
         u = uniforms([self.rngs[s.row][0] for s in seqs], 1, dev)

@@ -317,6 +317,14 @@ class Transformer(nn.Module):
     def max_seq_len(self) -> int:
         return self.config.max_seq_len
 
+    @property
+    def batch_prefill_limit(self) -> int:
+        """Equal-length prompts up to INVARIANT_MAX_T tokens share a prefill once the weights are
+        packed: `attention` and oneDNN's packed linears give each row the bits of a forward of its own
+        (measured up to 6000 rows; tests/test_model.py). Plain F.linear (MKL, cuBLAS) changes kernels
+        with the row count (fp32 MKL from 64 rows), so unpacked models prefill one prompt per forward."""
+        return INVARIANT_MAX_T if self.packed else 0
+
     def new_cache(self, rows: int, slots: int) -> KVCache:
         c = self.config
         # float32 cache even for bfloat16 weights: CPU attention is faster and exact-er in fp32

@@ -54,6 +54,10 @@ class DistilledDraft(nn.Module):
         return self.target[0].max_seq_len
 
     @property
+    def batch_prefill_limit(self) -> int:
+        return self.core.batch_prefill_limit
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.core.norm.dtype
 

@@ -102,6 +102,11 @@ class HFCausalLM(nn.Module):
         return int(getattr(self.text_config, "max_position_embeddings", 0) or 2048)
 
     @property
+    def batch_prefill_limit(self) -> int:
+        """0: transformers' kernels promise no batch invariance, so every prompt is prefilled alone."""
+        return 0
+
+    @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
