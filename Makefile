@@ -28,7 +28,7 @@ test: install
 	$(BIN)/python -m pytest -q
 
 bench: install
-	$(BIN)/specdec bench --suite mini --methods none,ngram,ngram@auto,draft,draft@auto,eagle,eagle@auto,eagle:4x16,medusa,hybrid,hybrid@auto --peers transformers --repeats 1 --out docs/benchmarks/mini
+	$(BIN)/specdec bench --suite mini --methods none,ngram,ngram@auto,draft,draft@auto,eagle,eagle@auto,eagle:2x8,eagle:4x16,medusa,hybrid,hybrid@auto --peers transformers --repeats 1 --out docs/benchmarks/mini
 
 serve: install
 	$(BIN)/specdec serve
