@@ -171,6 +171,12 @@ def _pyplot():
     return plt
 
 
+def _colors(plt, n: int) -> list:
+    """n distinct colours: matplotlib's default cycle repeats after 10 methods."""
+    cmap = plt.get_cmap("tab10" if n <= 10 else "tab20")
+    return [cmap(i % cmap.N) for i in range(n)]
+
+
 def _title(results: dict, what: str) -> str:
     c = results["config"]
     mode = "greedy" if c["greedy"] else f"T={c['temperature']}"
@@ -184,10 +190,11 @@ def plot_speedup(results: dict, path: Path) -> None:
     methods = {n: c for n, c in results["summary"]["methods"].items() if n != BASELINE}
     fig, ax = plt.subplots(figsize=(max(7.0, 0.16 * len(cols) * max(1, len(methods)) + 3.5), 4.8))
     width = 0.8 / max(1, len(methods))
+    colors = _colors(plt, len(methods))
     for i, (name, cells) in enumerate(methods.items()):
         xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(cols))]
         ys = [cells[c]["speedup"] or 0.0 for c in cols]
-        bars = ax.bar(xs, ys, width, label=name)
+        bars = ax.bar(xs, ys, width, label=name, color=colors[i])
         ax.bar_label(bars, labels=[f"{y:.2f}" for y in ys], fontsize=6, padding=1, rotation=90)
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--", label="none (1.0)")
     ax.set_xticks(range(len(cols)), cols, rotation=20)
@@ -205,11 +212,13 @@ def plot_acceptance(results: dict, path: Path) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     drawn = 0
-    for name, cells in results["summary"]["methods"].items():
+    methods = {n: c for n, c in results["summary"]["methods"].items() if n != BASELINE}
+    colors = _colors(plt, len(methods))
+    for i, (name, cells) in enumerate(methods.items()):
         rates = cells["overall"]["acceptance_per_position"]
-        if name == BASELINE or not rates:
+        if not rates:
             continue
-        ax.plot(range(1, len(rates) + 1), rates, marker="o", label=name)
+        ax.plot(range(1, len(rates) + 1), rates, marker="o", label=name, color=colors[i])
         drawn += 1
     if not drawn:
         ax.text(0.5, 0.5, "no drafting method", ha="center", va="center", transform=ax.transAxes)
