@@ -13,9 +13,10 @@ import random
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
+import torch
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -46,7 +47,8 @@ class ServeConfig:
     api_key: str | None = None
     max_engines: int = 4                # distinct (method, K) engines kept at once
     prefill_tokens: int = 2048          # padded prompt tokens admitted per step boundary (at least one request)
-    prefill_threads: int = 1            # torch threads while prefilling (decode steps use the process's setting)
+    # torch threads while prefilling (default: torch's own count); decode steps use the process's setting
+    prefill_threads: int = field(default_factory=torch.get_num_threads)
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_prompt_tokens", "max_tokens", "max_body_bytes", "max_engines",

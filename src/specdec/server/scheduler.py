@@ -209,7 +209,7 @@ class Scheduler:
     """The worker thread and its thread-safe inbox."""
 
     def __init__(self, pool: EnginePool, metrics: ServerMetrics, max_batch: int, max_waiting: int,
-                 prefill_tokens: int, prefill_threads: int = 1) -> None:
+                 prefill_tokens: int, prefill_threads: int) -> None:
         """prefill_threads: torch threads for steps that prefill (compute-bound GEMMs over whole prompts,
         which a stalled thread slows less than the short decode steps; those keep the process's setting)."""
         self.pool, self.metrics = pool, metrics
