@@ -38,7 +38,7 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     p.add_argument("--prefill-threads", type=int, default=0,
                    help="torch CPU threads while a step prefills new prompts (0 = all of torch's default): prefill is "
                         "compute-bound, so it gains from every core even with the HTTP side awake; measured on 2 cores "
-                        "(benchmarks/serve_load.py): batched throughput at concurrency 8 +20%% over 1 thread")
+                        "(benchmarks/serve_load.py, alternating runs): batched throughput at concurrency 8 +22-33%% over 1 thread")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 
