@@ -15,6 +15,16 @@ def _full_logits(model, tokens):
     return exact_distribution(model, tokens)
 
 
+def target_shaped(seed: int, dtype: torch.dtype):
+    """A random, packed 2-layer model with smollm2-135m's layer shapes (CPU GEMMs pick kernels by shape)."""
+    from specdec.models.config import ModelConfig
+    from specdec.models.decoder import Transformer, init_random
+
+    cfg = ModelConfig(vocab_size=512, dim=576, n_layers=2, n_heads=9, n_kv_heads=3, head_dim=64,
+                      hidden_dim=1536, max_seq_len=512, name="smollm2-shaped")
+    return init_random(Transformer(cfg), seed=seed, std=0.05).to(dtype).eval().requires_grad_(False).pack()
+
+
 @pytest.mark.parametrize("gemma", [False, True])
 def test_cached_greedy_equals_reference(gemma):
     model = tiny_model(seed=1, gemma=gemma)
@@ -116,12 +126,7 @@ def test_scores_do_not_depend_on_how_many_tokens_are_scored(dtype):
     too. Shapes are the real target's (CPU GEMMs switch kernels by shape), 2 layers;
     contexts of 30..300 tokens, so key lengths cross attention blocks.
     """
-    from specdec.models.config import ModelConfig
-    from specdec.models.decoder import Transformer, init_random
-
-    cfg = ModelConfig(vocab_size=512, dim=576, n_layers=2, n_heads=9, n_kv_heads=3, head_dim=64,
-                      hidden_dim=1536, max_seq_len=512, name="smollm2-shaped")
-    model = init_random(Transformer(cfg), seed=3, std=0.05).to(dtype).eval().requires_grad_(False).pack()
+    model = target_shaped(3, dtype)
     g = torch.Generator().manual_seed(0)
     lens = [30, 283, 121]
     prompts = [torch.randint(0, 512, (n,), generator=g) for n in lens]
@@ -156,12 +161,7 @@ def test_equal_length_prompts_prefilled_together_get_the_bits_of_their_own_prefi
     """The engine prefills equal-length prompts of up to batch_prefill_limit tokens in one forward
     (up to 8 x 72 = 576 rows per GEMM): each prompt's hidden states and cached keys and values must
     equal those of a forward of its own, bit for bit, on target-shaped layers."""
-    from specdec.models.config import ModelConfig
-    from specdec.models.decoder import Transformer, init_random
-
-    cfg = ModelConfig(vocab_size=512, dim=576, n_layers=2, n_heads=9, n_kv_heads=3, head_dim=64,
-                      hidden_dim=1536, max_seq_len=512, name="smollm2-shaped")
-    model = init_random(Transformer(cfg), seed=6, std=0.05).to(dtype).eval().requires_grad_(False).pack()
+    model = target_shaped(6, dtype)
     g = torch.Generator().manual_seed(2)
     for n in (1, 9, model.batch_prefill_limit):
         prompts = torch.randint(0, 512, (8, n), generator=g)                  # [G, P]
@@ -184,13 +184,9 @@ def test_tree_nodes_score_like_the_chain_along_their_path(dtype, context):
     """Bit-for-bit: every node of a token tree gets the hidden state a chain along its path gets,
     though its ancestors sit at scratch slots that are not their positions (contexts put the tree
     inside one key block and across a block boundary)."""
-    from specdec.models.config import ModelConfig
-    from specdec.models.decoder import Transformer, init_random
     from specdec.tree import TokenTree
 
-    cfg = ModelConfig(vocab_size=512, dim=576, n_layers=2, n_heads=9, n_kv_heads=3, head_dim=64,
-                      hidden_dim=1536, max_seq_len=512, name="smollm2-shaped")
-    model = init_random(Transformer(cfg), seed=4, std=0.05).to(dtype).eval().requires_grad_(False).pack()
+    model = target_shaped(4, dtype)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 512, (1, context), generator=g)
     parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 3, 3, 6, 5, 9]])             # root + 10 nodes, depth 5
