@@ -82,6 +82,19 @@ class ServerProcess:
         self.stop()
         raise SystemExit("server did not become healthy")
 
+    def step_counters(self) -> dict[str, float]:
+        """The server's engine-step counters from /metrics: {"<kind>_<steps|seconds|sequences>": value}."""
+        with urllib.request.urlopen(f"http://{HOST}:{self.port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            for what in ("steps", "seconds", "sequences"):
+                name = "specdec:engine_steps_total{" if what == "steps" else f"specdec:engine_step_{what}_total{{"
+                if line.startswith(name):
+                    kind = line.split('kind="')[1].split('"')[0]
+                    out[f"{kind}_{what}"] = float(line.split()[-1])
+        return out
+
     def rss_mb(self) -> float:
         try:
             import psutil
@@ -203,6 +216,17 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
+def step_summary(before: dict[str, float], after: dict[str, float], wall: float) -> dict:
+    """Where the server's worker spent a phase: engine steps by kind, mean decode batch, busy share of the wall."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    busy = d.get("prefill_seconds", 0.0) + d.get("decode_seconds", 0.0)
+    return {"prefill_steps": int(d.get("prefill_steps", 0)), "prefill_s": d.get("prefill_seconds", 0.0),
+            "decode_steps": int(d.get("decode_steps", 0)), "decode_s": d.get("decode_seconds", 0.0),
+            "mean_decode_batch": d.get("decode_sequences", 0.0) / max(1.0, d.get("decode_steps", 0.0)),
+            "ms_per_decode_step": 1e3 * d.get("decode_seconds", 0.0) / max(1.0, d.get("decode_steps", 0.0)),
+            "worker_busy_share": busy / wall}
+
+
 def summarize(name: str, outcomes: list[Outcome], wall: float) -> dict:
     good = [o for o in outcomes if o.ok]
     tokens = sum(o.tokens for o in good)
@@ -246,10 +270,26 @@ async def soak(port: int, prompts: list[str], max_tokens: int, concurrency: int,
 
 # ---- report -----------------------------------------------------------------------------------
 def show(row: dict) -> str:
-    return (f"{row['phase']:<22} {row['requests']:>5} req  {row['errors']:>3} err  {row['wall_s']:7.1f} s  "
+    line = (f"{row['phase']:<22} {row['requests']:>5} req  {row['errors']:>3} err  {row['wall_s']:7.1f} s  "
             f"{row['requests_per_s']:6.2f} req/s  {row['output_tokens_per_s']:7.1f} tok/s  "
             f"TTFT p50 {row['ttft_p50_s'] * 1e3:7.0f} ms p99 {row['ttft_p99_s'] * 1e3:7.0f} ms  "
             f"ITL p50 {row['itl_p50_s'] * 1e3:5.0f} ms p99 {row['itl_p99_s'] * 1e3:5.0f} ms")
+    s = row.get("steps")
+    if s:
+        line += (f"\n{'':<22} worker: {s['prefill_steps']} prefill steps {s['prefill_s']:.1f} s, "
+                 f"{s['decode_steps']} decode steps {s['decode_s']:.1f} s ({s['ms_per_decode_step']:.0f} ms each, "
+                 f"mean batch {s['mean_decode_batch']:.2f}), busy {100 * s['worker_busy_share']:.0f}% of the wall")
+    return line
+
+
+def measured(server: ServerProcess, name: str, run) -> dict:
+    """Run one phase (`run()` -> (outcomes, wall)) and summarize it with the server's step counters."""
+    before = server.step_counters()
+    outs, wall = run()
+    row = summarize(name, outs, wall)
+    row["steps"] = step_summary(before, server.step_counters(), wall)
+    print(show(row), flush=True)
+    return row
 
 
 def rss_summary(samples: list[tuple[float, float]]) -> dict:
@@ -294,17 +334,14 @@ def main() -> int:
     try:
         asyncio.run(burst(server.port, suite[:2], 8, 2))                       # warm-up (not measured)
         rows = []
-        outs, wall = asyncio.run(burst(server.port, prompts, args.max_tokens, args.requests))
-        rows.append(summarize(f"burst x{args.requests}", outs, wall))
-        print(show(rows[-1]), flush=True)
+        if args.requests > 0:
+            rows.append(measured(server, f"burst x{args.requests}", lambda: asyncio.run(
+                burst(server.port, prompts, args.max_tokens, args.requests))))
         if args.soak_seconds > 0:
-            outs, wall = asyncio.run(soak(server.port, suite, args.max_tokens, args.soak_concurrency,
-                                          args.soak_seconds))
-            rows.append(summarize(f"soak c={args.soak_concurrency}", outs, wall))
-            print(show(rows[-1]), flush=True)
-        outs, wall = asyncio.run(burst(server.port, compare, args.max_tokens, args.compare_concurrency))
-        rows.append(summarize(f"batched c={args.compare_concurrency}", outs, wall))
-        print(show(rows[-1]), flush=True)
+            rows.append(measured(server, f"soak c={args.soak_concurrency}", lambda: asyncio.run(
+                soak(server.port, suite, args.max_tokens, args.soak_concurrency, args.soak_seconds))))
+        rows.append(measured(server, f"batched c={args.compare_concurrency}", lambda: asyncio.run(
+            burst(server.port, compare, args.max_tokens, args.compare_concurrency))))
     finally:
         result["rss"] = rss_summary(sampler.stop())
         server.stop()
@@ -312,9 +349,8 @@ def main() -> int:
     one = ServerProcess(args, 1)
     try:
         asyncio.run(burst(one.port, suite[:1], 8, 1))
-        outs, wall = asyncio.run(burst(one.port, compare, args.max_tokens, args.compare_concurrency))
-        rows.append(summarize(f"one-at-a-time c={args.compare_concurrency}", outs, wall))
-        print(show(rows[-1]), flush=True)
+        rows.append(measured(one, f"one-at-a-time c={args.compare_concurrency}", lambda: asyncio.run(
+            burst(one.port, compare, args.max_tokens, args.compare_concurrency))))
     finally:
         one.stop()
 

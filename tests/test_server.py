@@ -358,6 +358,12 @@ def test_metrics(server, client):
     assert metric(text, "specdec:requests_total", '{endpoint="/v1/completions",status="200"}') > 0
     assert metric(text, "specdec:num_requests_running") == 0
     assert metric(text, "specdec:num_requests_waiting") == 0
+    for kind in ("prefill", "decode"):
+        label = f'{{kind="{kind}"}}'
+        steps = metric(text, "specdec:engine_steps_total", label)
+        assert steps >= 1
+        assert metric(text, "specdec:engine_step_seconds_total", label) > 0
+        assert metric(text, "specdec:engine_step_sequences_total", label) >= steps
 
 
 def test_prefill_steps_run_with_prefill_threads(gen, monkeypatch):
@@ -387,3 +393,100 @@ def test_prefill_steps_run_with_prefill_threads(gen, monkeypatch):
             state.scheduler._step(eng)
     assert seen == {"prefill": {base + 1}, "speculate": {base}}
     assert torch.get_num_threads() == base
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_serve_command_steps_in_its_main_thread_and_stops_on_a_signal(tmp_path):
+    """`specdec serve` as users run it: the scheduler loop in the main thread, uvicorn in a helper thread.
+    It answers; SIGINT ends an open stream with an error event and the process exits 0; a second
+    server on the taken port exits 1 with a message instead of hanging."""
+    import signal
+    import subprocess
+    import sys
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "specdec.cli", "serve", "--model", MODEL, "--dtype", "float32", "--method", "none",
+           "--max-tokens", "200"]
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen(cmd + ["--port", str(port)], stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, open(tmp_path / "serve.log").read()
+            try:
+                if requests.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert time.monotonic() < deadline, "specdec serve did not come up"
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+        assert got.usage.completion_tokens == 4
+
+        second = subprocess.run(cmd + ["--port", str(port)], capture_output=True, text=True, timeout=300)
+        assert second.returncode == 1
+        assert "did not start" in second.stderr and "address already in use" in second.stderr
+
+        with requests.post(url + "/v1/completions", json={"model": MODEL, "prompt": "1, 2, 3, 4,", "max_tokens": 200,
+                                                          "temperature": 0, "stream": True}, stream=True,
+                           timeout=120) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith(b"data: "))
+            assert b'"text"' in first
+            proc.send_signal(signal.SIGINT)
+            rest = [line for line in lines if line.startswith(b"data: ")]
+        assert rest and b"shutting down" in rest[-1], rest[-3:]
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_run_server_steps_engines_in_the_calling_thread(gen, monkeypatch):
+    """run_server (what `specdec serve` calls): every engine step runs in the thread that called it (the one
+    that loaded the model; a second OpenMP master thread makes libgomp stop spinning), HTTP in another."""
+    import os
+    import signal
+
+    from specdec.cli_serve import run_server
+    from specdec.engine import Engine
+
+    state = ServerState(gen, ServeConfig(max_batch=2, max_tokens=16))
+    stepped_in: set[str] = set()
+    step = Engine.step
+
+    def recording_step(self):
+        stepped_in.add(threading.current_thread().name)
+        return step(self)
+
+    monkeypatch.setattr(Engine, "step", recording_step)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning"))
+    answers: list[int] = []
+
+    def drive() -> None:
+        try:
+            deadline = time.monotonic() + 60
+            while not server.started and time.monotonic() < deadline:
+                time.sleep(0.05)
+            c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
+            answers.append(c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
+                           .usage.completion_tokens)
+        finally:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    driver = threading.Thread(target=drive, name="test-client")
+    driver.start()
+    assert run_server(server, state.scheduler) == 0
+    driver.join()
+    assert answers == [3]
+    assert stepped_in == {threading.current_thread().name}
+    assert not state.scheduler.alive

@@ -12,6 +12,8 @@ from .errors import SpecdecError
 if TYPE_CHECKING:
     from .api import Generator
     from .models.base import CausalLM
+    from .server.scheduler import Scheduler
+    from uvicorn import Server
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -32,13 +34,11 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     p.add_argument("--prefill-tokens", type=int, default=2048,
                    help="padded prompt tokens admitted into the batch per step (bounds the pause a burst causes)")
     p.add_argument("--threads", type=int, default=0,
-                   help="torch CPU threads (0 = torch's default less one, at least 1: a core stays free for the HTTP "
-                        "side, whose wake-ups otherwise stall every parallel region of the decoder; measured on 2 cores: "
-                        "1 thread serves 1.1x (batched) to 1.4x (one at a time) the tokens/s of 2)")
+                   help="torch CPU threads for decode steps (0 = torch's default, all cores); the engines run in the "
+                        "main thread, the HTTP side in a helper thread that needs little CPU; measured on 2 cores "
+                        "(benchmarks/serve_load.py): 2 threads serve 1.2x (batched) to 1.27x (one at a time) the tokens/s of 1")
     p.add_argument("--prefill-threads", type=int, default=0,
-                   help="torch CPU threads while a step prefills new prompts (0 = all of torch's default): prefill is "
-                        "compute-bound, so it gains from every core even with the HTTP side awake; measured on 2 cores "
-                        "(benchmarks/serve_load.py, alternating runs): batched throughput at concurrency 8 +22-33%% over 1 thread")
+                   help="torch CPU threads while a step prefills new prompts (0 = torch's default, all cores)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 
@@ -78,7 +78,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     config = ServeConfig(max_batch=a.max_batch, max_waiting=a.max_waiting, max_prompt_tokens=a.max_prompt_tokens,
                          max_tokens=a.max_tokens, max_body_bytes=a.max_body_bytes, api_key=key,
                          prefill_tokens=a.prefill_tokens, prefill_threads=a.prefill_threads or cores)
-    torch.set_num_threads(a.threads or max(1, cores - 1))
+    torch.set_num_threads(a.threads or cores)
     gen = specdec.load(a.model, method=a.method, dtype=a.dtype, device=a.device, draft_model=a.draft_model,
                        num_draft_tokens=a.num_draft_tokens, draft_policy=a.draft_policy, tree=a.tree)
     state = ServerState(gen, config, drafts_for_server(a, gen), a.dtype, TreeShape.parse(a.tree))
@@ -87,5 +87,41 @@ def cmd_serve(a: argparse.Namespace) -> int:
               file=sys.stderr)
     print(f"specdec: serving {gen.name} (method {gen.method}, {a.dtype}) on http://{a.host}:{a.port}/v1 "
           f"(max batch {a.max_batch}, auth {'on' if key else 'off'})", file=sys.stderr, flush=True)
-    uvicorn.run(create_app(state), host=a.host, port=a.port, log_level=a.log_level, access_log=False)
+    server = uvicorn.Server(uvicorn.Config(create_app(state), host=a.host, port=a.port, log_level=a.log_level,
+                                          access_log=False))
+    return run_server(server, state.scheduler)
+
+
+def run_server(server: Server, scheduler: Scheduler) -> int:
+    """uvicorn in a helper thread, the scheduler's loop in this one (the thread that loaded the model,
+    see server/scheduler.py) until the HTTP side stops or SIGINT / SIGTERM arrives."""
+    import signal
+    import threading
+
+    def http() -> None:
+        try:
+            server.run()                      # not the main thread: uvicorn installs no signal handlers
+        finally:
+            scheduler.stop()                  # e.g. the port was taken: end the loop too
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    # explicit handlers, as uvicorn installs in the main thread (a shell's background job ignores SIGINT)
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    scheduler.in_caller = True
+    web = threading.Thread(target=http, name="specdec-http", daemon=True)
+    web.start()
+    try:
+        scheduler.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        server.should_exit = True             # open streams got their 503 from run(); close gracefully
+        web.join(30)
+    if not server.started:
+        print("specdec: the HTTP server did not start (see the message above)", file=sys.stderr)
+        return 1
     return 0

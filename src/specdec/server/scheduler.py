@@ -6,6 +6,13 @@ reads the Job's asyncio queue of events (text pieces, then Done or Failed); it
 admits waiting jobs while fewer than `max_batch` are running, and steps every busy
 engine round-robin. One engine per (method, K): they share the target's weights,
 each has its own caches.
+
+`specdec serve` runs the worker loop in the main thread (`in_caller`), the thread that loaded the model,
+and uvicorn in a helper thread: libgomp cuts its worker threads' spin-wait to almost nothing once more
+threads than cores belong to OpenMP teams, so a second thread driving parallel regions (the main
+thread's team from loading, plus the worker's) makes every parallel region of a step sleep and wake on
+a futex. Measured on 2 cores with 2 torch threads, a decode step of 8 sequences took 130 ms from a
+second thread vs 74-81 ms from the thread that loaded the model (README, Server: Threads).
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ from ..errors import SpecdecError
 from ..models.base import CausalLM
 
 TRIM_EVERY_SECONDS = 20.0
+IDLE_WAKE_SECONDS = 0.25
 
 
 def _libc_trim():
@@ -127,6 +135,17 @@ class ServerMetrics:
         self.num_accepted = Counter("specdec:spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
         self.accepted_per_pos = Counter("specdec:spec_decode_num_accepted_tokens_per_pos",
                                         "Draft tokens accepted at each draft position", ["position"], registry=r)
+        self.steps = Counter("specdec:engine_steps", "Engine steps by kind (prefill: newcomers' prompts; "
+                             "decode: one speculative or plain step of the running batch)", ["kind"], registry=r)
+        self.step_seconds = Counter("specdec:engine_step_seconds", "Time spent in engine steps by kind", ["kind"],
+                                    registry=r)
+        self.step_sequences = Counter("specdec:engine_step_sequences", "Sequences in engine steps by kind "
+                                      "(divided by steps: the mean batch)", ["kind"], registry=r)
+
+    def record_step(self, kind: str, sequences: int, seconds: float) -> None:
+        self.steps.labels(kind).inc()
+        self.step_seconds.labels(kind).inc(seconds)
+        self.step_sequences.labels(kind).inc(sequences)
 
     def record_speculation(self, seq: Sequence) -> None:
         c = seq.counters
@@ -223,6 +242,8 @@ class Scheduler:
         self.thread: threading.Thread | None = None
         self.steps = 0                               # engine steps taken
         self.peak_running = 0                        # most sequences ever decoded at once
+        self.in_caller = False                       # True: the owner calls run(); start() spawns no thread
+        self.looping = False                         # run() is in its loop
 
     # ---- asyncio side --------------------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -239,42 +260,54 @@ class Scheduler:
         self.inbox.put(("cancel", job))
 
     def start(self) -> None:
-        if self.thread is None:
-            self.thread = threading.Thread(target=self._run, name="specdec-scheduler", daemon=True)
+        """Run the worker loop in a thread of its own, unless the owner runs it (`in_caller`)."""
+        if self.thread is None and not self.in_caller:
+            self.thread = threading.Thread(target=self.run, name="specdec-scheduler", daemon=True)
             self.thread.start()
 
     @property
     def alive(self) -> bool:
-        return self.thread is not None and self.thread.is_alive()
+        return self.looping
 
     def stop(self, timeout: float = 10.0) -> None:
-        if self.thread is not None:
+        """End the loop after its current step; wait for its thread when it has one of its own."""
+        if self.thread is not None or self.in_caller:
             self.inbox.put(("stop", None))
+        if self.thread is not None:
             self.thread.join(timeout)
             self.thread = None
 
     # ---- worker thread -------------------------------------------------------------
-    def _run(self) -> None:
-        with torch.inference_mode():
-            trimmed = time.monotonic()
-            while True:
-                idle = not self.pool.busy() and not self.waiting
-                if idle or time.monotonic() - trimmed > TRIM_EVERY_SECONDS:
-                    trim_heap()
-                    trimmed = time.monotonic()
-                if not self._drain(block=idle):
-                    break
-                self._admit()
-                self._step_all()
-                self._gauges()
-        for job in list(self.waiting) + list(self.running.values()):
-            self._fail(job, "the server is shutting down", 503)
+    def run(self) -> None:
+        """The worker loop, in the calling thread, until `stop`; then every job left fails with 503."""
+        self.looping = True
+        try:
+            with torch.inference_mode():
+                trimmed, was_idle = time.monotonic(), False
+                while True:
+                    idle = not self.pool.busy() and not self.waiting
+                    if (idle and not was_idle) or time.monotonic() - trimmed > TRIM_EVERY_SECONDS:
+                        trim_heap()
+                        trimmed = time.monotonic()
+                    was_idle = idle
+                    if not self._drain(block=idle):
+                        break
+                    self._admit()
+                    self._step_all()
+                    self._gauges()
+        finally:
+            self.looping = False
+            for job in list(self.waiting) + list(self.running.values()):
+                self._fail(job, "the server is shutting down", 503)
 
     def _drain(self, block: bool) -> bool:
-        """Handle every inbox command (waiting for one when idle); False on stop."""
+        """Handle every inbox command (waiting up to IDLE_WAKE_SECONDS for one when idle); False on stop.
+
+        The wait is bounded so that a loop in the main thread sees SIGINT: a signal that the kernel hands
+        to another thread does not interrupt the main thread's wait on a lock."""
         while True:
             try:
-                cmd, job = self.inbox.get(block=block)
+                cmd, job = self.inbox.get(block=block, timeout=IDLE_WAKE_SECONDS if block else None)
             except queue.Empty:
                 return True
             block = False
@@ -333,6 +366,8 @@ class Scheduler:
 
     def _step_all(self) -> None:
         for eng in self.pool.busy():
+            kind, sequences = ("prefill", len(eng.pending)) if eng.pending else ("decode", len(eng.active))
+            t0 = time.perf_counter()
             try:
                 events = self._step(eng)
             except Exception as e:  # noqa: BLE001 - a failed step must not kill the worker
@@ -340,6 +375,7 @@ class Scheduler:
                 continue
             self.steps += 1
             now = time.perf_counter()
+            self.metrics.record_step(kind, sequences, now - t0)
             for seq, piece in events:
                 job = self.running.get(id(seq))
                 if job is not None:
