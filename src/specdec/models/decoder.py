@@ -77,6 +77,7 @@ class AttentionMask:
         self.mask, self.n_kv, self.n_heads = mask, n_kv, n_heads
         self.tree_slots, self.tree_visible = tree_slots, tree_visible
         self._bias: dict[int, Tensor] = {}
+        self._live: list[Tensor] = []
 
     def tail_bias(self, R: int) -> Tensor:
         """[B*nkv*T, nq, 1, R, KB] additive bias of the tree tails (built once per forward)."""
@@ -88,6 +89,19 @@ class AttentionMask:
             bias = bias.view(B, 1, T, 1, nq, 1, KV_BLOCK).expand(B, self.n_kv, T, 1, nq, R, KV_BLOCK)
             self._bias[-1] = bias.reshape(B * self.n_kv * T, 1, nq, R, KV_BLOCK).transpose(1, 2)
         return self._bias[-1]
+
+    def live(self) -> list[Tensor]:
+        """Per key block, the indices into B*nkv of the (sequence, kv head) rows with a visible key in it.
+
+        In a ragged batch the short sequences see only the first of the kv_len // KV_BLOCK blocks that the
+        longest one needs; their scores and values there would be exact zeros, so they are skipped."""
+        if not self._live:
+            m = self.mask                                                       # [B, 1, T, S]
+            B, _, T, S = m.shape
+            seen = m.view(B, T, S // KV_BLOCK, KV_BLOCK).any(-1).any(1)         # [B, nb]
+            seen = seen.repeat_interleave(self.n_kv, 0)                         # [B*nkv, nb]
+            self._live = [seen[:, j].nonzero()[:, 0] for j in range(seen.shape[1])]
+        return self._live
 
     @property
     def tree(self) -> bool:
@@ -126,21 +140,31 @@ def _to_rows(x: Tensor, X: int, rows: int) -> Tensor:
     return x.reshape(nb, X, nt * R, d)[:, :, :rows].reshape(nb, X * rows, d).contiguous()
 
 
-def _block_scores(qg: Tensor, k: Tensor, nb: int) -> Tensor:
+def _block_bmm(a: Tensor, b: Tensor, live: Tensor, fill: float) -> Tensor:
+    """bmm(a [X, M, n], b [X, n, m]) on the `live` rows of X; the others are `fill` (exact, not computed)."""
+    if live.numel() == a.shape[0]:
+        return torch.bmm(a, b)
+    out = a.new_full((a.shape[0], a.shape[1], b.shape[2]), fill)
+    return out.index_copy_(0, live, torch.bmm(a.index_select(0, live), b.index_select(0, live)))
+
+
+def _block_scores(qg: Tensor, k: Tensor, live: list[Tensor]) -> Tensor:
     """qg [X, M, hd] (M a multiple of ROW_TILE) against key blocks of k [X, >= nb*KB, hd] -> [nb, X, M, KB].
 
-    One batched GEMM per key block, reading the block in place (a strided view of the cache:
-    no copy); measured, the fp32 GEMM's per-row bits are the same for every M >= 3, so stacking
+    One batched GEMM per key block over the rows that see it (the others score -inf: see
+    AttentionMask.live), reading the block in place (a strided view of the cache) when every row
+    does; measured, the fp32 GEMM's per-row bits are the same for every M >= 3, so stacking
     the tiles as rows keeps each query's bits independent of how many share the forward.
     """
-    return torch.stack([torch.bmm(qg, k[:, j * KV_BLOCK:(j + 1) * KV_BLOCK].transpose(1, 2)) for j in range(nb)])
+    return torch.stack([_block_bmm(qg, k[:, j * KV_BLOCK:(j + 1) * KV_BLOCK].transpose(1, 2), rows, float("-inf"))
+                        for j, rows in enumerate(live)])
 
 
-def _block_values(p: Tensor, v: Tensor, X: int, rows: int) -> Tensor:
+def _block_values(p: Tensor, v: Tensor, X: int, rows: int, live: list[Tensor]) -> Tensor:
     """p [nb, X, nt, R, KB] (probabilities per key block) @ value blocks of v [X, >= nb*KB, hd] -> [nb, X * rows, hd]."""
     nb, _, nt, R, _ = p.shape
     pb = p.view(nb, X, nt * R, KV_BLOCK)
-    o = torch.stack([torch.bmm(pb[j], v[:, j * KV_BLOCK:(j + 1) * KV_BLOCK]) for j in range(nb)])
+    o = torch.stack([_block_bmm(pb[j], v[:, j * KV_BLOCK:(j + 1) * KV_BLOCK], live[j], 0.0) for j in range(nb)])
     return o[:, :, :rows].reshape(nb, X * rows, v.shape[-1])
 
 
@@ -165,12 +189,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float
     nt = -(-rows // ROW_TILE)
     kx, vx = k.reshape(X, S, hd), v.reshape(X, S, hd)                           # views of the cache rows
     qg = F.pad(q.reshape(X, rows, hd), (0, 0, 0, nt * ROW_TILE - rows))         # [X, M, hd]
-    s = _block_scores(qg, kx, nb).view(nb, X, nt, ROW_TILE, KV_BLOCK)
+    live = mask.live()
+    s = _block_scores(qg, kx, live).view(nb, X, nt, ROW_TILE, KV_BLOCK)
     s.mul_(scale).add_(mask.bias())                                             # [nb, X, nt, R, KB]
     top = s.amax(-1, keepdim=True).amax(0, keepdim=True)                        # [1, X, nt, R, 1]
     if not mask.tree:
         p = torch.exp(s - top)
-        l, o = _to_rows(p.sum(-1, keepdim=True), X, rows), _block_values(p, vx, X, rows)
+        l, o = _to_rows(p.sum(-1, keepdim=True), X, rows), _block_values(p, vx, X, rows, live)
         return (o.sum(0) / l.sum(0)).view(B, nh, T, hd)
     # a token tree: each node also attends over its own position-aligned tail blocks
     st, vt, R = tree_tail_scores(q, k, v, mask, scale)                          # st [B*nkv*T, nq, 1, R, KB]
@@ -182,7 +207,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float
     per_node = F.pad(best.view(B, nkv, g, T).transpose(2, 3).reshape(B * nkv * T, 1, 1, g, 1),
                      (0, 0, 0, R - g))
     p, pt = torch.exp(s - top), torch.exp(st - per_node)
-    l, o = _to_rows(p.sum(-1, keepdim=True), X, rows), _block_values(p, vx, X, rows)
+    l, o = _to_rows(p.sum(-1, keepdim=True), X, rows), _block_values(p, vx, X, rows, live)
     nq = st.shape[1]
     lt, ot = (x[:, :, 0, :g].reshape(B, nkv, T, nq, g, x.shape[-1]).permute(3, 0, 1, 4, 2, 5)
               .reshape(nq, X * rows, x.shape[-1]) for x in (pt.sum(-1, keepdim=True), torch.matmul(pt, vt)))
