@@ -25,7 +25,7 @@ demo: install
 	$(BIN)/specdec generate --method hybrid --prompt "Explain speculative decoding in two sentences." --max-new-tokens 128 --dtype bfloat16
 
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 bench: install
 	$(BIN)/specdec bench --suite mini --methods none,ngram,ngram@auto,draft,draft@auto,eagle,eagle@auto,eagle:2x8,eagle:4x16,medusa,hybrid,hybrid@auto --peers transformers --repeats 1 --out docs/benchmarks/mini
