@@ -464,7 +464,11 @@ async def next_event(job: Job, request: HttpRequest) -> Event:
 
 
 def create_app(state: ServerState) -> FastAPI:
-    """The FastAPI app serving `state`; its lifespan starts and stops the scheduler's worker."""
+    """The FastAPI app serving `state`; its lifespan starts and stops the scheduler's worker.
+
+    Run under uvicorn as it is, the worker loop gets a thread of its own; for speed, run the loop in the
+    thread that loaded the model and uvicorn in another, as `specdec serve` does (cli_serve.run_server;
+    why: server/scheduler.py)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
