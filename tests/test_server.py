@@ -404,7 +404,7 @@ def free_port() -> int:
 def test_the_serve_command_steps_in_its_main_thread_and_stops_on_a_signal(tmp_path):
     """`specdec serve` as users run it: the scheduler loop in the main thread, uvicorn in a helper thread.
     It answers; SIGINT ends an open stream with an error event and the process exits 0; a second
-    server on the taken port exits 1 with a message instead of hanging."""
+    server on the taken port exits 2 with a clear error before it loads the model."""
     import signal
     import subprocess
     import sys
@@ -431,8 +431,8 @@ def test_the_serve_command_steps_in_its_main_thread_and_stops_on_a_signal(tmp_pa
         assert got.usage.completion_tokens == 4
 
         second = subprocess.run(cmd + ["--port", str(port)], capture_output=True, text=True, timeout=300)
-        assert second.returncode == 1
-        assert "did not start" in second.stderr and "address already in use" in second.stderr
+        assert second.returncode == 2                                        # before loading the model
+        assert f"cannot listen on 127.0.0.1:{port}" in second.stderr and "in use" in second.stderr
 
         with requests.post(url + "/v1/completions", json={"model": MODEL, "prompt": "1, 2, 3, 4,", "max_tokens": 200,
                                                           "temperature": 0, "stream": True}, stream=True,

@@ -73,6 +73,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     for name in ("threads", "prefill_threads"):
         if getattr(a, name) < 0:
             raise SpecdecError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(a, name)}")
+    check_address(a.host, a.port)                  # before the model loads: a taken port fails in a second
     cores = torch.get_num_threads()
     key = a.api_key if a.api_key is not None else os.environ.get("SPECDEC_API_KEY") or None
     config = ServeConfig(max_batch=a.max_batch, max_waiting=a.max_waiting, max_prompt_tokens=a.max_prompt_tokens,
@@ -90,6 +91,19 @@ def cmd_serve(a: argparse.Namespace) -> int:
     server = uvicorn.Server(uvicorn.Config(create_app(state), host=a.host, port=a.port, log_level=a.log_level,
                                           access_log=False))
     return run_server(server, state.scheduler)
+
+
+def check_address(host: str, port: int) -> None:
+    """Raise SpecdecError if `host`:`port` cannot be listened on (taken, unknown host, no permission)."""
+    import socket
+
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)          # as uvicorn binds
+            s.bind((host, port))
+    except OSError as e:
+        raise SpecdecError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def run_server(server: Server, scheduler: Scheduler) -> int:
