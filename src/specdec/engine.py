@@ -6,6 +6,7 @@ sequence accepts its own number of drafts; nothing assumes batch size 1.
 """
 from __future__ import annotations
 
+import heapq
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -32,9 +33,9 @@ class Request:
     speculate: bool = True            # False: this sequence gets no drafts (plain decoding inside a speculative batch)
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
-    """A request being decoded: its row in the caches, output so far, metrics."""
+    """A request being decoded: its row in the caches, output so far, metrics (compared by identity)."""
     request: Request
     row: int
     tokens: list[int] = field(default_factory=list)        # prompt + generated
@@ -76,7 +77,7 @@ class Engine:
         self.rows, self.slots = rows, slots
         self.cache = self.target.new_cache(rows, slots)
         self.proposer.allocate(rows, slots)
-        self.free = list(range(rows))
+        self.free = list(range(rows))                                          # a heap: lowest free row first
         self.active, self.pending = [], []
 
     def add(self, request: Request) -> Sequence:
@@ -89,8 +90,7 @@ class Engine:
                                f"exceeds the context of {self.slots} tokens")
         # the lowest free row: active rows stay one contiguous block of the cache as long as they can, so
         # the decoder reads their keys in place instead of gathering them (see KVCache.read)
-        row = min(self.free)
-        self.free.remove(row)
+        row = heapq.heappop(self.free)
         seq = Sequence(request, row, list(request.prompt), started=time.perf_counter())
         s = request.sampling.seed
         self.rngs[seq.row] = (make_rng(s), make_rng(s + 0x9E3779B1))
@@ -105,7 +105,7 @@ class Engine:
             self.active.remove(seq)
         if not seq.done:
             seq.finish_reason = "cancelled"
-            self.free.append(seq.row)
+            heapq.heappush(self.free, seq.row)
 
     @property
     def busy(self) -> bool:
@@ -127,14 +127,14 @@ class Engine:
         else:
             return []
         events = []
-        for seq in list(self.active):
+        for seq in self.active:
             piece = self._emit(seq)
             if piece or seq.done:
                 events.append((seq, piece))
             if seq.done:
-                self.active.remove(seq)
-                self.free.append(seq.row)
+                heapq.heappush(self.free, seq.row)
                 seq.counters.wall_seconds = time.perf_counter() - seq.started
+        self.active = [s for s in self.active if not s.done]                   # one pass: batches may be huge
         return events
 
     def _batch(self, seqs: list[Sequence]) -> ActiveBatch:
