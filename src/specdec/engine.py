@@ -161,7 +161,7 @@ class Engine:
             inp = torch.tensor([seqs[i].tokens for i in idx], device=dev)     # [G, P]
             pos = torch.arange(inp.shape[1], device=dev).expand_as(inp)
             rows = batch.rows[idx]
-            hidden = self.target(inp, pos, self.cache, rows)                   # [G, P, H]
+            hidden = self.target.prefill(inp, pos, self.cache, rows)           # [G, P, H]
             self.cache.commit(rows, pos, lens[idx])
             for j, i in enumerate(idx):
                 pieces[i] = hidden[j]

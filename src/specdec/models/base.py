@@ -42,6 +42,11 @@ class CausalLM(Protocol):
         """tokens, positions [B, T]; rows [B]; tree_mask [B, T, T] or None (causal) -> hidden [B, T, H]."""
         ...
 
+    def prefill(self, tokens: Tensor, positions: Tensor, cache: Cache, rows: Tensor) -> Tensor:
+        """Like a causal forward over whole prompts [G, P] -> hidden [G, P, H]. A prompt's bits must
+        depend only on the prompt; they may differ from forward's in the last place (faster kernels)."""
+        ...
+
     def lm_head(self, hidden: Tensor) -> Tensor:
         """hidden [..., H] -> float32 logits [..., V]."""
         ...

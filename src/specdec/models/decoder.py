@@ -39,9 +39,21 @@ def packed_linear_available(device: torch.device) -> bool:
     return device.type == "cpu" and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def pack(w: Tensor) -> Tensor:
-    """A oneDNN-prepacked copy of a linear weight [out, in] (CPU): ~1.5-2x the bandwidth of F.linear here."""
-    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
+def pack(w: Tensor, rows: int = 1) -> Tensor:
+    """A oneDNN-prepacked copy of a linear weight [out, in] for about `rows` input rows (CPU):
+    ~1.5-2x the bandwidth of F.linear here."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)
+
+
+def wide_prefill_pays(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether prefills should run a narrow (bf16/fp16) model's linears on float32 copies.
+
+    Measured on this project's AVX-512-bf16 Xeon without AMX (2 threads, [M, 576] x [576, 1536]):
+    oneDNN's bf16 GEMM reaches 150-175 GFLOP/s for M >= 16, float32 190-290 from M >= 24, so a
+    prompt's prefill is ~1.5x faster in float32. CPUs with AMX multiply bf16 far faster: not there.
+    """
+    amx = "AMX" in torch.backends.cpu.get_cpu_capability()
+    return dtype != torch.float32 and packed_linear_available(device) and not amx
 
 
 def linear(x: Tensor, w: Tensor, packed: dict[str, Tensor], name: str) -> Tensor:
@@ -63,6 +75,7 @@ KV_BLOCK = 128             # keys per attention tile; caches are read in whole b
 ROW_TILE = 8               # query rows per attention tile
 INVARIANT_MAX_T = 72       # forwards of up to this many tokens (decode, verify, trees) use `attention`;
                            # longer ones (prefills) use SDPA, whose speed there matters more
+WIDE_MIN_T = 24            # prefills of at least this many tokens per prompt may use float32 linears
 
 
 class AttentionMask:
@@ -271,14 +284,22 @@ class Block(nn.Module):
             self.post_attn_norm = nn.Parameter(torch.ones(cfg.dim))
             self.post_ffn_norm = nn.Parameter(torch.ones(cfg.dim))
         self.packed: dict[str, Tensor] = {}       # inference-only prepacked copies (see Transformer.pack)
+        self.packed_wide: dict[str, Tensor] = {}  # float32 prepacked copies for prefills (narrow models)
+
+    def _linear(self, x: Tensor, name: str, wide: bool) -> Tensor:
+        """x [B, T, in] @ weight.T; wide: through the float32 copy if there is one, rounded back to x's dtype."""
+        p = self.packed_wide.get(name) if wide else None
+        if p is None:
+            return linear(x, getattr(self, name), self.packed, name)
+        return torch.ops.mkldnn._linear_pointwise(x.float(), p, None, "none", [], "").to(x.dtype)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: AttentionMask, cache: KVCache,
-                rows: Tensor, kv_len: int, contiguous: bool) -> Tensor:
+                rows: Tensor, kv_len: int, contiguous: bool, wide: bool) -> Tensor:
         cfg = self.cfg
         B, T, _ = x.shape
         nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         h = rms_norm(x, self.attn_norm, cfg.norm_eps)
-        qkv = linear(h, self.wqkv, self.packed, "wqkv").float()                                    # [B, T, (nh+2nkv)*hd]
+        qkv = self._linear(h, "wqkv", wide).float()                                    # [B, T, (nh+2nkv)*hd]
         qk = qkv[..., :(nh + nkv) * hd].view(B, T, nh + nkv, hd).transpose(1, 2)  # [B, nh+nkv, T, hd]
         v = qkv[..., (nh + nkv) * hd:].view(B, T, nkv, hd).transpose(1, 2)     # [B, nkv, T, hd]
         if cfg.qk_norm:
@@ -294,14 +315,14 @@ class Block(nn.Module):
             o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask.mask, scale=cfg.scale,
                                                enable_gqa=nkv != nh)
 
-        o = linear(o.transpose(1, 2).reshape(B, T, nh * hd).to(x.dtype), self.wo, self.packed, "wo")
+        o = self._linear(o.transpose(1, 2).reshape(B, T, nh * hd).to(x.dtype), "wo", wide)
         if cfg.sandwich_norm:
             o = rms_norm(o, self.post_attn_norm, cfg.norm_eps)
         x = x + o
         h = rms_norm(x, self.ffn_norm, cfg.norm_eps)
-        gate, up = linear(h, self.w13, self.packed, "w13").chunk(2, dim=-1)
+        gate, up = self._linear(h, "w13", wide).chunk(2, dim=-1)
         act = F.gelu(gate, approximate="tanh") if cfg.gelu else F.silu(gate)
-        o = linear(act * up, self.w2, self.packed, "w2")
+        o = self._linear(act * up, "w2", wide)
         if cfg.sandwich_norm:
             o = rms_norm(o, self.post_ffn_norm, cfg.norm_eps)
         return x + o
@@ -371,8 +392,10 @@ class Transformer(nn.Module):
         """Prepack every linear weight for fast CPU inference (a no-op elsewhere). Re-pack after training."""
         if not packed_linear_available(self.device):
             return self
+        wide = wide_prefill_pays(self.dtype, self.device)
         for layer in self.layers:
             layer.packed = {n: pack(getattr(layer, n)) for n in ("wqkv", "wo", "w13", "w2")}
+            layer.packed_wide = {n: pack(getattr(layer, n).float(), 128) for n in ("wqkv", "wo", "w13", "w2")} if wide else {}
         self.packed = {"lm_head": pack(self.output if self.output.numel() else self.embed)}
         return self
 
@@ -384,6 +407,14 @@ class Transformer(nn.Module):
         """
         return self.forward_embeds(self.embed_tokens(tokens), positions, cache, rows, tree_mask)
 
+    def prefill(self, tokens: Tensor, positions: Tensor, cache: KVCache, rows: Tensor) -> Tensor:
+        """Like forward over whole prompts [G, P] (causal). A prompt's bits depend only on the prompt, not
+        on G, but may differ in the last place from forward's: prompts of WIDE_MIN_T tokens or more run a
+        narrow model's linears on float32 copies where that is faster (see wide_prefill_pays)."""
+        B, T = positions.shape
+        causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril().expand(B, T, T)
+        return self._forward(self.embed_tokens(tokens), positions, cache, rows, causal, False, T >= WIDE_MIN_T)
+
     def forward_embeds(self, x: Tensor, positions: Tensor, cache: KVCache, rows: Tensor,
                        tree_mask: Tensor | None = None, exact_tree: bool = True) -> Tensor:
         """Like forward, from input vectors x [B, T, H] (EAGLE feeds fused token + feature vectors).
@@ -393,12 +424,13 @@ class Transformer(nn.Module):
         B, T = positions.shape
         if tree_mask is None:
             return self._forward(x, positions, cache, rows, torch.ones(T, T, dtype=torch.bool, device=x.device)
-                                 .tril().expand(B, T, T), False)
-        return self._forward(x, positions, cache, rows, tree_mask, exact_tree and T <= INVARIANT_MAX_T)
+                                 .tril().expand(B, T, T), False, False)
+        return self._forward(x, positions, cache, rows, tree_mask, exact_tree and T <= INVARIANT_MAX_T, False)
 
     def _forward(self, x: Tensor, positions: Tensor, cache: KVCache, rows: Tensor, tree_mask: Tensor,
-                 tree: bool) -> Tensor:
-        """tree: scratch slots are not positions (a token tree), so tails are gathered by position."""
+                 tree: bool, wide: bool) -> Tensor:
+        """tree: scratch slots are not positions (a token tree), so tails are gathered by position;
+        wide: the float32 copies of the linears (prefill)."""
         B, T = positions.shape
         cache.check_room(rows, T)
         lengths = cache.lengths[rows]                                          # [B]
@@ -421,9 +453,9 @@ class Transformer(nn.Module):
             local = AttentionMask(visible & window, nkv, nh, slots, tvis)
         for i, layer in enumerate(self.layers):
             if self.config.is_local(i):
-                x = layer(x, lcos, lsin, local, cache, rows, kv_len, contiguous)
+                x = layer(x, lcos, lsin, local, cache, rows, kv_len, contiguous, wide)
             else:
-                x = layer(x, cos, sin, mask, cache, rows, kv_len, contiguous)
+                x = layer(x, cos, sin, mask, cache, rows, kv_len, contiguous, wide)
         return rms_norm(x, self.norm, self.config.norm_eps)
 
     @staticmethod

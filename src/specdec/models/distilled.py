@@ -74,6 +74,10 @@ class DistilledDraft(nn.Module):
         x = self.target[0].embed_tokens(tokens).to(self.dtype)
         return self.core.forward_embeds(x, positions, cache, rows, tree_mask)
 
+    def prefill(self, tokens: Tensor, positions: Tensor, cache: KVCache, rows: Tensor) -> Tensor:
+        """Prompts [G, P] -> hidden [G, P, H]: the causal forward."""
+        return self.forward(tokens, positions, cache, rows)
+
     def sub_logits(self, hidden: Tensor) -> Tensor:
         """hidden [..., H] -> float32 logits over the reduced vocabulary [..., V']."""
         return linear(hidden, self.core.output, self.core.packed, "lm_head").float()

@@ -127,6 +127,10 @@ class HFCausalLM(nn.Module):
         return logits
 
     @torch.no_grad()
+    def prefill(self, tokens: Tensor, positions: Tensor, cache: HFCache, rows: Tensor) -> Tensor:
+        """Prompts [G, P] -> hidden [G, P, H]: the causal forward."""
+        return self.forward(tokens, positions, cache, rows)
+
     def forward(self, tokens: Tensor, positions: Tensor, cache: HFCache, rows: Tensor,
                 tree_mask: Tensor | None = None) -> Tensor:
         """tokens, positions [B, T]; rows [B]; tree_mask [B, T, T] or None (causal) -> hidden [B, T, H].
