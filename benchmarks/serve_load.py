@@ -5,7 +5,10 @@ Starts its own server subprocess on a free port, then:
 2. soak: a steady concurrency of 16 for --soak-seconds (default 600), sampling the
    server's resident memory (RSS) over time;
 3. batching: the same requests at concurrency 8 against this server (batched) and
-   against a second server started with --max-batch 1 (one at a time).
+   against a second server started with --max-batch 1 (one at a time);
+4. two-turn chats (MT-bench's 80 two-turn questions, the first --conversations): each
+   conversation's second turn resends the first turn and its answer, against a server with
+   the prefix cache (default) and one with --prefix-cache-mb 0.
 Reports requests/s, output tokens/s, p50/p99 time to first token and inter-token
 latency (client side, per streamed chunk), errors, RSS samples and the batching speed-up.
 
@@ -47,12 +50,13 @@ def free_port() -> int:
 class ServerProcess:
     """`specdec serve` in a subprocess on a free loopback port."""
 
-    def __init__(self, args: argparse.Namespace, max_batch: int) -> None:
+    def __init__(self, args: argparse.Namespace, max_batch: int, prefix_cache_mb: int = 512) -> None:
         self.port = free_port()
         cmd = [sys.executable, "-m", "specdec.cli", "serve", "--model", args.model, "--method", args.method,
                "--dtype", args.dtype, "--port", str(self.port), "--max-batch", str(max_batch),
                "--max-waiting", str(max(256, args.requests)), "--max-tokens", str(args.max_tokens),
-               "--num-draft-tokens", str(args.num_draft_tokens), "--draft-policy", args.draft_policy]
+               "--num-draft-tokens", str(args.num_draft_tokens), "--draft-policy", args.draft_policy,
+               "--prefix-cache-mb", str(prefix_cache_mb)]
         if args.draft_model:
             cmd += ["--draft-model", args.draft_model]
         if args.threads:
@@ -83,11 +87,15 @@ class ServerProcess:
         raise SystemExit("server did not become healthy")
 
     def step_counters(self) -> dict[str, float]:
-        """The server's engine-step counters from /metrics: {"<kind>_<steps|seconds|sequences>": value}."""
+        """The server's engine-step counters from /metrics: {"<kind>_<steps|seconds|sequences>": value},
+        plus "prefix_queries" and "prefix_hits" (prompt tokens)."""
         with urllib.request.urlopen(f"http://{HOST}:{self.port}/metrics", timeout=10) as r:
             text = r.read().decode()
         out: dict[str, float] = {}
         for line in text.splitlines():
+            for what in ("queries", "hits"):
+                if line.startswith(f"specdec:prefix_cache_{what}_total "):
+                    out[f"prefix_{what}"] = float(line.split()[-1])
             for what in ("steps", "seconds", "sequences"):
                 name = "specdec:engine_steps_total{" if what == "steps" else f"specdec:engine_step_{what}_total{{"
                 if line.startswith(name):
@@ -145,22 +153,24 @@ class Outcome:
     ttft: float = 0.0
     gaps: list[float] = field(default_factory=list)
     error: str = ""
+    text: str = ""
 
 
 REQUEST_TIMEOUT = 600.0
 
 
-async def stream_chat(port: int, prompt: str, max_tokens: int) -> Outcome:
-    """One streaming chat request (an error after REQUEST_TIMEOUT seconds)."""
+async def stream_chat(port: int, prompt: str | list[dict], max_tokens: int) -> Outcome:
+    """One streaming chat request: a user message or a whole conversation (an error after REQUEST_TIMEOUT seconds)."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     try:
-        return await asyncio.wait_for(_stream_chat(port, prompt, max_tokens), REQUEST_TIMEOUT)
+        return await asyncio.wait_for(_stream_chat(port, messages, max_tokens), REQUEST_TIMEOUT)
     except asyncio.TimeoutError:
         return Outcome(False, error=f"no complete answer within {REQUEST_TIMEOUT:g} s")
 
 
-async def _stream_chat(port: int, prompt: str, max_tokens: int) -> Outcome:
+async def _stream_chat(port: int, messages: list[dict], max_tokens: int) -> Outcome:
     """One streaming chat request; TTFT and the gaps between content chunks, from the client's side."""
-    body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+    body = json.dumps({"messages": messages, "max_tokens": max_tokens,
                        "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}).encode()
     head = (f"POST /v1/chat/completions HTTP/1.0\r\nHost: {HOST}:{port}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()
@@ -194,6 +204,7 @@ async def _stream_chat(port: int, prompt: str, max_tokens: int) -> Outcome:
             if obj.get("usage"):
                 out.tokens = obj["usage"]["completion_tokens"]
             if obj["choices"] and obj["choices"][0]["delta"].get("content"):
+                out.text += obj["choices"][0]["delta"]["content"]
                 now = time.perf_counter()
                 if last is None:
                     out.ttft = now - t0
@@ -222,6 +233,7 @@ def step_summary(before: dict[str, float], after: dict[str, float], wall: float)
     busy = d.get("prefill_seconds", 0.0) + d.get("decode_seconds", 0.0)
     return {"prefill_steps": int(d.get("prefill_steps", 0)), "prefill_s": d.get("prefill_seconds", 0.0),
             "decode_steps": int(d.get("decode_steps", 0)), "decode_s": d.get("decode_seconds", 0.0),
+            "prefix_queried_tokens": int(d.get("prefix_queries", 0)), "prefix_hit_tokens": int(d.get("prefix_hits", 0)),
             "mean_decode_batch": d.get("decode_sequences", 0.0) / max(1.0, d.get("decode_steps", 0.0)),
             "ms_per_decode_step": 1e3 * d.get("decode_seconds", 0.0) / max(1.0, d.get("decode_steps", 0.0)),
             "worker_busy_share": busy / wall}
@@ -268,6 +280,25 @@ async def soak(port: int, prompts: list[str], max_tokens: int, concurrency: int,
     return outcomes, time.perf_counter() - t0
 
 
+async def conversations(port: int, pairs: list[tuple[str, str]], max_tokens: int, concurrency: int
+                        ) -> tuple[list[Outcome], list[Outcome], float]:
+    """Two-turn chats, at most `concurrency` at once: the second turn carries the first and its answer."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(q1: str, q2: str) -> tuple[Outcome, Outcome]:
+        async with gate:
+            first = await stream_chat(port, q1, max_tokens)
+            if not first.ok:
+                return first, Outcome(False, error="first turn failed")
+            turn2 = [{"role": "user", "content": q1}, {"role": "assistant", "content": first.text},
+                     {"role": "user", "content": q2}]
+            return first, await stream_chat(port, turn2, max_tokens)
+
+    t0 = time.perf_counter()
+    done = await asyncio.gather(*(one(a, b) for a, b in pairs))
+    return [a for a, _ in done], [b for _, b in done], time.perf_counter() - t0
+
+
 # ---- report -----------------------------------------------------------------------------------
 def show(row: dict) -> str:
     line = (f"{row['phase']:<22} {row['requests']:>5} req  {row['errors']:>3} err  {row['wall_s']:7.1f} s  "
@@ -278,7 +309,8 @@ def show(row: dict) -> str:
     if s:
         line += (f"\n{'':<22} worker: {s['prefill_steps']} prefill steps {s['prefill_s']:.1f} s, "
                  f"{s['decode_steps']} decode steps {s['decode_s']:.1f} s ({s['ms_per_decode_step']:.0f} ms each, "
-                 f"mean batch {s['mean_decode_batch']:.2f}), busy {100 * s['worker_busy_share']:.0f}% of the wall")
+                 f"mean batch {s['mean_decode_batch']:.2f}), busy {100 * s['worker_busy_share']:.0f}% of the wall; "
+                 f"prefix cache: {s['prefix_hit_tokens']} of {s['prefix_queried_tokens']} prompt tokens")
     return line
 
 
@@ -319,6 +351,9 @@ def main() -> int:
     ap.add_argument("--soak-concurrency", type=int, default=16)
     ap.add_argument("--compare-requests", type=int, default=32, help="requests in the batched vs one-at-a-time run")
     ap.add_argument("--compare-concurrency", type=int, default=8)
+    ap.add_argument("--conversations", type=int, default=16,
+                    help="two-turn MT-bench chats, with and without the prefix cache (0 = skip)")
+    ap.add_argument("--conversation-concurrency", type=int, default=8)
     ap.add_argument("--rss-every", type=float, default=5.0, help="seconds between RSS samples")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     args = ap.parse_args()
@@ -354,8 +389,31 @@ def main() -> int:
     finally:
         one.stop()
 
-    result["phases"] = rows
     result["batching_speedup"] = rows[-2]["output_tokens_per_s"] / rows[-1]["output_tokens_per_s"]
+    if args.conversations > 0:
+        two = [(p.turns[0], p.turns[1]) for p in load_suite("full", ["mt_bench"]) if len(p.turns) == 2]
+        pairs = two[:args.conversations]
+        ttft2 = {}
+        for mb in (512, 0):
+            srv = ServerProcess(args, args.conversation_concurrency, mb)
+            try:
+                asyncio.run(burst(srv.port, suite[:2], 8, 2))
+                before = srv.step_counters()
+                first, second, wall = asyncio.run(conversations(srv.port, pairs, args.max_tokens,
+                                                                args.conversation_concurrency))
+                label = f"prefix cache {mb} MB" if mb else "no prefix cache"
+                r1 = summarize(f"chat turn 1, {label}", first, wall)
+                r2 = summarize(f"chat turn 2, {label}", second, wall)
+                r2["steps"] = step_summary(before, srv.step_counters(), wall)
+                for r in (r1, r2):
+                    print(show(r), flush=True)
+                rows += [r1, r2]
+                ttft2[mb] = r2["ttft_p50_s"]
+            finally:
+                srv.stop()
+        result["turn2_ttft_p50_without_over_with_prefix_cache"] = ttft2[0] / ttft2[512]
+        print(f"second-turn TTFT p50: {ttft2[512] * 1e3:.0f} ms with the prefix cache, {ttft2[0] * 1e3:.0f} ms without")
+    result["phases"] = rows
     rss = result["rss"]
     print(f"batching speed-up at concurrency {args.compare_concurrency}: {result['batching_speedup']:.2f}x "
           f"(output tokens/s, batched vs --max-batch 1)")

@@ -160,13 +160,11 @@ def test_scores_do_not_depend_on_how_many_tokens_are_scored(dtype):
 def test_equal_length_prompts_prefilled_together_get_the_bits_of_their_own_prefill(dtype):
     """The engine prefills equal-length prompts of up to batch_prefill_limit tokens in one forward
     (up to 8 x 72 = 576 rows per GEMM): each prompt's hidden states and cached keys and values must
-    equal those of a prefill of its own, bit for bit, on target-shaped layers (bf16 prompts of
-    WIDE_MIN_T tokens or more take the float32 linears)."""
-    from specdec.models.decoder import WIDE_MIN_T
-
+    equal those of a prefill of its own, bit for bit, on target-shaped layers (a bf16 model's prefill
+    takes the float32 linears)."""
     model = target_shaped(6, dtype)
     g = torch.Generator().manual_seed(2)
-    for n in (1, 9, WIDE_MIN_T, model.batch_prefill_limit):
+    for n in (1, 9, 24, model.batch_prefill_limit):
         prompts = torch.randint(0, 512, (8, n), generator=g)                  # [G, P]
         pos = torch.arange(n).expand(8, n)
         together = model.new_cache(8, 128)
@@ -183,25 +181,25 @@ def test_equal_length_prompts_prefilled_together_get_the_bits_of_their_own_prefi
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_is_the_causal_forward(dtype):
-    """prefill computes forward's function: bit for bit in float32 and for short prompts; a bf16
-    model's longer prompts go through float32 copies of the linears where that pays, which agree
-    with the bf16 kernels to bf16 rounding."""
-    from specdec.models.decoder import WIDE_MIN_T, wide_prefill_pays
+    """prefill computes forward's function: bit for bit in float32; a bf16 model's prefill goes
+    through float32 copies of the linears where that pays, which agree with the bf16 kernels to bf16
+    rounding."""
+    from specdec.models.decoder import wide_prefill_pays
 
     model = target_shaped(7, dtype)
     wide = wide_prefill_pays(dtype, model.device)
     assert bool(model.layers[0].packed_wide) == wide
     g = torch.Generator().manual_seed(3)
-    for n in (WIDE_MIN_T - 1, WIDE_MIN_T, 100):                                # 100: the SDPA path
+    for n in (1, 24, 100):                                                    # 100: the SDPA path
         tokens = torch.randint(0, 512, (2, n), generator=g)
         pos = torch.arange(n).expand(2, n)
         rows = torch.tensor([1, 0])
         a = model(tokens, pos, model.new_cache(2, 128), rows)
         b = model.prefill(tokens, pos, model.new_cache(2, 128), rows)
-        if wide and n >= WIDE_MIN_T:
+        if wide and n > 1:
             assert not torch.equal(a, b), n                                   # the float32 path ran
             torch.testing.assert_close(b.float(), a.float(), atol=0.1, rtol=0.05)
-        else:
+        elif not wide:
             assert torch.equal(a, b), n
 
 

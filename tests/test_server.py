@@ -366,6 +366,24 @@ def test_metrics(server, client):
         assert metric(text, "specdec:engine_step_sequences_total", label) >= steps
 
 
+def test_a_chats_next_turn_reuses_its_prefix_exactly(gen, server, client):
+    """The second turn of a conversation starts with the first turn's tokens: the server copies the
+    full 128-token pieces from the prefix cache (counted in /metrics) and answers exactly what a
+    prefill from scratch (offline generate, no prefix cache) gives."""
+    story = " ".join(f"Item {i} is a {c} box." for i, c in zip(range(18), ["red", "green", "blue"] * 6))
+    turn1 = [{"role": "user", "content": f"Read this list. {story} Which item comes first?"}]
+    first = client.chat.completions.create(model=MODEL, messages=turn1, max_tokens=8, temperature=0)
+    turn2 = turn1 + [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "And which one comes last?"}]
+    ids = gen.tokenizer.encode_chat(turn2)
+    assert 128 < len(ids) <= 256
+    hits = metric(server.metrics(), "specdec:prefix_cache_hits_total")
+    got = client.chat.completions.create(model=MODEL, messages=turn2, max_tokens=12, temperature=0)
+    assert metric(server.metrics(), "specdec:prefix_cache_hits_total") - hits == 128
+    want = gen.generate(ids, max_new_tokens=12)
+    assert got.choices[0].message.content == want.text
+
+
 def test_prefill_steps_run_with_prefill_threads(gen, monkeypatch):
     """--prefill-threads: a step that prefills runs with that many torch threads, decode steps with the
     process's own setting, which is restored afterwards; 0 threads is a clear error."""
@@ -377,13 +395,13 @@ def test_prefill_steps_run_with_prefill_threads(gen, monkeypatch):
     with pytest.raises(SpecdecError, match="prefill_threads"):
         ServeConfig(prefill_threads=0)
     base = torch.get_num_threads()
-    seen: dict[str, set[int]] = {"prefill": set(), "speculate": set()}
+    seen: dict[str, set[int]] = {"prefill_pieces": set(), "speculate": set()}
     for name in seen:
         real = getattr(Engine, f"_{name}")
 
-        def spy(self, seqs, _real=real, _name=name):
+        def spy(self, *seqs, _real=real, _name=name):
             seen[_name].add(torch.get_num_threads())
-            return _real(self, seqs)
+            return _real(self, *seqs)
         monkeypatch.setattr(Engine, f"_{name}", spy)
     state = ServerState(gen, ServeConfig(max_batch=2, max_prompt_tokens=64, max_tokens=4, prefill_threads=base + 1))
     eng = state.pool.get(state.default)
@@ -391,7 +409,7 @@ def test_prefill_steps_run_with_prefill_threads(gen, monkeypatch):
     with torch.inference_mode():
         while eng.busy:
             state.scheduler._step(eng)
-    assert seen == {"prefill": {base + 1}, "speculate": {base}}
+    assert seen == {"prefill_pieces": {base + 1}, "speculate": {base}}
     assert torch.get_num_threads() == base
 
 

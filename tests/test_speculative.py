@@ -10,6 +10,7 @@ import torch
 import specdec.engine as engine_mod
 from specdec.draft_length import make_policy
 from specdec.engine import Engine, Request
+from specdec.prefix_cache import PrefixCache
 from specdec.proposers.draft_model import DraftModelProposer
 from specdec.proposers.ngram import NgramProposer
 from specdec.reference import exact_distribution, reference_greedy
@@ -135,7 +136,8 @@ def exact_joint(model, prompt, params: SamplingParams) -> dict[tuple, float]:
 def sample_engine(target, proposer, params, prompt, n=N, k=3):
     # packed weights (as every loaded model has) let the engine prefill the n equal prompts in one forward
     target.pack()
-    eng = Engine(target, proposer, make_policy("fixed", k), lambda ids: "", frozenset())
+    # one prefill step for all n prompts (a smaller budget would interleave decode steps: slower here)
+    eng = Engine(target, proposer, make_policy("fixed", k), lambda ids: "", frozenset(), PrefixCache(0), n * len(prompt))
     eng.allocate(n, len(prompt) + NEW + k + 20)          # room for token trees
     seqs = [eng.add(Request(list(prompt), NEW, SamplingParams(params.temperature, params.top_k, params.top_p, seed)))
             for seed in range(n)]

@@ -15,6 +15,7 @@ from .models.base import CausalLM
 from .models.gguf_loader import load_gguf
 from .models.registry import DEFAULT_MODEL, resolve
 from .models.tokenizer import Tokenizer
+from .prefix_cache import PrefixCache
 from .proposers.base import NoProposer, Proposer
 from .proposers.draft_model import DraftModelProposer
 from .proposers.ngram import NgramProposer
@@ -118,9 +119,12 @@ class Generator:
             reqs.append(Request(ids, max_new_tokens, params, tuple(stop)))
         return reqs
 
-    def engine(self, rows: int, slots: int) -> Engine:
+    def engine(self, rows: int, slots: int, prefix_cache: PrefixCache = PrefixCache(0),
+               prefill_budget: int = 512) -> Engine:
+        """An engine for `rows` sequences of up to `slots` tokens (see Engine for the prefill options)."""
         policy = make_policy(self.policy_name, self.num_draft_tokens) if self.method != "none" else make_policy("fixed", 1)
-        eng = Engine(self.target, self.proposer, policy, self.tokenizer.decode, self.tokenizer.eos_ids)
+        eng = Engine(self.target, self.proposer, policy, self.tokenizer.decode, self.tokenizer.eos_ids,
+                     prefix_cache, prefill_budget)
         eng.allocate(rows, min(slots, self.target.max_seq_len))
         return eng
 

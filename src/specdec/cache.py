@@ -77,6 +77,21 @@ class KVCache:
                     buf.permute(1, 3, 0, 2, 4)[r, dst] = buf.permute(1, 3, 0, 2, 4)[r, src]
         self.lengths[rows] += num_keep
 
+    def span(self, row: int, start: int, end: int) -> tuple[Tensor, Tensor]:
+        """Copies of k, v [L, n_kv, end - start, hd] at committed slots start..end of `row`."""
+        if not 0 <= start <= end <= int(self.lengths[row]):
+            raise ValueError(f"slots {start}..{end} are not committed in row {row}")
+        return self.k[:, row, :, start:end].clone(), self.v[:, row, :, start:end].clone()
+
+    def append(self, row: int, k: Tensor, v: Tensor) -> None:
+        """Commit k, v [L, n_kv, T, hd] after `row`'s committed slots (e.g. a cached prompt piece)."""
+        at, T = int(self.lengths[row]), k.shape[2]
+        if at + T > self.slots:
+            raise SpecdecError(f"context full: {at + T} tokens needed, the cache holds {self.slots}")
+        self.k[:, row, :, at:at + T] = k
+        self.v[:, row, :, at:at + T] = v
+        self.lengths[row] += T
+
     def truncate(self, rows: Tensor, lengths: Tensor) -> None:
         """Roll `rows` back to `lengths` committed slots."""
         if bool((lengths > self.lengths[rows]).any()) or bool((lengths < 0).any()):

@@ -3,6 +3,11 @@
 Sequences join (`add`) and leave (finished) at step boundaries, each with its
 own sampling parameters, random streams, stop conditions and metrics. Every
 sequence accepts its own number of drafts; nothing assumes batch size 1.
+
+Prompts are prefilled in pieces aligned to PREFILL_PIECE tokens, at most
+`prefill_budget` tokens per step; while sequences are decoding, prefill steps
+and decode steps alternate, so a long prompt or a burst of new ones never stalls
+the others for more than one bounded step. Full pieces go to the prefix cache.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from .draft_length import DraftPolicy
 from .errors import SpecdecError
 from .metrics import Counters
 from .models.base import CausalLM
+from .prefix_cache import PREFILL_PIECE, Piece, PrefixCache, piece_keys
 from .proposers.base import ActiveBatch, NoProposer, Proposer
 from .sampling import BatchSampling, SamplingParams, make_rng, to_probs, uniforms
 from .tree import TokenTree, verify_tree
@@ -43,6 +49,8 @@ class Sequence:
     finish_reason: str = ""                                  # "", "stop" or "length"
     counters: Counters = field(default_factory=Counters)
     started: float = 0.0
+    prefilled: int = 0                                       # prompt tokens in the target's cache
+    cached: int = 0                                          # of them copied from the prefix cache
 
     @property
     def generated(self) -> list[int]:
@@ -61,13 +69,21 @@ def tree_depth_valid(tree) -> Tensor:
 
 class Engine:
     def __init__(self, target: CausalLM, proposer: Proposer, policy: DraftPolicy,
-                 decode: Callable[[list[int]], str], eos_ids: frozenset[int]) -> None:
+                 decode: Callable[[list[int]], str], eos_ids: frozenset[int],
+                 prefix_cache: PrefixCache = PrefixCache(0), prefill_budget: int = 512) -> None:
+        """prefix_cache: shared by the engines of one target (capacity 0: off); prefill_budget: prompt
+        tokens prefilled per step (at least one piece)."""
+        if prefill_budget < 1:
+            raise ValueError("prefill_budget must be >= 1 token")
         self.target, self.proposer, self.policy = target, proposer, policy
         self.decode, self.eos_ids = decode, eos_ids
+        self.prefix_cache, self.prefill_budget = prefix_cache, prefill_budget
         self.speculative = not isinstance(proposer, NoProposer)
         self.active: list[Sequence] = []
         self.pending: list[Sequence] = []
         self.rngs: dict[int, tuple[torch.Generator, torch.Generator]] = {}
+        self.prompt_hidden: dict[int, list[Tensor]] = {}                     # row -> hidden [T, H] per piece
+        self.prefilled_last = False                                            # the last step prefilled
         self.rows = 0
         self.slots = 0
 
@@ -79,6 +95,7 @@ class Engine:
         self.proposer.allocate(rows, slots)
         self.free = list(range(rows))                                          # a heap: lowest free row first
         self.active, self.pending = [], []
+        self.prompt_hidden = {}
 
     def add(self, request: Request) -> Sequence:
         """Queue a request; it is prefilled at the next step boundary."""
@@ -94,6 +111,14 @@ class Engine:
         seq = Sequence(request, row, list(request.prompt), started=time.perf_counter())
         s = request.sampling.seed
         self.rngs[seq.row] = (make_rng(s), make_rng(s + 0x9E3779B1))
+        rows = torch.tensor([row], device=self.target.device)
+        self.cache.truncate(rows, torch.zeros_like(rows))
+        self.prompt_hidden[row] = []
+        for piece in self.prefix_cache.lookup(request.prompt):                # exactly the bits a prefill makes
+            self.cache.append(row, piece.k, piece.v)
+            self.prompt_hidden[row].append(piece.hidden)
+            seq.prefilled += PREFILL_PIECE
+        seq.cached = seq.prefilled
         self.pending.append(seq)
         return seq
 
@@ -101,6 +126,7 @@ class Engine:
         """Stop a sequence (client gone): frees its slot at once."""
         if seq in self.pending:
             self.pending.remove(seq)
+            self.prompt_hidden.pop(seq.row, None)
         if seq in self.active:
             self.active.remove(seq)
         if not seq.done:
@@ -111,19 +137,27 @@ class Engine:
     def busy(self) -> bool:
         return bool(self.active or self.pending)
 
+    @property
+    def prefills_next(self) -> bool:
+        """Whether the next step prefills (new prompts wait, and nothing decodes or the last step decoded)."""
+        return bool(self.pending) and (not self.active or not self.prefilled_last)
+
     # ---- one step -----------------------------------------------------------------
     def step(self) -> list[tuple[Sequence, str]]:
         """Prefill newcomers, or run one speculative step for the active batch.
 
         Returns (sequence, newly emitted text) for every sequence that emitted text or finished.
         """
-        if self.pending:
-            seqs, self.pending = self.pending, []
-            self._prefill(seqs)
-            self.active.extend(seqs)
-            self.active.sort(key=lambda s: s.row)                              # rows in order: contiguous if dense
+        if self.prefills_next:
+            ready = self._prefill_pieces()
+            if ready:
+                self._start(ready)
+                self.active.extend(ready)
+                self.active.sort(key=lambda s: s.row)                          # rows in order: contiguous if dense
+            self.prefilled_last = True
         elif self.active:
             self._speculate(self.active)
+            self.prefilled_last = False
         else:
             return []
         events = []
@@ -143,29 +177,63 @@ class Engine:
                            BatchSampling.of([s.request.sampling for s in seqs], dev),
                            [self.rngs[s.row][1] for s in seqs])
 
-    def _prefill(self, seqs: list[Sequence]) -> None:
+    def _prefill_pieces(self) -> list[Sequence]:
+        """Prefill up to prefill_budget prompt tokens (at least one piece), in rounds of one piece per
+        waiting prompt; returns the sequences whose prompts are now complete (no longer pending).
+
+        A piece runs from a prompt's prefilled length to the next multiple of PREFILL_PIECE (or its end),
+        so every prompt is cut the same way whoever else is waiting and whatever the prefix cache held:
+        a position's bits depend only on its prompt. Pieces of equal length up to the target's
+        batch_prefill_limit share a forward (batch-invariant kernels there); others get one each."""
+        t0 = time.perf_counter()
+        dev = self.target.device
+        budget, touched = self.prefill_budget, []
+        while budget > 0:
+            work = []                                                          # (seq, start, end)
+            for s in self.pending:
+                a = s.prefilled
+                if a < len(s.request.prompt) and budget > 0:
+                    b = min(len(s.request.prompt), (a // PREFILL_PIECE + 1) * PREFILL_PIECE)
+                    work.append((s, a, b))
+                    budget -= b - a
+            if not work:
+                break
+            groups: dict[int, list[int]] = {}
+            for i, (s, a, b) in enumerate(work):
+                n = b - a
+                groups.setdefault(n if n <= self.target.batch_prefill_limit else -1 - i, []).append(i)
+            for idx in groups.values():
+                inp = torch.tensor([work[i][0].request.prompt[work[i][1]:work[i][2]] for i in idx], device=dev)  # [G, T]
+                starts = torch.tensor([work[i][1] for i in idx], device=dev)
+                pos = starts[:, None] + torch.arange(inp.shape[1], device=dev)  # [G, T]
+                rows = torch.tensor([work[i][0].row for i in idx], device=dev)
+                hidden = self.target.prefill(inp, pos, self.cache, rows)       # [G, T, H]
+                self.cache.commit(rows, torch.arange(inp.shape[1], device=dev).expand_as(inp),
+                                  torch.full_like(rows, inp.shape[1]))
+                for j, i in enumerate(idx):
+                    s, a, b = work[i]
+                    s.prefilled = b
+                    self.prompt_hidden[s.row].append(hidden[j])
+                    if b - a == PREFILL_PIECE and self.prefix_cache.enabled:
+                        k, v = self.cache.span(s.row, a, b)
+                        self.prefix_cache.store(piece_keys(s.request.prompt[:b])[-1], Piece(k, v, hidden[j].clone()))
+            touched.extend(s for s, _, _ in work if s not in touched)
+        dt = time.perf_counter() - t0
+        for s in touched:
+            s.counters.target_seconds += dt
+        ready = [s for s in self.pending if s.prefilled == len(s.request.prompt)]
+        if ready:
+            self.pending = [s for s in self.pending if s.prefilled < len(s.request.prompt)]
+        return ready
+
+    def _start(self, seqs: list[Sequence]) -> None:
+        """Sample each complete prompt's first token and start the proposer on it."""
         t0 = time.perf_counter()
         batch = self._batch(seqs)
         dev = self.target.device
         lens = torch.tensor([len(s.tokens) for s in seqs], device=dev)
-        self.cache.truncate(batch.rows, torch.zeros_like(batch.rows))
-        # a prompt's cache and logits never depend on who else joined: prompts of equal length up to the
-        # target's batch_prefill_limit share a forward (no padding; its kernels are batch-invariant there),
-        # any other prompt gets a forward of its own (long prefills use SDPA, whose bits depend on padding)
-        groups: dict[int, list[int]] = {}
-        for i, s in enumerate(seqs):
-            n = len(s.tokens)
-            groups.setdefault(n if n <= self.target.batch_prefill_limit else -1 - i, []).append(i)
-        pieces: dict[int, Tensor] = {}                                        # seq index -> hidden [P_i, H]
-        for idx in groups.values():
-            inp = torch.tensor([seqs[i].tokens for i in idx], device=dev)     # [G, P]
-            pos = torch.arange(inp.shape[1], device=dev).expand_as(inp)
-            rows = batch.rows[idx]
-            hidden = self.target.prefill(inp, pos, self.cache, rows)           # [G, P, H]
-            self.cache.commit(rows, pos, lens[idx])
-            for j, i in enumerate(idx):
-                pieces[i] = hidden[j]
-        hidden = torch.nn.utils.rnn.pad_sequence([pieces[i] for i in range(len(seqs))], batch_first=True)  # [B, P, H]
+        hidden = torch.nn.utils.rnn.pad_sequence([torch.cat(self.prompt_hidden.pop(s.row)) for s in seqs],
+                                                 batch_first=True)            # [B, P, H]
         last = hidden[torch.arange(len(seqs), device=dev), lens - 1]           # [B, H]
         p = to_probs(self.target.lm_head(last)[:, None], batch.sampling)       # [B, 1, V]
         u = uniforms([self.rngs[s.row][0] for s in seqs], 1, dev)
@@ -174,7 +242,7 @@ class Engine:
             s.tokens.append(int(verdict.tokens[i, 0]))
         self.proposer.start(batch.rows, [list(s.tokens) for s in seqs], hidden)
         dt = time.perf_counter() - t0
-        for i, s in enumerate(seqs):
+        for s in seqs:
             s.counters.record_step(0, 0, 1)
             s.counters.target_seconds += dt
             self._check_stop(s)
@@ -183,21 +251,22 @@ class Engine:
         dev = self.target.device
         batch = self._batch(seqs)
         B = len(seqs)
-        room = min(min(s.request.max_new_tokens - len(s.generated) for s in seqs) - 1,
-                   min(self.slots - len(s.tokens) - 1 for s in seqs))
+        # drafts a row may keep: one fewer than its remaining tokens, none if it does not speculate. The
+        # batch drafts as many as the policy asks (what fits every row's cache), whatever the others keep,
+        # so each row draws the same random numbers alone or batched; the rest is cut per row below
+        keep = [s.request.max_new_tokens - len(s.generated) - 1 if s.request.speculate else 0 for s in seqs]
+        room = min(self.slots - len(s.tokens) - 1 for s in seqs)
         k = max(0, min(self.policy.choose(B), room)) if self.speculative else 0
         t0 = time.perf_counter()
         draft = self.proposer.propose(batch, k) if k > 0 else Draft(torch.empty(B, 0, dtype=torch.long, device=dev))
         k = draft.tokens.shape[1]
-        off = [i for i, s in enumerate(seqs) if not s.request.speculate]
-        if off and k:
-            tokens = draft.tokens.clone()
-            tokens[off] = -1
+        limit = torch.tensor(keep, device=dev)[:, None]                       # [B, 1]
+        if k and bool((limit < k).any()):                                      # cut drafts past a row's room
+            tokens = draft.tokens.masked_fill(torch.arange(k, device=dev)[None] >= limit, -1)
             tree = draft.tree
-            if tree is not None:
-                tt, tp = tree.tokens.clone(), tree.parents.clone()
-                tt[off, 1:], tp[off, 1:] = -1, -1
-                tree = TokenTree(tt, tp)
+            if tree is not None:                                               # nodes deeper than the room
+                cut = tree.depth() > limit
+                tree = TokenTree(tree.tokens.masked_fill(cut, -1), tree.parents.masked_fill(cut, -1))
             draft = Draft(tokens, draft.probs, tree)
         k_asked = k
         if draft.tree is None and k:                                           # drop all-empty trailing columns

@@ -75,7 +75,6 @@ KV_BLOCK = 128             # keys per attention tile; caches are read in whole b
 ROW_TILE = 8               # query rows per attention tile
 INVARIANT_MAX_T = 72       # forwards of up to this many tokens (decode, verify, trees) use `attention`;
                            # longer ones (prefills) use SDPA, whose speed there matters more
-WIDE_MIN_T = 24            # prefills of at least this many tokens per prompt may use float32 linears
 
 
 class AttentionMask:
@@ -288,10 +287,9 @@ class Block(nn.Module):
 
     def _linear(self, x: Tensor, name: str, wide: bool) -> Tensor:
         """x [B, T, in] @ weight.T; wide: through the float32 copy if there is one, rounded back to x's dtype."""
-        p = self.packed_wide.get(name) if wide else None
-        if p is None:
-            return linear(x, getattr(self, name), self.packed, name)
-        return torch.ops.mkldnn._linear_pointwise(x.float(), p, None, "none", [], "").to(x.dtype)
+        if wide and name in self.packed_wide:
+            return linear(x.float(), getattr(self, name), self.packed_wide, name).to(x.dtype)
+        return linear(x, getattr(self, name), self.packed, name)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: AttentionMask, cache: KVCache,
                 rows: Tensor, kv_len: int, contiguous: bool, wide: bool) -> Tensor:
@@ -408,12 +406,13 @@ class Transformer(nn.Module):
         return self.forward_embeds(self.embed_tokens(tokens), positions, cache, rows, tree_mask)
 
     def prefill(self, tokens: Tensor, positions: Tensor, cache: KVCache, rows: Tensor) -> Tensor:
-        """Like forward over whole prompts [G, P] (causal). A prompt's bits depend only on the prompt, not
-        on G, but may differ in the last place from forward's: prompts of WIDE_MIN_T tokens or more run a
-        narrow model's linears on float32 copies where that is faster (see wide_prefill_pays)."""
+        """Like forward over prompt pieces [G, P] (causal, after what the rows hold). Each position's bits
+        depend only on the tokens up to it: not on G, nor on how a prompt is cut into pieces of up to
+        INVARIANT_MAX_T tokens; they may differ in the last place from forward's, as a narrow model's
+        linears run on float32 copies here where that is faster (see wide_prefill_pays)."""
         B, T = positions.shape
         causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril().expand(B, T, T)
-        return self._forward(self.embed_tokens(tokens), positions, cache, rows, causal, False, T >= WIDE_MIN_T)
+        return self._forward(self.embed_tokens(tokens), positions, cache, rows, causal, False, True)
 
     def forward_embeds(self, x: Tensor, positions: Tensor, cache: KVCache, rows: Tensor,
                        tree_mask: Tensor | None = None, exact_tree: bool = True) -> Tensor:

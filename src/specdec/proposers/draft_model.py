@@ -29,9 +29,19 @@ class DraftModelProposer:
         self.cache = self.model.new_cache(rows, slots)
 
     def start(self, rows: Tensor, prompts: list[list[int]], hidden: Tensor) -> None:
+        """Prefill the draft on each new sequence but its last token (which the first propose feeds), one
+        sequence per forward: the batch it joins may be at any length, and a padded catch-up over all
+        rows would write a whole prompt of scratch after the longest of them."""
         self.cache.truncate(rows, torch.zeros_like(rows))
-        for r in rows.tolist():
-            self.fed[r] = 0
+        dev = self.model.device
+        for r, tokens in zip(rows.tolist(), prompts):
+            n = len(tokens) - 1
+            if n > 0:
+                row = torch.tensor([r], device=dev)
+                self.model.prefill(torch.tensor([tokens[:n]], device=dev), torch.arange(n, device=dev)[None],
+                                   self.cache, row)
+                self.cache.commit(row, torch.arange(n, device=dev)[None], torch.tensor([n], device=dev))
+            self.fed[r] = n
 
     def _step(self, tokens: Tensor, rows: Tensor, take: Tensor) -> Tensor:
         """Feed tokens [B, T]; commit `take` [B] of them; return logits [B, V] at index take-1."""

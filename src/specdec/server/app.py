@@ -26,6 +26,7 @@ from ..api import METHODS, Generator
 from ..draft_length import MAX_DRAFT_TOKENS
 from ..engine import Request
 from ..errors import SpecdecError
+from ..prefix_cache import PrefixCache
 from ..sampling import SamplingParams
 from ..tree import TreeShape
 from .scheduler import (Done, DraftSpec, EnginePool, Event, Failed, Job, Piece, QueueFull, Scheduler, ServerMetrics,
@@ -46,7 +47,8 @@ class ServeConfig:
     max_body_bytes: int = 1 << 20
     api_key: str | None = None
     max_engines: int = 4                # distinct (method, K) engines kept at once
-    prefill_tokens: int = 2048          # padded prompt tokens admitted per step boundary (at least one request)
+    prefill_tokens: int = 256           # prompt tokens prefilled per step (prefill and decode steps alternate)
+    prefix_cache_mb: int = 512          # the prefix cache's budget for keys, values and hidden states (0: off)
     # torch threads while prefilling (default: torch's own count); decode steps use the process's setting
     prefill_threads: int = field(default_factory=torch.get_num_threads)
 
@@ -56,6 +58,8 @@ class ServeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise SpecdecError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.prefix_cache_mb, int) or self.prefix_cache_mb < 0:
+            raise SpecdecError(f"prefix_cache_mb must be an integer >= 0, got {self.prefix_cache_mb!r}")
         if not isinstance(self.max_waiting, int) or self.max_waiting < 0:
             raise SpecdecError(f"max_waiting must be an integer >= 0, got {self.max_waiting!r}")
         if self.api_key is not None and not self.api_key:
@@ -77,9 +81,10 @@ class ServerState:
         self.max_draft_tokens = min(MAX_DRAFT_TOKENS, max(16, k))
         self.metrics = ServerMetrics()
         self.pool = EnginePool(generator, self.drafts, dtype, self.default, config.max_batch,
-                               config.max_prompt_tokens + config.max_tokens, config.max_engines, tree)
+                               config.max_prompt_tokens + config.max_tokens, config.max_engines, tree,
+                               PrefixCache(config.prefix_cache_mb << 20), config.prefill_tokens)
         self.scheduler = Scheduler(self.pool, self.metrics, config.max_batch, config.max_waiting,
-                                   config.prefill_tokens, config.prefill_threads)
+                                   config.prefill_threads)
 
 
 # ---- errors ------------------------------------------------------------------------------

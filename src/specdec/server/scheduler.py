@@ -33,6 +33,7 @@ from ..tree import TreeShape
 from ..engine import Engine, Request, Sequence
 from ..errors import SpecdecError
 from ..models.base import CausalLM
+from ..prefix_cache import PrefixCache
 
 TRIM_EVERY_SECONDS = 20.0
 IDLE_WAKE_SECONDS = 0.25
@@ -128,6 +129,9 @@ class ServerMetrics:
         self.running = Gauge("specdec:num_requests_running", "Requests holding a batch slot", registry=r)
         self.waiting = Gauge("specdec:num_requests_waiting", "Requests queued for a slot", registry=r)
         self.prompt_tokens = Counter("specdec:prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.prefix_queries = Counter("specdec:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter("specdec:prefix_cache_hits", "Prompt tokens served from the prefix cache", registry=r)
         self.generation_tokens = Counter("specdec:generation_tokens", "Generated tokens", registry=r)
         self.num_drafts = Counter("specdec:spec_decode_num_drafts", "Speculative steps that proposed drafts",
                                   registry=r)
@@ -178,9 +182,12 @@ class EnginePool:
     """
 
     def __init__(self, generator: Generator, drafts: dict[str, DraftSpec], dtype: str, default: SpecChoice,
-                 rows: int, base_slots: int, max_engines: int, tree: TreeShape = TreeShape()) -> None:
+                 rows: int, base_slots: int, max_engines: int, tree: TreeShape = TreeShape(),
+                 prefix_cache: PrefixCache = PrefixCache(0), prefill_budget: int = 256) -> None:
+        """prefix_cache: shared by all engines (one target); prefill_budget: prompt tokens per prefill step."""
         self.gen, self.drafts, self.dtype, self.default, self.tree = generator, drafts, dtype, default, tree
         self.rows, self.base_slots, self.max_engines = rows, base_slots, max_engines
+        self.prefix_cache, self.prefill_budget = prefix_cache, prefill_budget
         self.engines: dict[SpecChoice, Engine] = {}
         self.engines[default] = self._build(default)
 
@@ -194,7 +201,7 @@ class EnginePool:
                                  self.dtype, device, self.tree)
         k = max(spec.num_draft_tokens, 1)
         gen = Generator(self.gen.target, self.gen.tokenizer, proposer, self.gen.policy_name, k, self.gen.name)
-        return gen.engine(self.rows, self.slots(k))
+        return gen.engine(self.rows, self.slots(k), self.prefix_cache, self.prefill_budget)
 
     def route(self, spec: SpecChoice) -> tuple[SpecChoice, bool]:
         """(engine key, speculate flag): method none rides in the default engine with speculation off."""
@@ -228,11 +235,11 @@ class Scheduler:
     """The worker thread and its thread-safe inbox."""
 
     def __init__(self, pool: EnginePool, metrics: ServerMetrics, max_batch: int, max_waiting: int,
-                 prefill_tokens: int, prefill_threads: int) -> None:
+                 prefill_threads: int) -> None:
         """prefill_threads: torch threads for steps that prefill (compute-bound GEMMs over whole prompts,
         which a stalled thread slows less than the short decode steps; those keep the process's setting)."""
         self.pool, self.metrics = pool, metrics
-        self.max_batch, self.max_waiting, self.prefill_tokens = max_batch, max_waiting, prefill_tokens
+        self.max_batch, self.max_waiting = max_batch, max_waiting
         self.prefill_threads = prefill_threads
         self.inbox: queue.Queue = queue.Queue()
         self.waiting: deque[Job] = deque()
@@ -330,19 +337,11 @@ class Scheduler:
         self._close(job)
 
     def _admit(self) -> None:
-        """Move waiting jobs into engines while fewer than max_batch run.
-
-        One step boundary admits at most `prefill_tokens` padded prompt tokens (at least one job), so a
-        burst of long prompts is prefilled in bounded chunks; jobs whose engine can't be built yet are skipped.
-        """
+        """Move waiting jobs into engines while fewer than max_batch run (the engines prefill their
+        prompts in bounded steps between decode steps); jobs whose engine can't be built yet are skipped."""
         skipped: list[Job] = []
-        admitted, longest = 0, 0
         while self.waiting and len(self.running) < self.max_batch:
             job = self.waiting.popleft()
-            longest_with = max(longest, len(job.request.prompt))
-            if admitted and (admitted + 1) * longest_with > self.prefill_tokens:
-                skipped.append(job)
-                break
             key, speculate = self.pool.route(job.spec)
             try:
                 eng = self.pool.get(key)
@@ -361,12 +360,13 @@ class Scheduler:
             self.running[id(job.seq)] = job
             self.peak_running = max(self.peak_running, len(self.running))
             self.metrics.prompt_tokens.inc(len(req.prompt))
-            admitted, longest = admitted + 1, longest_with
+            self.metrics.prefix_queries.inc(len(req.prompt))
+            self.metrics.prefix_hits.inc(job.seq.cached)
         self.waiting.extendleft(reversed(skipped))
 
     def _step_all(self) -> None:
         for eng in self.pool.busy():
-            kind, sequences = ("prefill", len(eng.pending)) if eng.pending else ("decode", len(eng.active))
+            kind, sequences = ("prefill", len(eng.pending)) if eng.prefills_next else ("decode", len(eng.active))
             t0 = time.perf_counter()
             try:
                 events = self._step(eng)
@@ -384,7 +384,7 @@ class Scheduler:
     def _step(self, eng: Engine) -> list[tuple[Sequence, str]]:
         """One engine step, with `prefill_threads` torch threads if the step prefills."""
         threads = torch.get_num_threads()
-        if not eng.pending or threads == self.prefill_threads:
+        if not eng.prefills_next or threads == self.prefill_threads:
             return eng.step()
         torch.set_num_threads(self.prefill_threads)
         try:
