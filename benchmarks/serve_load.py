@@ -351,6 +351,9 @@ def main() -> int:
     ap.add_argument("--soak-concurrency", type=int, default=16)
     ap.add_argument("--compare-requests", type=int, default=32, help="requests in the batched vs one-at-a-time run")
     ap.add_argument("--compare-concurrency", type=int, default=8)
+    ap.add_argument("--prefix-cache-mb", type=int, default=512,
+                    help="the servers' prefix cache for the burst, soak and batching phases (0 = off; the burst and "
+                         "soak cycle through 21 prompts, so repeated long prompts hit it)")
     ap.add_argument("--conversations", type=int, default=16,
                     help="two-turn MT-bench chats, with and without the prefix cache (0 = skip)")
     ap.add_argument("--conversation-concurrency", type=int, default=8)
@@ -363,7 +366,7 @@ def main() -> int:
     compare = [suite[i % len(suite)] for i in range(args.compare_requests)]
     result: dict = {"args": vars(args), "cpus": os.cpu_count()}
 
-    server = ServerProcess(args, args.max_batch)
+    server = ServerProcess(args, args.max_batch, args.prefix_cache_mb)
     result["server_cmd"] = " ".join(server.cmd[1:])
     sampler = RssSampler(server, args.rss_every)
     try:
@@ -381,7 +384,7 @@ def main() -> int:
         result["rss"] = rss_summary(sampler.stop())
         server.stop()
 
-    one = ServerProcess(args, 1)
+    one = ServerProcess(args, 1, args.prefix_cache_mb)
     try:
         asyncio.run(burst(one.port, suite[:1], 8, 1))
         rows.append(measured(one, f"one-at-a-time c={args.compare_concurrency}", lambda: asyncio.run(
