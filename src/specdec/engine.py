@@ -187,7 +187,7 @@ class Engine:
         batch_prefill_limit share a forward (batch-invariant kernels there); others get one each."""
         t0 = time.perf_counter()
         dev = self.target.device
-        budget, touched = self.prefill_budget, []
+        budget, touched = self.prefill_budget, {}                                # row -> sequence
         while budget > 0:
             work = []                                                          # (seq, start, end)
             for s in self.pending:
@@ -217,9 +217,9 @@ class Engine:
                     if b - a == PREFILL_PIECE and self.prefix_cache.enabled:
                         k, v = self.cache.span(s.row, a, b)
                         self.prefix_cache.store(piece_keys(s.request.prompt[:b])[-1], Piece(k, v, hidden[j].clone()))
-            touched.extend(s for s, _, _ in work if s not in touched)
+            touched.update((s.row, s) for s, _, _ in work)
         dt = time.perf_counter() - t0
-        for s in touched:
+        for s in touched.values():
             s.counters.target_seconds += dt
         ready = [s for s in self.pending if s.prefilled == len(s.request.prompt)]
         if ready:
