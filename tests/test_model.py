@@ -204,7 +204,9 @@ def test_prefill_is_the_causal_forward(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("context", [40, 120, 250])
+@pytest.mark.parametrize("context", [40, 120, 250, pytest.param(433, marks=pytest.mark.xfail(
+    strict=False, reason="known bug: in float32, the deepest nodes of this tree (query rows >= 8) miss the "
+    "chain's bits once the context spans 4 key blocks; see README Known issues"))])
 def test_tree_nodes_score_like_the_chain_along_their_path(dtype, context):
     """Bit-for-bit: every node of a token tree gets the hidden state a chain along its path gets,
     though its ancestors sit at scratch slots that are not their positions (contexts put the tree
@@ -219,7 +221,7 @@ def test_tree_nodes_score_like_the_chain_along_their_path(dtype, context):
     tree = TokenTree(tokens, parents)
 
     def prefilled():
-        cache = model.new_cache(1, 320)
+        cache = model.new_cache(1, 640)
         pos = torch.arange(context)[None]
         model(prompt, pos, cache, torch.tensor([0]))
         cache.commit(torch.tensor([0]), pos, torch.tensor([context]))
