@@ -180,6 +180,15 @@ def _block_values(p: Tensor, v: Tensor, X: int, rows: int, live: list[Tensor]) -
     return o[:, :, :rows].reshape(nb, X * rows, v.shape[-1])
 
 
+def _sum_blocks(x: Tensor) -> Tensor:
+    """x [n, ...] -> x[0] + x[1] + ... in that order. torch's sum over a short dim may associate
+    differently for different n, and a token tree sums more blocks (its tails) than a chain does."""
+    acc = x[0]
+    for i in range(1, x.shape[0]):
+        acc = acc + x[i]
+    return acc
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float) -> Tensor:
     """Attention whose result for a query does not depend on what else is in the forward.
 
@@ -208,7 +217,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float
     if not mask.tree:
         p = torch.exp(s - top)
         l, o = _to_rows(p.sum(-1, keepdim=True), X, rows), _block_values(p, vx, X, rows, live)
-        return (o.sum(0) / l.sum(0)).view(B, nh, T, hd)
+        return (_sum_blocks(o) / _sum_blocks(l)).view(B, nh, T, hd)
     # a token tree: each node also attends over its own position-aligned tail blocks
     st, vt, R = tree_tail_scores(q, k, v, mask, scale)                          # st [B*nkv*T, nq, 1, R, KB]
     tail_top = st.amax(-1, keepdim=True).amax(1, keepdim=True)                  # [B*nkv*T, 1, 1, R, 1]
@@ -223,7 +232,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float
     nq = st.shape[1]
     lt, ot = (x[:, :, 0, :g].reshape(B, nkv, T, nq, g, x.shape[-1]).permute(3, 0, 1, 4, 2, 5)
               .reshape(nq, X * rows, x.shape[-1]) for x in (pt.sum(-1, keepdim=True), torch.matmul(pt, vt)))
-    o = torch.cat([o, ot]).sum(0) / torch.cat([l, lt]).sum(0)
+    o = _sum_blocks(torch.cat([o, ot])) / _sum_blocks(torch.cat([l, lt]))
     return o.view(B, nh, T, hd)
 
 
