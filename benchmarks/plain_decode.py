@@ -6,19 +6,23 @@ prints the median tokens/s of each, the ratios, and the weight bytes the lean
 decoder streams per second.
 
     .venv/bin/python benchmarks/plain_decode.py [--model smollm2-135m] [--repeats 3] [--new-tokens 128]
+    SPECDEC_ISA=avx2 .venv/bin/python benchmarks/plain_decode.py      # the portable AVX2 kernels
+
+bfloat16 runs only where oneDNN computes it on this CPU (`specdec info`).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
+import specdec  # noqa: F401  (applies $SPECDEC_ISA before torch computes)
 import torch
 
 from specdec.api import Generator, load_model
 from specdec.engine import Request
+from specdec.machine import cpu_model, probe
 from specdec.models.registry import resolve
 from specdec.proposers.base import NoProposer
 
@@ -66,39 +70,42 @@ def main() -> None:
 
     name, path = resolve(a.model)
     lean = {}
-    for dt in ("bfloat16", "float32"):
+    for dt in ("bfloat16", "float32") if probe().onednn_bf16 else ("float32",):
         model, tok, _ = load_model(a.model, dt)
-        lean[dt] = Generator(model, tok, NoProposer(), name=name)
+        lean[f"lean {dt}"] = Generator(model, tok, NoProposer(), name=name)
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    tok = lean["float32"].tokenizer
+    tok = lean["lean float32"].tokenizer
     prompts = [tok.encode(p, chat=tok.has_chat_template) for p in PROMPTS]
-    runs: dict[str, list[float]] = {"lean bfloat16": [], "lean float32": [], "transformers float32": []}
+    runs: dict[str, list[float]] = {**{k: [] for k in lean}, "transformers float32": []}
     for ids in prompts:                                          # warm-up
-        lean_run(lean["bfloat16"], ids, 8), lean_run(lean["float32"], ids, 8), hf_run(hf, ids, 8)
+        for g in lean.values():
+            lean_run(g, ids, 8)
+        hf_run(hf, ids, 8)
     for r in range(a.repeats):
         for ids in prompts:                                      # interleaved: every system sees the same noise
-            runs["lean bfloat16"].append(lean_run(lean["bfloat16"], ids, a.new_tokens))
-            runs["lean float32"].append(lean_run(lean["float32"], ids, a.new_tokens))
+            for k, g in lean.items():
+                runs[k].append(lean_run(g, ids, a.new_tokens))
             runs["transformers float32"].append(hf_run(hf, ids, a.new_tokens))
     med = {k: statistics.median(v) for k, v in runs.items()}
     base = med["transformers float32"]
-    wbytes = sum(p.numel() * p.element_size() for p in lean["bfloat16"].target.parameters())
     report = {
         "model": name, "new_tokens": a.new_tokens, "repeats": a.repeats, "threads": a.threads,
-        "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__, "cpu": cpu_model(), "torch_capability": torch.backends.cpu.get_cpu_capability(),
         "tokens_per_second": med, "ratio_vs_transformers": {k: v / base for k, v in med.items()},
-        "lean_bf16_weight_GB_per_s": wbytes * med["lean bfloat16"] / 1e9,
+        "weight_GB_per_s": {k: sum(p.numel() * p.element_size() for p in g.target.parameters()) * med[k] / 1e9
+                            for k, g in lean.items()},
     }
     if a.json:
         print(json.dumps(report, indent=2))
         return
     print(f"{name}, greedy, {a.new_tokens} new tokens, {len(PROMPTS)} prompts x {a.repeats} repeats, "
-          f"{a.threads} threads, torch {torch.__version__}")
+          f"{a.threads} threads, torch {torch.__version__}, {report['cpu']}, {report['torch_capability']}")
     print("| decoder | tokens/s (median) | vs transformers |")
     print("|---|---|---|")
     for k, v in med.items():
         print(f"| {k} | {v:.1f} | {v / base:.2f}x |")
-    print(f"lean bfloat16 streams {report['lean_bf16_weight_GB_per_s']:.1f} GB/s of weights")
+    for k, v in report["weight_GB_per_s"].items():
+        print(f"{k} streams {v:.1f} GB/s of weights")
 
 
 if __name__ == "__main__":

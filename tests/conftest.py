@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 
+import specdec  # noqa: F401  (first: applies $SPECDEC_ISA before torch computes anything)
 import numpy as np
 import pytest
 import torch
@@ -14,6 +15,22 @@ from specdec.models.decoder import Transformer, init_random
 from specdec.proposers.base import NoProposer
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Greedy-equality tests of every proposer carry the promise of exactness: mark them `exactness`
+    (CI runs that marker again under SPECDEC_ISA=avx2, the portable kernels)."""
+    for item in items:
+        if "greedy" in item.name and "equals_plain" in item.name:
+            item.add_marker(pytest.mark.exactness)
+
+
+def needs_bf16(dtype: torch.dtype) -> None:
+    """Skip a bfloat16 case where oneDNN cannot compute bfloat16 (the library refuses that dtype there)."""
+    from specdec.machine import probe
+
+    if dtype == torch.bfloat16 and not probe().onednn_bf16:
+        pytest.skip("no oneDNN bfloat16 on this CPU (or SPECDEC_ISA limits it)")
 
 
 class TinyTokenizer:

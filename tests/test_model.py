@@ -8,7 +8,9 @@ import torch
 
 from specdec.reference import exact_distribution, reference_greedy
 
-from conftest import tiny_generator, tiny_model
+from conftest import needs_bf16, tiny_generator, tiny_model
+
+pytestmark = pytest.mark.exactness
 
 
 def _full_logits(model, tokens):
@@ -20,6 +22,7 @@ def target_shaped(seed: int, dtype: torch.dtype):
     from specdec.models.config import ModelConfig
     from specdec.models.decoder import Transformer, init_random
 
+    needs_bf16(dtype)
     cfg = ModelConfig(vocab_size=512, dim=576, n_layers=2, n_heads=9, n_kv_heads=3, head_dim=64,
                       hidden_dim=1536, max_seq_len=512, name="smollm2-shaped")
     return init_random(Transformer(cfg), seed=seed, std=0.05).to(dtype).eval().requires_grad_(False).pack()

@@ -9,13 +9,16 @@ from specdec.models.decoder import Transformer, init_random
 from specdec.prefix_cache import PREFILL_PIECE, PrefixCache
 from specdec.proposers.ngram import NgramProposer
 
-from conftest import tiny_config, tiny_generator
+from conftest import needs_bf16, tiny_config, tiny_generator
+
+pytestmark = pytest.mark.exactness
 
 NEW = 12
 
 
 def long_model(dtype: torch.dtype) -> Transformer:
     """A tiny packed model with room for prompts of several pieces."""
+    needs_bf16(dtype)
     m = init_random(Transformer(tiny_config(max_seq_len=1024)), seed=4, std=0.3)
     return m.to(dtype).eval().requires_grad_(False).pack()
 

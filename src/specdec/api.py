@@ -31,6 +31,8 @@ SHIPPED = {("smollm2-135m", "draft"): "draft-smollm2-135m.safetensors",
            ("smollm2-135m", "eagle"): "eagle-smollm2-135m.safetensors",
            ("smollm2-135m", "medusa"): "medusa-smollm2-135m.safetensors"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPE_CHOICES = ("auto", *DTYPES, "q4")  # auto: the fastest mode this machine computes exactly (see choose_dtype);
+                                          # q4: the GGUF's 4-bit blocks through torch's int4 kernel
 # the draft `--method draft` (and the benchmark) uses when none is given: our distilled one, where shipped
 DEFAULT_DRAFT = {m: str(WEIGHTS_DIR / f) for (m, kind), f in SHIPPED.items()
                  if kind == "draft" and (WEIGHTS_DIR / f).is_file()}
@@ -47,10 +49,37 @@ class Result:
     prompt_tokens: int
 
 
-def parse_dtype(dtype: str) -> torch.dtype:
-    if dtype not in DTYPES:
-        raise SpecdecError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
-    return DTYPES[dtype]
+def parse_dtype(dtype: str) -> str:
+    """A dtype name as given (auto, float32, bfloat16), or a clear error."""
+    if dtype not in DTYPE_CHOICES:
+        raise SpecdecError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPE_CHOICES)}")
+    return dtype
+
+
+def choose_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, bool]:
+    """(torch dtype of the weights and activations, 4-bit kernels) for a requested mode name.
+
+    `auto`: q4 on a CPU where torch's int4 kernel runs, else bfloat16 where the CPU computes it
+    natively (AVX-512-BF16, AMX, AVX-NE-CONVERT), else float32 (and on CUDA, whose GEMMs are not
+    row-invariant by any measurement here). q4 keeps bfloat16 activations where oneDNN has them,
+    float32 elsewhere. An explicit mode this machine cannot compute is an error naming what is missing."""
+    from .machine import bf16_unavailable_reason, probe
+
+    m = probe()
+    cpu = device.type == "cpu"
+    if dtype == "q4":
+        if not (cpu and m.int4_kernel):
+            raise SpecdecError("dtype q4 needs torch's CPU int4 kernel (device cpu); use --dtype float32 (or auto)")
+        return (torch.bfloat16 if m.native_bf16 else torch.float32), True
+    if dtype == "auto":
+        if cpu and m.int4_kernel:
+            return choose_dtype("q4", device)
+        return (torch.bfloat16 if cpu and m.native_bf16 else torch.float32), False
+    if DTYPES[dtype] == torch.bfloat16 and cpu:
+        why = bf16_unavailable_reason(m)
+        if why:
+            raise SpecdecError(f"dtype bfloat16 is not available: {why}; use --dtype float32 (or auto)")
+    return DTYPES[dtype], False
 
 
 def parse_device(device: str) -> torch.device:
@@ -65,12 +94,42 @@ def parse_device(device: str) -> torch.device:
     return dev
 
 
-def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu") -> tuple[CausalLM, Tokenizer, str]:
-    """A lean decoder and its tokenizer from a registered name or a GGUF path."""
-    dt, dev = parse_dtype(dtype), parse_device(device)
+def load_model(name_or_path: str, dtype: str = "auto", device: str = "cpu") -> tuple[CausalLM, Tokenizer, str]:
+    """A lean decoder and its tokenizer from a registered name or a GGUF path, in `dtype` (auto, float32,
+    bfloat16), its kernels checked for exactness on this machine (`model.self_check`).
+
+    Where a narrow dtype chosen by `auto` fails the self-check, the model is loaded in float32 instead
+    (a warning says so); an explicitly asked dtype that fails it loads with a warning that speculative
+    output may differ from plain decoding in that dtype."""
+    from .models.selfcheck import self_check
+
+    dev = parse_device(device)
+    dt, int4 = choose_dtype(parse_dtype(dtype), dev)
     name, path = resolve(name_or_path)
-    model = load_gguf(path, dt, dev, name=name)
+    model = load_gguf(path, dt, dev, name=name, int4=int4)
+    model.self_check = self_check(model)
+    if not model.self_check.passed and (dt != torch.float32 or int4):
+        if dtype == "auto":
+            warnings.warn(f"{model.self_check.summary()}: loading float32 instead", stacklevel=2)
+            model = load_gguf(path, torch.float32, dev, name=name)
+            model.self_check = self_check(model)
+    if not model.self_check.passed:
+        warnings.warn(f"{model.self_check.summary()}: speculative output may differ from plain decoding "
+                      "in the last bits on this machine", stacklevel=2)
     return model, Tokenizer.from_gguf(Path(path)), name
+
+
+def runtime_info(target: CausalLM) -> dict:
+    """The machine, the target's dtype and kernels, and the self-check's result (for --json, /health, info)."""
+    from .machine import probe
+
+    m = probe()
+    check = getattr(target, "self_check", None)
+    packed = bool(getattr(target, "packed", None))
+    return {"cpu": m.cpu, "torch_capability": m.torch_capability, "isa_limit": m.isa_limit or None,
+            "dtype": getattr(target, "compute", str(getattr(target, "dtype", "")).removeprefix("torch.")),
+            "kernels": f"oneDNN prepacked ({m.kernel_family})" if packed else "torch default",
+            "self_check": check.as_dict() if check is not None else None}
 
 
 class Generator:
@@ -266,11 +325,12 @@ def _params(m: CausalLM) -> int:
     return sum(p.numel() for p in m.parameters()) if isinstance(m, torch.nn.Module) else 0
 
 
-def load(model: str = DEFAULT_MODEL, method: str = "none", dtype: str = "float32", device: str = "cpu",
+def load(model: str = DEFAULT_MODEL, method: str = "none", dtype: str = "auto", device: str = "cpu",
          draft_model: str | CausalLM | None = None, num_draft_tokens: int = 4,
          draft_policy: str = "fixed", tree: TreeShape | str = TreeShape()) -> Generator:
     """Load a target (registered name or .gguf path) with a speculative method.
 
+    `dtype`: auto (the fastest dtype this machine computes exactly), float32 or bfloat16.
     `tree` shapes EAGLE's drafts: a TreeShape or "TOPKxBUDGET" (e.g. "4x16" for a dynamic tree); the
     default (topk 1) is a chain, the fastest on our CPU measurements."""
     if method not in METHODS:

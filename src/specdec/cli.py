@@ -13,7 +13,7 @@ DEFAULT_METHOD = "none"
 
 def add_model_args(p: argparse.ArgumentParser, default_method: str = DEFAULT_METHOD,
                    default_policy: str = "fixed") -> None:
-    from .api import DTYPES, METHODS
+    from .api import METHODS
     from .draft_length import POLICIES
     from .models.registry import DEFAULT_MODEL, MODELS
 
@@ -29,9 +29,45 @@ def add_model_args(p: argparse.ArgumentParser, default_method: str = DEFAULT_MET
                         "drafting a loss)")
     p.add_argument("--tree", default="1", help="EAGLE's draft shape: TOPKxBUDGET for a dynamic tree (e.g. 4x16: "
                                                 "4 children per node, 16 best nodes kept), 1 for a chain of K")
-    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
-                   help="bfloat16 is the speed mode, float32 the exactness mode")
+    add_dtype_arg(p)
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+
+
+def add_dtype_arg(p: argparse.ArgumentParser) -> None:
+    from .api import DTYPE_CHOICES
+
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="auto: the fastest dtype this machine computes exactly (bfloat16 where the CPU has it "
+                        "natively, else float32; `specdec info` shows the choice)")
+
+
+def cmd_info(a: argparse.Namespace) -> int:
+    """The machine, the kernels and dtype `auto` chooses, and the self-check of exactness."""
+    import specdec  # noqa: F401  (applies $SPECDEC_ISA before torch computes)
+    from .api import load_model, runtime_info
+    from .machine import probe
+
+    m = probe()
+    target, _, name = load_model(a.model, a.dtype, a.device)
+    info = {"model": name, "machine": m.as_dict(), **runtime_info(target)}
+    if a.json:
+        print(json.dumps(info))
+        return 0
+    feats = [f for f, on in (("AVX2", m.avx2), ("AVX-512", m.avx512), ("AVX-512-BF16", m.avx512_bf16),
+                             ("AMX", m.amx), ("AVX-NE-CONVERT", m.avx_ne_convert)) if on]
+    check = target.self_check
+    rows = [("cpu", f"{m.cpu} ({m.arch}, {m.threads} threads)"),
+            ("instruction sets", ", ".join(feats) or "none of AVX2/AVX-512"),
+            ("torch kernels", m.torch_capability + (f" (limited by SPECDEC_ISA={m.isa_limit})" if m.isa_limit else "")),
+            ("oneDNN bfloat16", "yes" + (" (native)" if m.native_bf16 else " (emulated)") if m.onednn_bf16 else "no"),
+            ("int4 kernel", "yes" if m.int4_kernel else "no"),
+            ("model", name), ("dtype", info["dtype"] + (f" (chosen by {a.dtype})" if a.dtype == "auto" else "")),
+            ("linear kernels", info["kernels"]),
+            ("self-check", check.summary())]
+    rows += [(f"  {k}", v) for k, v in check.linears.items()]
+    w = max(len(k) for k, _ in rows)
+    print("\n".join(f"{k:<{w}}  {v}" for k, v in rows))
+    return 0 if check.passed else 1
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -53,8 +89,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
               seed=a.seed, stop=tuple(a.stop), chat=chat, truncate=a.truncate)
     if a.json:
         res = gen.generate(prompt, **kw)
+        from .api import runtime_info
+
         print(json.dumps({"text": res.text, "tokens": res.tokens, "metrics": res.metrics,
-                          "finish_reason": res.finish_reason, "prompt_tokens": res.prompt_tokens}))
+                          "finish_reason": res.finish_reason, "prompt_tokens": res.prompt_tokens,
+                          "runtime": runtime_info(gen.target)}))
         return 0
     for piece in gen.stream(prompt, **kw):
         sys.stdout.write(piece)
@@ -92,6 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--truncate", action="store_true", help="keep the end of a prompt that is too long for the context")
     g.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     g.set_defaults(func=cmd_generate)
+
+    i = sub.add_parser("info", help="this machine, the kernels and dtype chosen, and the self-check of exactness",
+                       formatter_class=fmt)
+    i.add_argument("--model", default="smollm2-135m", help="registered name or .gguf path to check")
+    add_dtype_arg(i)
+    i.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    i.add_argument("--json", action="store_true", help="print one JSON object")
+    i.set_defaults(func=cmd_info)
 
     for extra in ("bench", "serve", "train"):
         try:

@@ -7,7 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from .api import DTYPES, METHODS, load_model
+from .api import METHODS, load_model, runtime_info
 from .bench import report, runner
 from .bench.peers import PEERS, build_peers, parse_peers
 from .bench.suites import CATEGORIES, SUITES, Prompt, load_suite
@@ -34,14 +34,18 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs must equal none's)")
     p.add_argument("--repeats", type=int, default=1, help="timed repeats of every (prompt, method)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
-    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    from .cli import add_dtype_arg
+
+    add_dtype_arg(p)
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--draft-model", default=None,
                    help="draft of the 'draft' method: name, .gguf path or self:N (default: the model's registered "
                         f"draft, else {runner.FALLBACK_DRAFT})")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="drafts per step, K")
     p.add_argument("--draft-policy", default="fixed", choices=POLICIES, help="draft length policy")
-    p.add_argument("--peers", default="", help=f"comma-separated peers to run side by side: {', '.join(PEERS)}")
+    p.add_argument("--peers", default="auto", help=f"comma-separated peers to run side by side: {', '.join(PEERS)}; "
+                                                   "auto: llamacpp when llama-cpp-python is installed (none otherwise); "
+                                                   "'' for none")
     p.add_argument("--out", default=None, help="output directory (default: docs/benchmarks/<suite>)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
     p.set_defaults(func=cmd_bench)
@@ -104,12 +108,20 @@ def _pad_id(tokenizer) -> int:
     return int(pad) if pad is not None else min(tokenizer.eos_ids, default=0)
 
 
+def default_peers() -> str:
+    """The fastest plain CPU engine, when it is installed: llama.cpp."""
+    import importlib.util
+
+    return "llamacpp" if importlib.util.find_spec("llama_cpp") is not None else ""
+
+
 def cmd_bench(a: argparse.Namespace) -> int:
     """Validate, load the target once, run methods (and peers) interleaved, write the report."""
     _check_numbers(a)
     categories = parse_categories(a.categories)
     runner.parse_methods(a.methods, a.draft_model)                  # fail fast, before any loading
-    peer_names = parse_peers(a.peers)
+    auto = default_peers() if a.temperature == 0 else ""          # peers run greedy only
+    peer_names = parse_peers(auto if a.peers == "auto" else a.peers)
     if peer_names and a.temperature != 0:
         raise SpecdecError("--peers runs greedy only; use --temperature 0")
     prompts = limit_prompts(load_suite(a.suite, categories), a.limit)
@@ -122,12 +134,13 @@ def cmd_bench(a: argparse.Namespace) -> int:
     peers, notes = (build_peers(peer_names, resolve(a.model)[1], peer_draft, a.num_draft_tokens,
                                   tokenizer.eos_ids, _pad_id(tokenizer))
                     if peer_names else ([], []))
-    config = {"model": name, "dtype": a.dtype, "device": a.device, "suite": a.suite, "limit": a.limit,
+    runtime = runtime_info(target)
+    config = {"model": name, "dtype": runtime["dtype"], "runtime": runtime, "device": a.device, "suite": a.suite, "limit": a.limit,
               "num_draft_tokens": a.num_draft_tokens, "draft_policy": a.draft_policy, "draft_model": peer_draft,
               "method_specs": [{"label": s.label, "method": s.method, "draft": s.draft,
                                 "policy": s.policy or a.draft_policy, "tree": str(s.tree)} for s in specs],
               "peer_notes": notes}
-    results = runner.benchmark([*systems, *peers], prompts, tokenizer, config, runner.machine_info(a.dtype),
+    results = runner.benchmark([*systems, *peers], prompts, tokenizer, config, runner.machine_info(runtime["dtype"]),
                                command_line(a), a.repeats, a.temperature, a.seed, a.progress)
     out = Path(a.out) if a.out else Path("docs") / "benchmarks" / a.suite
     paths = report.write_report(results, out)

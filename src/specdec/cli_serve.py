@@ -86,11 +86,13 @@ def cmd_serve(a: argparse.Namespace) -> int:
     torch.set_num_threads(a.threads or cores)
     gen = specdec.load(a.model, method=a.method, dtype=a.dtype, device=a.device, draft_model=a.draft_model,
                        num_draft_tokens=a.num_draft_tokens, draft_policy=a.draft_policy, tree=a.tree)
-    state = ServerState(gen, config, drafts_for_server(a, gen), a.dtype, TreeShape.parse(a.tree))
+    dtype = str(gen.target.dtype).removeprefix("torch.")      # what `auto` chose: proposers load in it too
+    state = ServerState(gen, config, drafts_for_server(a, gen), dtype, TreeShape.parse(a.tree))
     if a.host not in LOOPBACK and key is None:
         print(f"specdec: warning: listening on {a.host} without an API key (--api-key or SPECDEC_API_KEY)",
               file=sys.stderr)
-    print(f"specdec: serving {gen.name} (method {gen.method}, {a.dtype}) on http://{a.host}:{a.port}/v1 "
+    print(f"specdec: {gen.target.self_check.summary()}", file=sys.stderr)
+    print(f"specdec: serving {gen.name} (method {gen.method}, {dtype}) on http://{a.host}:{a.port}/v1 "
           f"(max batch {a.max_batch}, auth {'on' if key else 'off'})", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(create_app(state), host=a.host, port=a.port, log_level=a.log_level,
                                           access_log=False))

@@ -39,6 +39,7 @@ import torch
 from ..api import METHODS, Generator, make_proposer
 from ..engine import Request
 from ..errors import SpecdecError
+from ..machine import cpu_model
 from ..metrics import Counters
 from ..models.base import CausalLM
 from ..sampling import SamplingParams
@@ -404,17 +405,6 @@ def summarize(records: list[dict], methods: Sequence[str], peers: Sequence[str],
 
 
 # --------------------------------------------------------------------------- machine and results
-
-
-def cpu_model() -> str:
-    """The CPU's "model name" from /proc/cpuinfo (or what platform knows)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _git_commit() -> str | None:

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from ..cache import KVCache
 from .config import ModelConfig
+from .kernels import Kernel, linear, pack, packed_linear_available
 
 
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
@@ -35,40 +36,22 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rot * sin
 
 
-def packed_linear_available(device: torch.device) -> bool:
-    return device.type == "cpu" and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
-def pack(w: Tensor, rows: int = 1) -> Tensor:
-    """A oneDNN-prepacked copy of a linear weight [out, in] for about `rows` input rows (CPU):
-    ~1.5-2x the bandwidth of F.linear here."""
-    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)
-
-
 def wide_prefill_pays(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether prefills should run a narrow (bf16/fp16) model's linears on float32 copies.
 
-    Measured on this project's AVX-512-bf16 Xeon without AMX (2 threads, [M, 576] x [576, 1536]):
-    oneDNN's bf16 GEMM reaches 150-175 GFLOP/s for M >= 16, float32 190-290 from M >= 24, so a
-    prompt's prefill is ~1.5x faster in float32. CPUs with AMX multiply bf16 far faster: not there.
+    Measured on an AVX-512-bf16 Xeon without AMX (2 threads, [M, 576] x [576, 1536]): oneDNN's
+    bf16 GEMM reaches 150-175 GFLOP/s for M >= 16, float32 190-290 from M >= 24, so a prompt's
+    prefill is ~1.5x faster in float32. CPUs with AMX multiply bf16 far faster: not there.
     """
     amx = "AMX" in torch.backends.cpu.get_cpu_capability()
     return dtype != torch.float32 and packed_linear_available(device) and not amx
 
 
-def linear(x: Tensor, w: Tensor, packed: dict[str, Tensor], name: str) -> Tensor:
-    """x [..., in] @ w.T, row-count invariant: a lone row is computed as a pair.
+LINEARS = ("wqkv", "wo", "w13", "w2")
 
-    CPU GEMM libraries take a different reduction path for a single row (gemv)
-    than for two or more, which changes the last bit. Verifying K drafts must
-    give bit-for-bit the logits that K+1 one-token steps would, so every call
-    here sees >= 2 rows (measured: for M >= 2 each row's result is independent
-    of M, fp32 and bf16, packed and not; tests/test_model.py checks it).
-    """
-    if x.numel() == x.shape[-1]:                                 # one row, any leading shape
-        return linear(x.reshape(1, -1).expand(2, -1), w, packed, name)[0].view(*x.shape[:-1], -1)
-    p = packed.get(name)
-    return F.linear(x, w) if p is None else torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+
+def cfg_dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 KV_BLOCK = 128             # keys per attention tile; caches are read in whole blocks
@@ -291,14 +274,13 @@ class Block(nn.Module):
         if cfg.sandwich_norm:
             self.post_attn_norm = nn.Parameter(torch.ones(cfg.dim))
             self.post_ffn_norm = nn.Parameter(torch.ones(cfg.dim))
-        self.packed: dict[str, Tensor] = {}       # inference-only prepacked copies (see Transformer.pack)
-        self.packed_wide: dict[str, Tensor] = {}  # float32 prepacked copies for prefills (narrow models)
+        self.packed: dict[str, Kernel] = {}       # inference-only kernels of decoding and verification
+        self.packed_wide: dict[str, Kernel] = {}  # prefill kernels where they differ (float32 copies, 4-bit mode)
 
     def _linear(self, x: Tensor, name: str, wide: bool) -> Tensor:
-        """x [B, T, in] @ weight.T; wide: through the float32 copy if there is one, rounded back to x's dtype."""
-        if wide and name in self.packed_wide:
-            return linear(x.float(), getattr(self, name), self.packed_wide, name).to(x.dtype)
-        return linear(x, getattr(self, name), self.packed, name)
+        """x [B, T, in] @ weight.T; wide (a prefill): through the prefill kernel if there is one."""
+        kernels = self.packed_wide if wide and name in self.packed_wide else self.packed
+        return linear(x, getattr(self, name), kernels, name)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: AttentionMask, cache: KVCache,
                 rows: Tensor, kv_len: int, contiguous: bool, wide: bool) -> Tensor:
@@ -345,7 +327,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = nn.Parameter(torch.ones(cfg.dim))
         self.output = nn.Parameter(torch.empty(0))          # empty: tied to `embed`
-        self.packed: dict[str, Tensor] = {}
+        self.packed: dict[str, Kernel] = {}
+        self.int4 = False                                   # decoding runs 4-bit kernels (see use_int4)
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_base, cfg.max_seq_len)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -361,6 +344,11 @@ class Transformer(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.embed.device
+
+    @property
+    def compute(self) -> str:
+        """The compute mode: "float32", "bfloat16", or "q4" (4-bit kernels, activations in `dtype`)."""
+        return "q4" if self.int4 else cfg_dtype_name(self.dtype)
 
     @property
     def vocab_size(self) -> int:
@@ -395,15 +383,28 @@ class Transformer(nn.Module):
         w = self.output if self.output.numel() else self.embed
         return linear(hidden, w, self.packed, "lm_head").float()
 
-    def pack(self) -> "Transformer":
-        """Prepack every linear weight for fast CPU inference (a no-op elsewhere). Re-pack after training."""
+    def pack(self, wide: bool = True) -> "Transformer":
+        """Prepack every linear weight for fast CPU inference (a no-op elsewhere). Re-pack after training.
+
+        wide=False: no float32 prefill copies of a narrow model's linears, even where they pay."""
         if not packed_linear_available(self.device):
             return self
-        wide = wide_prefill_pays(self.dtype, self.device)
+        wide = wide and wide_prefill_pays(self.dtype, self.device)
         for layer in self.layers:
-            layer.packed = {n: pack(getattr(layer, n)) for n in ("wqkv", "wo", "w13", "w2")}
-            layer.packed_wide = {n: pack(getattr(layer, n).float(), 128) for n in ("wqkv", "wo", "w13", "w2")} if wide else {}
+            layer.packed = {n: pack(getattr(layer, n)) for n in LINEARS}
+            layer.packed_wide = {n: pack(getattr(layer, n).float(), 128) for n in LINEARS} if wide else {}
         self.packed = {"lm_head": pack(self.output if self.output.numel() else self.embed)}
+        return self
+
+    def use_int4(self, kernels: dict[tuple[int, str], Kernel]) -> "Transformer":
+        """Decode and verify through 4-bit kernels ((layer, linear name) -> kernel, e.g. `int4.Int4Linear`);
+        prefills keep the packed dequantized weights (faster for many rows). Call after `pack`."""
+        for (i, name), k in kernels.items():
+            layer = self.layers[i]
+            if name not in layer.packed_wide and name in layer.packed:
+                layer.packed_wide[name] = layer.packed[name]
+            layer.packed[name] = k
+        self.int4 = self.int4 or bool(kernels)
         return self
 
     def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache, rows: Tensor,

@@ -16,7 +16,8 @@ from torch import Tensor, nn
 
 from ..cache import KVCache
 from ..errors import SpecdecError
-from .decoder import Transformer, linear, pack, packed_linear_available
+from .decoder import Transformer
+from .kernels import linear, pack, packed_linear_available
 
 
 def target_fingerprint(target: Transformer) -> str:

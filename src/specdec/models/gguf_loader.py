@@ -9,6 +9,7 @@ import torch
 from ..errors import SpecdecError
 from .config import ModelConfig
 from .decoder import Transformer, rope_tables
+from .int4 import INT4_TYPES, Blocks4, Int4Linear, read_blocks
 
 SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
 
@@ -74,25 +75,29 @@ def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def load_gguf(path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
-              name: str | None = None, max_seq_len: int | None = None) -> Transformer:
-    """Build the decoder and fill it with the file's dequantized weights."""
+              name: str | None = None, max_seq_len: int | None = None, int4: bool = False) -> Transformer:
+    """Build the decoder and fill it with the file's dequantized weights (in `dtype`).
+
+    int4: also decode and verify through the file's own 4-bit blocks (Q4_1, Q4_K) where a fused
+    linear layer is stored in them entirely (see `int4.py`); prefills keep the dequantized weights."""
     from gguf.quants import dequantize
 
     reader = open_gguf(path)
     cfg = config_from_gguf(reader, name or Path(path).stem, max_seq_len)
-    raw: dict[str, np.ndarray] = {}
-    try:
-        for t in reader.tensors:
-            raw[t.name] = dequantize(t.data, t.tensor_type).reshape([int(s) for s in reversed(t.shape)])
-    except Exception as e:
-        raise SpecdecError(f"corrupt tensor data in GGUF {path}: {type(e).__name__}: {e}") from None
+    raw = {t.name: t for t in reader.tensors}
 
     def take(key: str) -> torch.Tensor:
         if key not in raw:
             raise SpecdecError(f"GGUF {path} lacks tensor {key!r}")
-        return torch.from_numpy(np.array(raw.pop(key), dtype=np.float32))
+        t = raw.pop(key)
+        try:
+            w = dequantize(t.data, t.tensor_type).reshape([int(s) for s in reversed(t.shape)])
+        except Exception as e:
+            raise SpecdecError(f"corrupt tensor data in GGUF {path} ({key}): {type(e).__name__}: {e}") from None
+        return torch.from_numpy(np.asarray(w, dtype=np.float32)).to(dtype)
 
     arch_interleaved = field(reader, "general.architecture") == "llama"
+    blocks4 = int4_blocks(raw, cfg, arch_interleaved) if int4 else {}
     with torch.device("meta"):
         model = Transformer(cfg)
     sd: dict[str, torch.Tensor] = {"embed": take("token_embd.weight"), "norm": take("output_norm.weight")}
@@ -108,11 +113,33 @@ def load_gguf(path: str | Path, dtype: torch.dtype, device: str | torch.device =
             if p + src + ".weight" in raw:
                 sd[f"layers.{i}.{dst}"] = take(p + src + ".weight")
     model = model.to_empty(device=device).to(dtype)
-    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=False)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
     if missing or unexpected:
         raise SpecdecError(f"GGUF {path} does not fit the {cfg.name} layout: missing {missing}, unexpected {unexpected}")
     # rope tables are buffers built on meta; rebuild them (float32) on the real device
     model.cos, model.sin = (t.to(device) for t in rope_tables(cfg.head_dim, cfg.rope_base, cfg.max_seq_len))
     if cfg.sliding_window > 0:
         model.lcos, model.lsin = (t.to(device) for t in rope_tables(cfg.head_dim, cfg.rope_local_base, cfg.max_seq_len))
-    return model.eval().requires_grad_(False).pack()
+    model = model.eval().requires_grad_(False).pack(wide=not int4)
+    return model.use_int4({key: Int4Linear.of(b) for key, b in blocks4.items()})
+
+
+def int4_blocks(tensors: dict, cfg: ModelConfig, interleaved: bool) -> dict[tuple[int, str], Blocks4]:
+    """(layer, fused linear name) -> its 4-bit blocks, for the fused layers stored wholly in a 4-bit format."""
+    parts = {"wqkv": ("attn_q", "attn_k", "attn_v"), "w13": ("ffn_gate", "ffn_up"), "wo": ("attn_output",),
+             "w2": ("ffn_down",)}
+    heads = {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads}
+    out = {}
+    for i in range(cfg.n_layers):
+        for name, srcs in parts.items():
+            ts = [tensors.get(f"blk.{i}.{s}.weight") for s in srcs]
+            if any(t is None or t.tensor_type.name not in INT4_TYPES for t in ts):
+                continue
+            bs = []
+            for s, t in zip(srcs, ts):
+                b = read_blocks(t)
+                if interleaved and s in heads:                 # the rows' rope permutation, as for the weights
+                    b = b.rows(unpermute(torch.arange(b.q.shape[0])[:, None], heads[s])[:, 0].numpy())
+                bs.append(b)
+            out[(i, name)] = Blocks4.cat(bs)
+    return out

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..api import METHODS, Generator
+from ..api import METHODS, Generator, runtime_info
 from ..draft_length import MAX_DRAFT_TOKENS
 from ..engine import Request
 from ..errors import SpecdecError
@@ -75,6 +75,7 @@ class ServerState:
         `dtype`: the target's dtype name, for anything a proposer loads; `tree`: EAGLE's draft shape."""
         self.generator, self.config, self.drafts = generator, config, dict(drafts or {})
         self.model_name = generator.name
+        self.runtime = runtime_info(generator.target)          # machine, dtype, kernels, self-check (/health)
         self.created = int(time.time())
         k = generator.num_draft_tokens if generator.method != "none" else 0
         self.default = SpecChoice(generator.method, k)
@@ -575,7 +576,7 @@ def create_app(state: ServerState) -> FastAPI:
         if not state.scheduler.alive:
             return error_response(request, 503, "the generation worker is not running")
         count(request, 200)
-        return JSONResponse({"status": "ok", "model": state.model_name})
+        return JSONResponse({"status": "ok", "model": state.model_name, "runtime": state.runtime})
 
     @app.get("/metrics")
     async def prometheus(request: HttpRequest) -> Response:

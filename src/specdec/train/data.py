@@ -141,7 +141,7 @@ def generate_data(model: str, out: Path, max_prompts: int, max_new_tokens: int, 
 
     out.mkdir(parents=True, exist_ok=True)
     prompts = training_prompts(seed)[:max_prompts]
-    gen = specdec.load(model, method="none", dtype="bfloat16")
+    gen = specdec.load(model, method="none", dtype="auto")
     shards = [prompts[i:i + shard_size] for i in range(0, len(prompts), shard_size)]
     bar = tqdm(total=len(prompts), desc="generating", unit="prompt")
     rng = random.Random(seed)

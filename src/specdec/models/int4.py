@@ -1,0 +1,119 @@
+"""The GGUF's own 4-bit weights, computed by torch's CPU int4 kernel (the `q4` compute mode).
+
+Decoding on a few CPU cores is bound by the bytes of weights read per token: 4-bit blocks read
+a quarter of bfloat16's. torch's `_weight_int4pack_mm_for_cpu` multiplies bfloat16 activations
+by group-wise 4-bit weights, w = (q - 8) * scale + zero per group of 32 along the input
+dimension, and gives every row the same bits whatever the row count (it runs each row through
+the same k-order accumulation; `kernels.check_rows` confirms it on this machine at load time),
+so it needs no pair trick. GGUF block formats map onto it exactly up to the scales' rounding
+to bfloat16:
+
+- Q4_1 (32 weights, fp16 d and m): w = d * q + m, so scale = d, zero = m + 8 d;
+- Q4_K (256-weight super-blocks, fp16 d and dmin, 6-bit sub-scales sc_j and mins m_j per 32):
+  w = d sc_j q - dmin m_j, so scale = d sc_j, zero = 8 d sc_j - dmin m_j.
+Tensors in other formats keep a dequantized kernel (see `Transformer.pack`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .kernels import RowCheck, check_inputs, check_rows
+
+GROUP = 32
+INT4_TYPES = ("Q4_1", "Q4_K")
+
+
+@dataclass(frozen=True)
+class Blocks4:
+    """A [N, K] weight as 4-bit codes with a scale and zero per group of GROUP along K (float32)."""
+    q: np.ndarray         # [N, K] uint8 in [0, 16)
+    scale: np.ndarray     # [N, K // GROUP]
+    zero: np.ndarray      # [N, K // GROUP]  w = (q - 8) * scale + zero
+
+    def rows(self, idx: np.ndarray) -> "Blocks4":
+        return Blocks4(self.q[idx], self.scale[idx], self.zero[idx])
+
+    @staticmethod
+    def cat(parts: list["Blocks4"]) -> "Blocks4":
+        return Blocks4(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("q", "scale", "zero")))
+
+    def dequantize(self) -> np.ndarray:
+        """[N, K] float32 weights (what the kernel computes with, before bfloat16 rounding of the scales)."""
+        N, K = self.q.shape
+        q = self.q.reshape(N, K // GROUP, GROUP).astype(np.float32) - 8
+        return (q * self.scale[..., None] + self.zero[..., None]).reshape(N, K)
+
+
+def _nibbles(qs: np.ndarray, width: int) -> np.ndarray:
+    """[n, ..., width/2] bytes holding `width` 4-bit codes (low nibbles first, then high) -> [n, ..., width]."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def blocks_q4_1(data: np.ndarray, shape: tuple[int, int]) -> Blocks4:
+    """Q4_1 rows (N rows of K // 32 blocks: fp16 d, fp16 m, 16 bytes of codes) -> Blocks4."""
+    N, K = shape
+    b = np.ascontiguousarray(data).reshape(N, K // 32, 20)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = _nibbles(b[..., 4:], 32).reshape(N, K)
+    return Blocks4(q, d, m + 8 * d)
+
+
+def blocks_q4_k(data: np.ndarray, shape: tuple[int, int]) -> Blocks4:
+    """Q4_K rows (super-blocks of 256: fp16 d, dmin, 12 bytes of 6-bit scales/mins, 128 bytes of codes)."""
+    from gguf.quants import Q4_K
+
+    N, K = shape
+    nb = K // 256
+    b = np.ascontiguousarray(data).reshape(N * nb, 144)
+    d = b[:, 0:2].copy().view(np.float16)[:, 0].astype(np.float32)
+    dmin = b[:, 2:4].copy().view(np.float16)[:, 0].astype(np.float32)
+    sc, mn = Q4_K.get_scale_min(b[:, 4:16].copy())                          # [N*nb, 8] each
+    scale = d[:, None] * sc.astype(np.float32)
+    zero = 8 * scale - dmin[:, None] * mn.astype(np.float32)
+    q = _nibbles(b[:, 16:].reshape(N * nb, 4, 32), 64)                      # 4 chunks of 64: sub-blocks 2i, 2i+1
+    return Blocks4(q.reshape(N, K), scale.reshape(N, nb * 8), zero.reshape(N, nb * 8))
+
+
+def read_blocks(tensor) -> Blocks4:
+    """A GGUF tensor stored as Q4_1 or Q4_K -> Blocks4 (rows = the weight's output dimension)."""
+    shape = (int(tensor.shape[1]), int(tensor.shape[0]))                   # GGUF lists dims innermost first
+    kind = tensor.tensor_type.name
+    if kind == "Q4_1":
+        return blocks_q4_1(tensor.data, shape)
+    if kind == "Q4_K":
+        return blocks_q4_k(tensor.data, shape)
+    raise ValueError(f"not a 4-bit block format: {kind}")
+
+
+@dataclass(frozen=True)
+class Int4Linear:
+    """A linear layer [N, K] in torch's packed int4 layout, bfloat16 scales and zeros."""
+    packed: Tensor        # [N, K / 2] uint8
+    scale_zero: Tensor    # [K / GROUP, N, 2] bfloat16
+    check: RowCheck
+
+    dtype = torch.bfloat16  # of its inputs and outputs
+    pair = False          # rows are bit-identical for any row count, a lone one included (checked)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """x [M, K] bfloat16 -> [M, N] bfloat16"""
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scale_zero)
+
+    @staticmethod
+    def of(blocks: Blocks4) -> "Int4Linear":
+        q = torch.from_numpy(blocks.q.astype(np.int32))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        sz = torch.stack([torch.from_numpy(blocks.scale).t(), torch.from_numpy(blocks.zero).t()], -1)
+        unchecked = Int4Linear(packed, sz.to(torch.bfloat16).contiguous(), RowCheck(True, True))
+        key = tuple(q.shape)
+        if key not in _CHECKED:                       # the kernel is chosen by shape: check once per shape
+            _CHECKED[key] = check_rows(unchecked, check_inputs(q.shape[1], torch.bfloat16))
+        return Int4Linear(unchecked.packed, unchecked.scale_zero, _CHECKED[key])
+
+
+_CHECKED: dict[tuple[int, int], RowCheck] = {}

@@ -1,0 +1,89 @@
+"""The start-up self-check of exactness: on this machine, with the kernels a loaded model will use,
+is a token's score independent of how many rows share its forward?
+
+Runs in a few milliseconds on the model's own first layer and LM head: a context that crosses
+a key block, then the same continuation scored one token per forward, in chunks (as drafts are
+verified) and next to another sequence (a batch), compared bit for bit. Together with the
+per-shape checks of every packed linear (`kernels.check_rows`), it tells whether greedy
+speculation will reproduce plain decoding here.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .decoder import Transformer, truncated
+from .kernels import RowCheck
+
+CONTEXT = 150          # tokens before the scored ones: crosses the first 128-key block
+SCORED = 9             # tokens scored one by one, in chunks, and in a batch
+
+
+@dataclass(frozen=True)
+class SelfCheck:
+    dtype: str
+    linears: dict[str, str]    # per packed linear layer name: RowCheck verdict
+    scores_invariant: bool     # first layer + head: same logits alone, in chunks, in a batch
+    seconds: float
+
+    @property
+    def passed(self) -> bool:
+        return self.scores_invariant and not any(v.startswith("NOT") for v in self.linears.values())
+
+    def summary(self) -> str:
+        state = "passed" if self.passed else "FAILED"
+        return (f"self-check {state} in {self.seconds * 1000:.0f} ms ({self.dtype}: scores "
+                f"{'invariant' if self.scores_invariant else 'DEPEND on the row count'}; {len(self.linears)} "
+                f"linear kernels checked)")
+
+    def as_dict(self) -> dict:
+        return {"passed": self.passed, "dtype": self.dtype, "scores_invariant": self.scores_invariant,
+                "linears": self.linears, "milliseconds": round(self.seconds * 1000, 1)}
+
+
+def _linear_verdicts(model: Transformer) -> dict[str, str]:
+    out: dict[str, RowCheck] = {}
+    first = model.layers[0]
+    for name, p in first.packed.items():
+        out[name] = p.check
+    for name, p in model.packed.items():
+        out[name] = p.check
+    return {name: c.verdict for name, c in out.items()}
+
+
+def _scores(one: Transformer, model: Transformer, prompts: Tensor, cont: Tensor, rows: list[int],
+            chunks: list[int]) -> Tensor:
+    """Logits [len(rows), SCORED, V] of `cont` after `prompts`, scored in `chunks` per forward."""
+    dev = model.device
+    cache = one.new_cache(2, CONTEXT + SCORED + 8)
+    r = torch.tensor(rows, device=dev)
+    for j, i in enumerate(rows):                            # prefill one prompt per forward, like the engine
+        pos = torch.arange(CONTEXT, device=dev)[None]
+        one.prefill(prompts[i:i + 1], pos, cache, r[j:j + 1])
+        cache.commit(r[j:j + 1], pos, torch.tensor([CONTEXT], device=dev))
+    out, at = [], 0
+    for c in chunks:
+        pos = torch.full((len(rows), 1), CONTEXT, device=dev) + torch.arange(at, at + c, device=dev)
+        out.append(model.lm_head(one(cont[rows, at:at + c], pos, cache, r)))
+        cache.commit(r, torch.arange(c, device=dev).expand(len(rows), c), torch.full((len(rows),), c, device=dev))
+        at += c
+    return torch.cat(out, 1)
+
+
+@torch.inference_mode()
+def self_check(model: Transformer) -> SelfCheck:
+    """Check, bit for bit on this machine, that scores do not depend on the rows per forward."""
+    t0 = time.perf_counter()
+    one = truncated(model, 1)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, model.vocab_size, (2, CONTEXT), generator=g).to(model.device)
+    cont = torch.randint(0, model.vocab_size, (2, SCORED), generator=g).to(model.device)
+    alone = _scores(one, model, prompts, cont, [0], [1] * SCORED)
+    ok = (torch.equal(_scores(one, model, prompts, cont, [0], [4, 5]), alone)
+          and torch.equal(_scores(one, model, prompts, cont, [0], [SCORED]), alone)
+          and torch.equal(_scores(one, model, prompts, cont, [1, 0], [1, 3, 5])[1:], alone))
+    name = str(model.dtype).removeprefix("torch.")
+    return SelfCheck(name, _linear_verdicts(model), ok, time.perf_counter() - t0)
