@@ -108,7 +108,10 @@ def offline(gen: Generator, prompt: str, n: int, chat: bool, method: str = "ngra
 
 # ---- the happy paths ------------------------------------------------------------------------
 def test_health_and_models(server, client):
-    assert requests.get(server.url + "/health", timeout=5).json()["status"] == "ok"
+    health = requests.get(server.url + "/health", timeout=5).json()
+    assert health["status"] == "ok"
+    rt = health["runtime"]                                       # the machine, dtype and self-check are named
+    assert rt["cpu"] and rt["dtype"] in ("float32", "bfloat16", "q4") and rt["self_check"]["passed"]
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
 

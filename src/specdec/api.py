@@ -330,7 +330,8 @@ def load(model: str = DEFAULT_MODEL, method: str = "none", dtype: str = "auto", 
          draft_policy: str = "fixed", tree: TreeShape | str = TreeShape()) -> Generator:
     """Load a target (registered name or .gguf path) with a speculative method.
 
-    `dtype`: auto (the fastest dtype this machine computes exactly), float32 or bfloat16.
+    `dtype`: auto (the fastest mode this machine computes exactly: q4, else native bfloat16, else
+    float32; see choose_dtype), float32, bfloat16 or q4.
     `tree` shapes EAGLE's drafts: a TreeShape or "TOPKxBUDGET" (e.g. "4x16" for a dynamic tree); the
     default (topk 1) is a chain, the fastest on our CPU measurements."""
     if method not in METHODS:

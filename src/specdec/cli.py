@@ -37,8 +37,9 @@ def add_dtype_arg(p: argparse.ArgumentParser) -> None:
     from .api import DTYPE_CHOICES
 
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help="auto: the fastest dtype this machine computes exactly (bfloat16 where the CPU has it "
-                        "natively, else float32; `specdec info` shows the choice)")
+                   help="auto: the fastest mode this machine computes exactly: q4 (the GGUF's 4-bit blocks through "
+                        "torch's int4 kernel) where it runs, else bfloat16 where the CPU has it natively, else "
+                        "float32; `specdec info` shows the choice and the self-check of exactness")
 
 
 def cmd_info(a: argparse.Namespace) -> int:

@@ -108,6 +108,17 @@ def _pad_id(tokenizer) -> int:
     return int(pad) if pad is not None else min(tokenizer.eos_ids, default=0)
 
 
+def shown(path: str | None) -> str | None:
+    """A draft path as a report shows it: relative to the package or the working directory, never absolute."""
+    if path is None or not Path(path).is_absolute():
+        return path
+    p = Path(path).resolve()
+    for base, prefix in ((Path(__file__).resolve().parent, "specdec"), (Path.cwd().resolve(), ".")):
+        if p.is_relative_to(base):
+            return f"{prefix}/{p.relative_to(base)}"
+    return p.name
+
+
 def default_peers() -> str:
     """The fastest plain CPU engine, when it is installed: llama.cpp."""
     import importlib.util
@@ -136,8 +147,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
                     if peer_names else ([], []))
     runtime = runtime_info(target)
     config = {"model": name, "dtype": runtime["dtype"], "runtime": runtime, "device": a.device, "suite": a.suite, "limit": a.limit,
-              "num_draft_tokens": a.num_draft_tokens, "draft_policy": a.draft_policy, "draft_model": peer_draft,
-              "method_specs": [{"label": s.label, "method": s.method, "draft": s.draft,
+              "num_draft_tokens": a.num_draft_tokens, "draft_policy": a.draft_policy, "draft_model": shown(peer_draft),
+              "method_specs": [{"label": s.label, "method": s.method, "draft": shown(s.draft),
                                 "policy": s.policy or a.draft_policy, "tree": str(s.tree)} for s in specs],
               "peer_notes": notes}
     results = runner.benchmark([*systems, *peers], prompts, tokenizer, config, runner.machine_info(runtime["dtype"]),

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from ..cache import KVCache
 from .config import ModelConfig
-from .kernels import Kernel, linear, pack, packed_linear_available
+from .kernels import DenseLinear, Kernel, linear, pack, packed_linear_available
 
 
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
@@ -276,6 +276,7 @@ class Block(nn.Module):
             self.post_ffn_norm = nn.Parameter(torch.ones(cfg.dim))
         self.packed: dict[str, Kernel] = {}       # inference-only kernels of decoding and verification
         self.packed_wide: dict[str, Kernel] = {}  # prefill kernels where they differ (float32 copies, 4-bit mode)
+        self.int4: set[str] = set()               # linears whose decoding kernel is 4-bit
 
     def _linear(self, x: Tensor, name: str, wide: bool) -> Tensor:
         """x [B, T, in] @ weight.T; wide (a prefill): through the prefill kernel if there is one."""
@@ -363,8 +364,9 @@ class Transformer(nn.Module):
         """Equal-length prompts up to INVARIANT_MAX_T tokens share a prefill once the weights are
         packed: `attention` and oneDNN's packed linears give each row the bits of a forward of its own
         (measured up to 6000 rows; tests/test_model.py). Plain F.linear (MKL, cuBLAS) changes kernels
-        with the row count (fp32 MKL from 64 rows), so unpacked models prefill one prompt per forward."""
-        return INVARIANT_MAX_T if self.packed else 0
+        with the row count (fp32 MKL from 64 rows), so unpacked models, and the 4-bit mode's prefills,
+        prefill one prompt piece per forward."""
+        return INVARIANT_MAX_T if self.packed and not self.int4 else 0
 
     def new_cache(self, rows: int, slots: int) -> KVCache:
         c = self.config
@@ -386,24 +388,25 @@ class Transformer(nn.Module):
     def pack(self, wide: bool = True) -> "Transformer":
         """Prepack every linear weight for fast CPU inference (a no-op elsewhere). Re-pack after training.
 
-        wide=False: no float32 prefill copies of a narrow model's linears, even where they pay."""
+        wide=False: no float32 prefill copies of a narrow model's linears, even where they pay.
+        Linears that decode through 4-bit kernels (`use_int4`) keep them."""
         if not packed_linear_available(self.device):
             return self
-        wide = wide and wide_prefill_pays(self.dtype, self.device)
+        wide = wide and wide_prefill_pays(self.dtype, self.device) and not self.int4
         for layer in self.layers:
-            layer.packed = {n: pack(getattr(layer, n)) for n in LINEARS}
-            layer.packed_wide = {n: pack(getattr(layer, n).float(), 128) for n in LINEARS} if wide else {}
+            layer.packed = {n: layer.packed[n] if n in layer.int4 else pack(getattr(layer, n)) for n in LINEARS}
+            layer.packed_wide = ({n: pack(getattr(layer, n).float(), 128) for n in LINEARS} if wide
+                                 else {n: DenseLinear(getattr(layer, n)) for n in layer.int4})
         self.packed = {"lm_head": pack(self.output if self.output.numel() else self.embed)}
         return self
 
     def use_int4(self, kernels: dict[tuple[int, str], Kernel]) -> "Transformer":
         """Decode and verify through 4-bit kernels ((layer, linear name) -> kernel, e.g. `int4.Int4Linear`);
-        prefills keep the packed dequantized weights (faster for many rows). Call after `pack`."""
+        prefills of those layers run F.linear on the dequantized weights (faster for many rows, no packed
+        copy). Call before `pack`."""
         for (i, name), k in kernels.items():
-            layer = self.layers[i]
-            if name not in layer.packed_wide and name in layer.packed:
-                layer.packed_wide[name] = layer.packed[name]
-            layer.packed[name] = k
+            self.layers[i].int4.add(name)
+            self.layers[i].packed[name] = k
         self.int4 = self.int4 or bool(kernels)
         return self
 
@@ -520,7 +523,7 @@ def truncated(model: Transformer, n_layers: int) -> Transformer:
     out.cos, out.sin = model.cos, model.sin
     if cfg.sliding_window > 0:
         out.lcos, out.lsin = model.lcos, model.lsin
-    out.packed = model.packed
+    out.packed, out.int4 = model.packed, model.int4
     return out.eval()
 
 

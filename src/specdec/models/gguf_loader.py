@@ -94,7 +94,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype, device: str | torch.device =
             w = dequantize(t.data, t.tensor_type).reshape([int(s) for s in reversed(t.shape)])
         except Exception as e:
             raise SpecdecError(f"corrupt tensor data in GGUF {path} ({key}): {type(e).__name__}: {e}") from None
-        return torch.from_numpy(np.asarray(w, dtype=np.float32)).to(dtype)
+        return torch.from_numpy(np.array(w, dtype=np.float32)).to(dtype)          # a copy: the file is read-only
 
     arch_interleaved = field(reader, "general.architecture") == "llama"
     blocks4 = int4_blocks(raw, cfg, arch_interleaved) if int4 else {}
@@ -120,8 +120,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype, device: str | torch.device =
     model.cos, model.sin = (t.to(device) for t in rope_tables(cfg.head_dim, cfg.rope_base, cfg.max_seq_len))
     if cfg.sliding_window > 0:
         model.lcos, model.lsin = (t.to(device) for t in rope_tables(cfg.head_dim, cfg.rope_local_base, cfg.max_seq_len))
-    model = model.eval().requires_grad_(False).pack(wide=not int4)
-    return model.use_int4({key: Int4Linear.of(b) for key, b in blocks4.items()})
+    model = model.eval().requires_grad_(False).use_int4({key: Int4Linear.of(b) for key, b in blocks4.items()})
+    return model.pack()
 
 
 def int4_blocks(tensors: dict, cfg: ModelConfig, interleaved: bool) -> dict[tuple[int, str], Blocks4]:

@@ -92,6 +92,23 @@ def checked_shapes() -> dict[str, str]:
     return {f"[{k[0]} x {k[1]}] {str(k[2]).removeprefix('torch.')}": c.verdict for k, c in _CHECKED.items()}
 
 
+@dataclass(frozen=True)
+class DenseLinear:
+    """F.linear on a dense weight [out, in] (shared, not copied): for prefills of many rows, whose bits
+    must depend only on the prompt piece, not agree with decoding (BLAS picks kernels by row count)."""
+    weight: Tensor
+
+    check = RowCheck(many_rows=False, lone_row=False)   # not row-invariant: never batched across prompts
+    pair = True
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weight.dtype
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight)
+
+
 class Kernel(Protocol):
     """A linear layer's kernel: x [M, in] in `dtype` -> [M, out]; `pair`: compute a lone row as two."""
     dtype: torch.dtype

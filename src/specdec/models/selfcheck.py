@@ -1,7 +1,7 @@
 """The start-up self-check of exactness: on this machine, with the kernels a loaded model will use,
 is a token's score independent of how many rows share its forward?
 
-Runs in a few milliseconds on the model's own first layer and LM head: a context that crosses
+Runs in tens of milliseconds on the model's own first layer and LM head: a context that crosses
 a key block, then the same continuation scored one token per forward, in chunks (as drafts are
 verified) and next to another sequence (a batch), compared bit for bit. Together with the
 per-shape checks of every packed linear (`kernels.check_rows`), it tells whether greedy
