@@ -17,9 +17,7 @@ from specdec.proposers.ngram import NgramProposer
 from specdec.reference import reference_greedy
 
 from conftest import tiny_model
-from test_eagle import head_for
-from test_medusa import heads_for
-from test_speculative import PROMPTS
+from helpers import PROMPTS, head_for, heads_for
 
 
 def trained(policy: CostAware, alpha: float, cost, batches=(1, 8), steps: int = 40) -> CostAware:

@@ -13,13 +13,7 @@ from specdec.reference import reference_greedy
 from specdec.sampling import SamplingParams
 
 from conftest import tiny_generator, tiny_model
-from test_speculative import PROMPTS, V, check_joint, exact_joint, sample_engine
-
-
-def head_for(target, seed=0, vocab=None):
-    torch.manual_seed(seed)
-    ids = torch.arange(target.vocab_size) if vocab is None else vocab
-    return EagleHead(target, ids).prepare(torch.float32)
+from helpers import PROMPTS, V, check_joint, exact_joint, head_for, sample_engine
 
 
 @pytest.mark.parametrize("topk, depth, budget", [(2, 3, 6), (4, 5, 16), (3, 2, 4), (1, 4, 4)])

@@ -12,8 +12,7 @@ from specdec.reference import reference_greedy
 from specdec.sampling import SamplingParams
 
 from conftest import tiny_generator, tiny_model
-from test_eagle import head_for
-from test_speculative import V, check_joint, exact_joint, sample_engine
+from helpers import V, check_joint, exact_joint, head_for, sample_engine
 
 # repeats in the prompts give prompt lookup matches of length >= 2, the rest falls to EAGLE
 PROMPTS = [[3, 5, 7, 9, 3, 5, 7], list(range(10, 28)), [42, 1, 42, 1, 42, 1]]

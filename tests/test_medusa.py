@@ -11,15 +11,7 @@ from specdec.reference import reference_greedy
 from specdec.sampling import SamplingParams
 
 from conftest import tiny_generator, tiny_model
-from test_speculative import PROMPTS, V, check_joint, exact_joint, sample_engine
-
-
-def heads_for(target, n=3, seed=0):
-    torch.manual_seed(seed)
-    h = MedusaHeads(target, torch.arange(0, target.vocab_size, 3), n)
-    with torch.no_grad():
-        h.w.normal_(0, 0.2)
-    return h.prepare(torch.float32)
+from helpers import PROMPTS, V, check_joint, exact_joint, heads_for, sample_engine
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])

@@ -6,10 +6,12 @@ import pytest
 import torch
 
 from specdec.errors import SpecdecError
-from specdec.sampling import BatchSampling, SamplingParams, make_rng, sample, to_probs
+from specdec.sampling import (BatchSampling, SamplingParams, Stream, derive_seed, position_uniforms, sample, seed_tensor,
+                              step_seeds, to_probs)
 from specdec.verify import Draft, verify
 
 from conftest import chi2_pvalue
+from helpers import rng
 
 N = 20_000
 
@@ -19,7 +21,7 @@ def bs(t=1.0, k=0, p=1.0, n=1):
 
 
 def test_transform_greedy_and_edge_cases():
-    logits = torch.randn(3, 2, 50, generator=make_rng(0))
+    logits = torch.randn(3, 2, 50, generator=rng(0))
     greedy = to_probs(logits, bs(0.0, n=3))
     assert torch.equal(greedy.argmax(-1), logits.argmax(-1)) and torch.all(greedy.max(-1).values == 1)
     assert torch.equal(to_probs(logits, bs(0.8, k=1, n=3)), greedy)            # top_k=1 == greedy
@@ -38,7 +40,7 @@ def test_transform_greedy_and_edge_cases():
 
 
 def test_mixed_batch_rows_use_their_own_params():
-    logits = torch.randn(2, 1, 30, generator=make_rng(1))
+    logits = torch.randn(2, 1, 30, generator=rng(1))
     mixed = to_probs(logits, BatchSampling.of([SamplingParams(0.0), SamplingParams(0.7, 5, 0.9)]))
     torch.testing.assert_close(mixed[0:1], to_probs(logits[0:1], bs(0.0)))
     torch.testing.assert_close(mixed[1:2], to_probs(logits[1:2], bs(0.7, 5, 0.9)))
@@ -53,7 +55,7 @@ def test_bad_sampling_params(bad):
 
 def test_inverse_cdf_sampling_matches_probs():
     probs = torch.tensor([0.1, 0.0, 0.6, 0.3])
-    u = torch.rand(N, generator=make_rng(2))
+    u = torch.rand(N, generator=rng(2))
     x = sample(probs.expand(N, 4), u)
     obs = np.bincount(x.numpy(), minlength=4)
     assert obs[1] == 0
@@ -61,14 +63,14 @@ def test_inverse_cdf_sampling_matches_probs():
 
 
 def _random_dist(v, seed, peaky=2.0):
-    return torch.softmax(torch.randn(v, generator=make_rng(seed)) * peaky, -1)
+    return torch.softmax(torch.randn(v, generator=rng(seed)) * peaky, -1)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_verifier_first_token_is_distributed_as_p(deterministic):
     V = 6
     p, q = _random_dist(V, 10), _random_dist(V, 11)
-    g = make_rng(12)
+    g = rng(12)
     if deterministic:
         x = torch.full((N, 1), 2)                                               # a fixed guess (point mass)
         draft = Draft(x)
@@ -76,7 +78,7 @@ def test_verifier_first_token_is_distributed_as_p(deterministic):
         x = sample(q.expand(N, V), torch.rand(N, generator=g))[:, None]
         draft = Draft(x, q.expand(N, 1, V))
     P = torch.stack([p, _random_dist(V, 13)]).expand(N, 2, V)
-    v = verify(draft, P, torch.rand(N, 1, generator=g), torch.rand(N, generator=g))
+    v = verify(draft, P, torch.rand(N, 2, generator=g), torch.rand(N, 1, generator=g))
     first = v.tokens[:, 0].numpy()
     assert chi2_pvalue(np.bincount(first, minlength=V), p.numpy(), N) > 1e-3
     # the recovered token (after a rejection) follows norm(max(0, p - q))
@@ -92,14 +94,143 @@ def test_verifier_first_token_is_distributed_as_p(deterministic):
 
 def test_verifier_greedy_is_argmax_walk():
     V = 10
-    logits = torch.randn(3, 4, V, generator=make_rng(3))
+    logits = torch.randn(3, 4, V, generator=rng(3))
     am = logits.argmax(-1)
     drafts = am[:, :3].clone()
     drafts[1, 1] = (drafts[1, 1] + 1) % V                                       # row 1 rejects at position 1
     drafts[2, 0] = -1                                                           # row 2 has no draft
     p = to_probs(logits, bs(0.0, n=3))
-    v = verify(Draft(drafts), p, torch.rand(3, 3), torch.rand(3))
+    v = verify(Draft(drafts), p, torch.rand(3, 4), torch.rand(3, 3))
     assert v.num_accepted.tolist() == [3, 1, 0]
     assert v.tokens[0].tolist() == am[0].tolist()
     assert v.tokens[1].tolist() == [int(am[1, 0]), int(am[1, 1]), -1, -1]
     assert v.tokens[2].tolist() == [int(am[2, 0]), -1, -1, -1]
+
+
+# ---- the transform against a reference written from the definitions --------------------------------
+def reference_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> tuple[np.ndarray, float]:
+    """Plain-Python sampling transform of one row of logits (float64), and how close top-p's cut came to
+    top_p (a margin under float32 rounding makes the float32 transform's cut ambiguous there).
+
+    Greedy: the one-hot of the first maximum. Otherwise divide by the temperature; top-k keeps every token
+    whose logit is at least the k-th largest; softmax; top-p keeps the smallest prefix of the tokens sorted
+    by descending probability (then by id) whose mass reaches top_p, the most likely token always."""
+    V = len(logits)
+    if temperature == 0:
+        out = np.zeros(V)
+        out[int(np.argmax(logits))] = 1.0
+        return out, np.inf
+    x = [float(v) / temperature for v in logits]
+    keep = [True] * V
+    if top_k > 0:
+        kth = sorted(x, reverse=True)[min(top_k, V) - 1]
+        keep = [v >= kth for v in x]
+    top = max(v for v, k in zip(x, keep) if k)
+    e = [np.exp(v - top) if k else 0.0 for v, k in zip(x, keep)]
+    p = np.array(e) / sum(e)
+    margin = np.inf
+    if top_p < 1:
+        kept, mass = [], 0.0
+        for i in sorted(range(V), key=lambda i: (-p[i], i)):
+            margin = min(margin, abs(mass - top_p))
+            if mass >= top_p:
+                break
+            kept.append(i)
+            mass += p[i]
+        cut = np.zeros(V)
+        cut[kept] = p[kept]
+        p = cut / cut.sum()
+    return p, margin
+
+
+@pytest.mark.parametrize("vocab", [5, 12, 40])
+def test_transform_matches_the_reference_on_random_logits_with_ties(vocab):
+    """400 rows, each with its own random temperature (0 included), top-k and top-p; logits on a grid of
+    0.5 so that many are tied (at the top-k boundary, inside top-p's prefix, at the maximum)."""
+    g = np.random.default_rng(vocab)
+    B = 400
+    logits = np.round(g.normal(size=(B, vocab)) * 3) / 2
+    params = [SamplingParams(float(g.choice([0.0, 0.3, 0.7, 1.0, 1.6])), int(g.choice([0, 0, 1, 2, 3, vocab - 1, vocab + 3])),
+                             float(g.choice([1.0, 1.0, 0.05, 0.37, 0.63, 0.81, 0.9, 0.99]))) for _ in range(B)]
+    got = to_probs(torch.tensor(logits, dtype=torch.float32)[:, None], BatchSampling.of(params))[:, 0].double().numpy()
+    ambiguous = 0
+    for row, (lg, sp) in enumerate(zip(logits, params)):
+        want, margin = reference_probs(lg, sp.temperature, sp.top_k, sp.top_p)
+        if margin < 1e-5:
+            ambiguous += 1
+            continue
+        assert np.array_equal(got[row] > 0, want > 0), (row, sp, lg)
+        np.testing.assert_allclose(got[row], want, atol=2e-6, err_msg=str((row, sp)))
+    assert ambiguous < B // 20
+
+
+def test_each_row_of_the_transform_depends_only_on_its_own_logits_and_parameters():
+    """Bit for bit: a row gets the same probabilities alone and in a batch mixing greedy, temperature-only,
+    top-k and top-p rows (the server batches requests with different parameters)."""
+    logits = torch.randn(6, 3, 97, generator=rng(4)) * 2
+    params = [SamplingParams(0.0), SamplingParams(0.8), SamplingParams(1.0, 7), SamplingParams(1.0, 0, 0.9),
+              SamplingParams(0.7, 20, 0.95), SamplingParams(1.3)]
+    batch = to_probs(logits, BatchSampling.of(params))
+    for i, sp in enumerate(params):
+        assert torch.equal(batch[i], to_probs(logits[i:i + 1], BatchSampling.of([sp]))[0]), sp
+
+
+# ---- counter-based random streams -------------------------------------------------------------------
+def test_position_uniforms_are_a_fixed_function_of_seed_stream_and_position():
+    """Pinned values (uniforms are multiples of 2**-24): the same on every machine and device."""
+    seeds = seed_tensor([0, 12345, -1, 2 ** 64 + 5])
+    pos = torch.tensor([[0, 1, 1000]] * 4)
+    pinned = {Stream.TARGET: [[16113010, 8154846, 3700396], [14429567, 2812827, 8284045],
+                              [1996116, 10732072, 14677484], [804047, 7244488, 10640704]],
+              Stream.ACCEPT: [[10877906, 13599118, 3723468], [5878427, 1109754, 13096593],
+                              [7587889, 3436946, 4267941], [13759239, 14402131, 9375383]],
+              Stream.DRAFT: [[14882988, 612396, 10081875], [4154511, 515608, 15332784],
+                             [8253871, 4652974, 12592947], [1424048, 12756690, 10852649]]}
+    for stream, want in pinned.items():
+        u = position_uniforms(seeds, pos, stream)
+        assert u.dtype == torch.float32 and u.shape == (4, 3)
+        assert (u * 2 ** 24).long().tolist() == want, stream
+    assert seed_tensor([2 ** 64 + 5, 5, -1, 2 ** 64 - 1]).tolist() == [5, 5, -1, -1]    # seeds modulo 2**64
+
+
+def test_position_uniforms_do_not_depend_on_what_else_is_asked():
+    """A (seed, position) pair gets its uniform whatever the other rows, columns and call order."""
+    seeds = seed_tensor([3, 99, 3])
+    pos = torch.tensor([[5, 6, 7], [0, 5, 9], [7, 5, 6]])
+    u = position_uniforms(seeds, pos, Stream.TARGET)
+    assert u[0, 0] == u[2, 1] and u[0, 1] == u[2, 2] and u[0, 2] == u[2, 0]
+    alone = position_uniforms(seeds[1:2], torch.tensor([[9]]), Stream.TARGET)
+    assert alone[0, 0] == u[1, 2]
+
+
+def test_position_uniforms_are_uniform_and_independent_across_seeds_positions_and_streams():
+    n_seeds, n_pos = 4000, 25
+    seeds = seed_tensor(list(range(n_seeds)))                              # consecutive seeds, positions
+    pos = torch.arange(n_pos).expand(n_seeds, n_pos)
+    streams = [position_uniforms(seeds, pos, s).double().numpy() for s in Stream]
+    for u in streams:
+        assert u.min() >= 0 and u.max() < 1
+        counts = np.bincount((u * 20).astype(int).ravel(), minlength=20)
+        assert chi2_pvalue(counts, np.full(20, 1 / 20), u.size) > 1e-3
+        pairs = np.bincount(((u[:, :-1] * 8).astype(int) * 8 + (u[:, 1:] * 8).astype(int)).ravel(), minlength=64)
+        assert chi2_pvalue(pairs, np.full(64, 1 / 64), pairs.sum()) > 1e-3       # neighbouring positions
+        assert abs(np.corrcoef(u[:-1].ravel(), u[1:].ravel())[0, 1]) < 0.01     # neighbouring seeds
+    for a in range(3):
+        for b in range(a + 1, 3):
+            assert abs(np.corrcoef(streams[a].ravel(), streams[b].ravel())[0, 1]) < 0.01
+
+
+def test_derived_seeds_differ_per_index_and_step_seeds_per_start():
+    assert len({derive_seed(7, i) for i in range(1000)}) == 1000
+    assert all(0 <= derive_seed(s, i) < 2 ** 62 for s in (0, -1, 2 ** 70) for i in range(5))
+    assert derive_seed(7, 0) != derive_seed(8, 0)
+    seeds = seed_tensor([1, 1, 2])
+    steps = step_seeds(seeds, torch.tensor([10, 11, 10]))
+    assert len(set(steps.tolist()) | set(seeds.tolist())) == 5
+
+
+def test_inverse_cdf_never_picks_a_token_without_mass():
+    u = torch.tensor([0.0, 0.5, 1 - 2 ** -24])
+    for total in (1e-3, 0.3, 1.0, 1.5, 3.3):
+        probs = (torch.tensor([0.0, 0.4, 0.0, 0.6, 0.0, 0.0]) * total).expand(3, 6)
+        assert sample(probs, u).tolist() == [1, 3, 3]

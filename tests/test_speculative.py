@@ -3,21 +3,20 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
 import pytest
 import torch
 
 import specdec.engine as engine_mod
 from specdec.draft_length import make_policy
 from specdec.engine import Engine, Request
-from specdec.prefix_cache import PrefixCache
 from specdec.proposers.draft_model import DraftModelProposer
 from specdec.proposers.ngram import NgramProposer
 from specdec.reference import exact_distribution, reference_greedy
-from specdec.sampling import BatchSampling, SamplingParams, to_probs
+from specdec.sampling import BatchSampling, SamplingParams
 from specdec.verify import Draft, verify
 
-from conftest import chi2_pvalue, perturbed_copy, tiny_generator, tiny_model
+from conftest import tiny_generator, tiny_model
+from helpers import N, PROMPTS, V, check_joint, close_draft, exact_joint, sample_engine
 
 
 class ScriptedProposer:
@@ -48,9 +47,6 @@ class ScriptedProposer:
 
     def commit(self, batch, verdict, hidden):
         pass
-
-
-PROMPTS = [[3, 5, 7, 9], list(range(10, 28)), [42, 1, 42, 1, 42]]
 
 
 @pytest.mark.parametrize("mode", ["oracle", "random", "corrupted"])
@@ -110,56 +106,16 @@ def test_seeded_sampling_is_reproducible_and_batch_independent():
     a = gen.generate(PROMPTS[0], max_new_tokens=20, temperature=0.9, seed=5)
     b = gen.generate(PROMPTS[0], max_new_tokens=20, temperature=0.9, seed=5)
     c = gen.generate(PROMPTS[0], max_new_tokens=20, temperature=0.9, seed=6)
-    batch = gen.generate([PROMPTS[1], PROMPTS[0]], max_new_tokens=20, temperature=0.9, seed=5)
-    assert a.tokens == b.tokens == batch[1].tokens
+    eng = gen.engine(2, 80)
+    seqs = [eng.add(Request(p, 20, SamplingParams(0.9, seed=s))) for p, s in ((PROMPTS[1], 9), (PROMPTS[0], 5))]
+    with torch.inference_mode():
+        while eng.busy:
+            eng.step()
+    assert a.tokens == b.tokens == seqs[1].generated
     assert a.tokens != c.tokens
 
 
 # ---- exact sampling distributions -------------------------------------------------------------
-V, NEW, N = 8, 4, 20_000
-
-
-def exact_joint(model, prompt, params: SamplingParams) -> dict[tuple, float]:
-    """P(whole NEW-token continuation) under the transform, by enumeration."""
-    s = BatchSampling.of([params])
-    frontier = [((), 1.0)]
-    for depth in range(NEW):
-        nxt = []
-        for path, pr in frontier:
-            p = to_probs(exact_distribution(model, prompt + list(path))[None, None], s)[0, 0]
-            for t in torch.nonzero(p).flatten().tolist():
-                nxt.append((path + (t,), pr * float(p[t])))
-        frontier = nxt
-    return dict(frontier)
-
-
-def sample_engine(target, proposer, params, prompt, n=N, k=3):
-    # packed weights (as every loaded model has) let the engine prefill the n equal prompts in one forward
-    target.pack()
-    # one prefill step for all n prompts (a smaller budget would interleave decode steps: slower here)
-    eng = Engine(target, proposer, make_policy("fixed", k), lambda ids: "", frozenset(), PrefixCache(0), n * len(prompt))
-    eng.allocate(n, len(prompt) + NEW + k + 20)          # room for token trees
-    seqs = [eng.add(Request(list(prompt), NEW, SamplingParams(params.temperature, params.top_k, params.top_p, seed)))
-            for seed in range(n)]
-    with torch.inference_mode():
-        while eng.busy:
-            eng.step()
-    return [tuple(s.generated) for s in seqs]
-
-
-def check_joint(samples, exact):
-    keys = sorted(exact)
-    index = {key: i for i, key in enumerate(keys)}
-    assert all(s in index for s in samples), "sampled a continuation of probability zero"
-    obs = np.bincount([index[s] for s in samples], minlength=len(keys))
-    return chi2_pvalue(obs, np.array([exact[k] for k in keys]), len(samples))
-
-
-def close_draft():
-    """The target with noise on every weight: acceptance is high but not certain."""
-    return perturbed_copy(tiny_model(seed=20, vocab=V, std=0.5), 0.1)
-
-
 SAMPLING = [SamplingParams(0.7, 5, 0.9), SamplingParams(1.0, 6, 0.95)]
 
 
@@ -207,11 +163,11 @@ def test_catches_q_without_the_transform(monkeypatch):
 
 
 def test_catches_bonus_from_wrong_position(monkeypatch):
-    def buggy(draft, p, ua, uf):
+    def buggy(draft, p, u_target, u_accept):
         p = p.clone()
         if p.shape[1] > 1:
             p[:, -1] = p[:, -2]                                      # bonus from the previous position
-        return verify(draft, p, ua, uf)
+        return verify(draft, p, u_target, u_accept)
 
     monkeypatch.setattr(engine_mod, "verify", buggy)
     model = tiny_model(seed=7)

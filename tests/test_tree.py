@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from specdec.reference import reference_greedy
-from specdec.sampling import make_rng, SamplingParams
+from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree, chain_tree, verify_tree
 from specdec.verify import Draft
 
 from conftest import chi2_pvalue, tiny_generator, tiny_model
-from test_speculative import PROMPTS, V, check_joint, exact_joint, sample_engine
+from helpers import PROMPTS, V, check_joint, exact_joint, rng, sample_engine
 
 SHAPE = [-1, 0, 0, 0, 1, 1, 2, 4]          # parents: root, 3 children, grandchildren, a depth-3 node
 
@@ -31,12 +31,13 @@ def test_mask_and_depth():
 def test_tree_verifier_distribution_is_exact():
     """Emitted (first, second) tokens follow p_root(x) * p_x(y) for tree children x, p_root(x) otherwise."""
     Vv, N = 6, 20_000
-    g = make_rng(0)
+    g = rng(0)
     tokens = torch.tensor([[0, 2, 4, 1, 3]])                  # root, children 2, 4, 1; node 4 (token 3) under node 1
     parents = torch.tensor([[-1, 0, 0, 0, 1]])
     p = torch.softmax(torch.randn(1, 5, Vv, generator=g) * 1.5, -1)
     tree = TokenTree(tokens.expand(N, 5), parents.expand(N, 5))
-    v = verify_tree(tree, p.expand(N, 5, Vv), torch.rand(N, 6, generator=g))
+    u = torch.rand(N, 3, generator=g)[:, tree.depth()[0]]    # one uniform per depth (position), as the engine
+    v = verify_tree(tree, p.expand(N, 5, Vv), u)
     child_node = {2: 1, 4: 2, 1: 3}
     exact, keys = [], []
     for x in range(Vv):
@@ -136,3 +137,4 @@ def test_tree_sampling_matches_exact_distribution(params):
     exact = exact_joint(target, prompt, params)
     samples = sample_engine(target, RandomTree(V), params, prompt)
     assert check_joint(samples, exact) > 1e-3
+

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Sequence as Seq
 
@@ -19,7 +19,7 @@ from .prefix_cache import PrefixCache
 from .proposers.base import NoProposer, Proposer
 from .proposers.draft_model import DraftModelProposer
 from .proposers.ngram import NgramProposer
-from .sampling import SamplingParams
+from .sampling import SamplingParams, derive_seed
 from .tree import TreeShape
 
 if TYPE_CHECKING:
@@ -155,8 +155,9 @@ class Generator:
             raise SpecdecError(f"token ids must be integers in [0, {self.target.vocab_size})")
         return ids
 
-    def _requests(self, prompts: list[Prompt], max_new_tokens: int, params: SamplingParams,
+    def _requests(self, prompts: list[Prompt], max_new_tokens: int, params: list[SamplingParams],
                   stop: Seq[str], chat: bool, truncate: bool) -> list[Request]:
+        """One request per prompt, prompt i sampled with params[i]."""
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
             raise SpecdecError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         if isinstance(stop, str):
@@ -167,7 +168,7 @@ class Generator:
         if limit <= 0:
             raise SpecdecError(f"max_new_tokens={max_new_tokens} leaves no room in the context of {self.target.max_seq_len}")
         reqs = []
-        for p in prompts:
+        for p, sampling in zip(prompts, params):
             ids = self._encode(p, chat)
             if len(ids) > limit:
                 if not truncate:
@@ -175,7 +176,7 @@ class Generator:
                                        f"({self.target.max_seq_len}) allows with max_new_tokens={max_new_tokens}; "
                                        "shorten it or ask for truncation (truncate=True / --truncate)")
                 ids = ids[-limit:]
-            reqs.append(Request(ids, max_new_tokens, params, tuple(stop)))
+            reqs.append(Request(ids, max_new_tokens, sampling, tuple(stop)))
         return reqs
 
     def engine(self, rows: int, slots: int, prefix_cache: PrefixCache = PrefixCache(0),
@@ -187,7 +188,7 @@ class Generator:
         eng.allocate(rows, min(slots, self.target.max_seq_len))
         return eng
 
-    def _run(self, prompts: list[Prompt], max_new_tokens: int, params: SamplingParams, stop: Seq[str],
+    def _run(self, prompts: list[Prompt], max_new_tokens: int, params: list[SamplingParams], stop: Seq[str],
              chat: bool, truncate: bool) -> Iterator[tuple[int, str, Engine, list]]:
         reqs = self._requests(prompts, max_new_tokens, params, stop, chat, truncate)
         slots = max(len(r.prompt) for r in reqs) + max_new_tokens + 2 * self.num_draft_tokens + 24  # + tree scratch
@@ -203,14 +204,20 @@ class Generator:
     def generate(self, prompt: Prompt | list[Prompt], max_new_tokens: int = 128, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop: Seq[str] = (),
                  chat: bool = True, truncate: bool = False) -> Result | list[Result]:
-        """One prompt (text or token ids) -> Result; a list of prompts -> list of Results."""
+        """One prompt (text or token ids) -> Result; a list of prompts -> list of Results.
+
+        A single prompt is sampled with `seed`; prompt i of a list with derive_seed(seed, i), so
+        equal prompts in one list get different samples. The sampled output of a prompt depends on
+        its seed only: not on the rest of the batch, nor, for point-mass methods (all but `draft`
+        sampling its drafts), on the draft length or policy: it equals method `none`'s."""
         single = isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], int))
         if isinstance(prompt, list) and not prompt:
             raise SpecdecError("empty prompt list")
         prompts = [prompt] if single else list(prompt)
         params = SamplingParams(temperature, top_k, top_p, seed)
+        per_prompt = [params] if single else [replace(params, seed=derive_seed(seed, i)) for i in range(len(prompts))]
         seqs: list = []
-        for _, _, _, seqs in self._run(prompts, max_new_tokens, params, stop, chat, truncate):
+        for _, _, _, seqs in self._run(prompts, max_new_tokens, per_prompt, stop, chat, truncate):
             pass
         results = [self._result(s) for s in seqs]
         return results[0] if single else results
@@ -220,7 +227,7 @@ class Generator:
                truncate: bool = False) -> Iterator[str]:
         """Yield text pieces as tokens are committed. `last_result` holds the Result afterwards."""
         params = SamplingParams(temperature, top_k, top_p, seed)
-        for _, piece, _, seqs in self._run([prompt], max_new_tokens, params, stop, chat, truncate):
+        for _, piece, _, seqs in self._run([prompt], max_new_tokens, [params], stop, chat, truncate):
             if piece:
                 yield piece
             self.last_result = self._result(seqs[0])

@@ -1,8 +1,13 @@
 """The one loop: propose -> score -> verify -> commit, for a batch of sequences.
 
 Sequences join (`add`) and leave (finished) at step boundaries, each with its
-own sampling parameters, random streams, stop conditions and metrics. Every
-sequence accepts its own number of drafts; nothing assumes batch size 1.
+own sampling parameters, seed, stop conditions and metrics. Every sequence
+accepts its own number of drafts; nothing assumes batch size 1.
+
+Random numbers are keyed by position (`sampling.position_uniforms`): the token a
+sequence gets at position t is decided by u(seed, t, TARGET) whichever step scores
+it, so with point-mass drafts the output is the one plain sampling gives, token for
+token, whatever the draft length, the policy or the batch (see verify.py).
 
 Prompts are prefilled in pieces aligned to PREFILL_PIECE tokens, at most
 `prefill_budget` tokens per step; while sequences are decoding, prefill steps
@@ -25,7 +30,7 @@ from .metrics import Counters
 from .models.base import CausalLM
 from .prefix_cache import PREFILL_PIECE, Piece, PrefixCache, piece_keys
 from .proposers.base import ActiveBatch, NoProposer, Proposer
-from .sampling import BatchSampling, SamplingParams, make_rng, to_probs, uniforms
+from .sampling import BatchSampling, SamplingParams, Stream, position_uniforms, sample, seed_tensor, to_probs
 from .tree import TokenTree, verify_tree
 from .verify import Draft, verify
 
@@ -81,7 +86,6 @@ class Engine:
         self.speculative = not isinstance(proposer, NoProposer)
         self.active: list[Sequence] = []
         self.pending: list[Sequence] = []
-        self.rngs: dict[int, tuple[torch.Generator, torch.Generator]] = {}
         self.prompt_hidden: dict[int, list[Tensor]] = {}                     # row -> hidden [T, H] per piece
         self.prefilled_last = False                                            # the last step prefilled
         self.rows = 0
@@ -109,8 +113,6 @@ class Engine:
         # the decoder reads their keys in place instead of gathering them (see KVCache.read)
         row = heapq.heappop(self.free)
         seq = Sequence(request, row, list(request.prompt), started=time.perf_counter())
-        s = request.sampling.seed
-        self.rngs[seq.row] = (make_rng(s), make_rng(s + 0x9E3779B1))
         rows = torch.tensor([row], device=self.target.device)
         self.cache.truncate(rows, torch.zeros_like(rows))
         self.prompt_hidden[row] = []
@@ -175,7 +177,7 @@ class Engine:
         dev = self.target.device
         return ActiveBatch(torch.tensor([s.row for s in seqs], device=dev), [s.tokens for s in seqs],
                            BatchSampling.of([s.request.sampling for s in seqs], dev),
-                           [self.rngs[s.row][1] for s in seqs])
+                           seed_tensor([s.request.sampling.seed for s in seqs], dev))
 
     def _prefill_pieces(self) -> list[Sequence]:
         """Prefill up to prefill_budget prompt tokens (at least one piece), in rounds of one piece per
@@ -236,10 +238,10 @@ class Engine:
                                                  batch_first=True)            # [B, P, H]
         last = hidden[torch.arange(len(seqs), device=dev), lens - 1]           # [B, H]
         p = to_probs(self.target.lm_head(last)[:, None], batch.sampling)       # [B, 1, V]
-        u = uniforms([self.rngs[s.row][0] for s in seqs], 1, dev)
-        verdict = verify(Draft(torch.empty(len(seqs), 0, dtype=torch.long, device=dev)), p, u[:, :0], u[:, 0])
+        u = position_uniforms(batch.seeds, lens[:, None], Stream.TARGET)       # [B, 1] the first token's position
+        first = sample(p[:, 0], u[:, 0])                                       # [B]
         for i, s in enumerate(seqs):
-            s.tokens.append(int(verdict.tokens[i, 0]))
+            s.tokens.append(int(first[i]))
         self.proposer.start(batch.rows, [list(s.tokens) for s in seqs], hidden)
         dt = time.perf_counter() - t0
         for s in seqs:
@@ -252,8 +254,7 @@ class Engine:
         batch = self._batch(seqs)
         B = len(seqs)
         # drafts a row may keep: one fewer than its remaining tokens, none if it does not speculate. The
-        # batch drafts as many as the policy asks (what fits every row's cache), whatever the others keep,
-        # so each row draws the same random numbers alone or batched; the rest is cut per row below
+        # batch drafts as many as the policy asks (what fits every row's cache); the rest is cut per row
         keep = [s.request.max_new_tokens - len(s.generated) - 1 if s.request.speculate else 0 for s in seqs]
         room = min(self.slots - len(s.tokens) - 1 for s in seqs)
         k = max(0, min(self.policy.choose(B), room)) if self.speculative else 0
@@ -268,29 +269,34 @@ class Engine:
                 cut = tree.depth() > limit
                 tree = TokenTree(tree.tokens.masked_fill(cut, -1), tree.parents.masked_fill(cut, -1))
             draft = Draft(tokens, draft.probs, tree)
-        k_asked = k
         if draft.tree is None and k:                                           # drop all-empty trailing columns
             k = int((draft.tokens >= 0).any(0).nonzero().amax()) + 1 if bool((draft.tokens >= 0).any()) else 0
             draft = Draft(draft.tokens[:, :k], None if draft.probs is None else draft.probs[:, :k])
         t1 = time.perf_counter()
         pending = torch.tensor([s.tokens[-1] for s in seqs], device=dev)
-        base = self.cache.lengths[batch.rows]
+        base = self.cache.lengths[batch.rows]                                  # [B] the pending token's position
+        # A row scored at position t gives the distribution of the token at t + 1, decided by
+        # u(seed, t + 1, TARGET) (and a sampled draft's acceptance by u(seed, t + 1, ACCEPT)) whichever
+        # step scores it. A position scored now but not committed (past the first rejection) is scored
+        # again next step with the same uniforms. That stays exact: verification stops at the first
+        # rejection, so nothing this step commits or reports (tokens, accepted counts) depended on them,
+        # and they are as fresh next step as if never computed. Sampled drafts are drawn afresh at every
+        # step (sampling.step_seeds), so the same holds for the draws behind them.
         if draft.tree is None:                                                 # a chain: pending + K drafts
             inp = torch.cat([pending[:, None], draft.tokens.clamp(min=0)], 1)  # [B, k+1]
             pos = base[:, None] + torch.arange(k + 1, device=dev)
             hidden = self.target(inp, pos, self.cache, batch.rows)             # [B, k+1, H]
             p = to_probs(self.target.lm_head(hidden), batch.sampling)          # [B, k+1, V]
-            u = uniforms([self.rngs[s.row][0] for s in seqs], k_asked + 1, dev)   # as many as asked: a
-            verdict = verify(draft, p, u[:, :k], u[:, k_asked])                     # row's stream never
-                                                                                   # depends on its batch
+            u_target = position_uniforms(batch.seeds, pos + 1, Stream.TARGET)  # [B, k+1]
+            u_accept = position_uniforms(batch.seeds, pos[:, :k] + 1, Stream.ACCEPT)   # [B, k]
+            verdict = verify(draft, p, u_target, u_accept)
         else:                                                                  # a token tree, root = pending
             tree = draft.tree
             assert torch.equal(tree.tokens[:, 0], pending), "tree root must be the pending token"
-            pos = base[:, None] + tree.depth()
+            pos = base[:, None] + tree.depth()                                 # [B, N]
             hidden = self.target(tree.tokens.clamp(min=0), pos, self.cache, batch.rows, tree.mask())
             p = to_probs(self.target.lm_head(hidden), batch.sampling)          # [B, N, V]
-            u = uniforms([self.rngs[s.row][0] for s in seqs], tree.size + 1, dev)
-            verdict = verify_tree(tree, p, u)
+            verdict = verify_tree(tree, p, position_uniforms(batch.seeds, pos + 1, Stream.TARGET))
         self.cache.commit(batch.rows, verdict.path.clamp(min=0), verdict.num_new)
         t2 = time.perf_counter()
         valid = (draft.tokens >= 0).sum(-1) if draft.tree is None else tree_depth_valid(draft.tree)

@@ -1,14 +1,22 @@
-"""The one sampling transform: logits -> probabilities, shared by draft and target.
+"""The one sampling transform (logits -> probabilities, shared by draft and target) and the
+random numbers every sampled token is drawn with.
 
 Speculative sampling is exact only if the draft's q and the target's p come
 from the same transform (temperature, top-k, top-p). Greedy (temperature 0) is
 the point mass on the argmax, so one verifier serves both.
+
+Randomness is counter-based: the uniform that decides a sequence's token at position t
+is a hash of (seed, t, stream) (`position_uniforms`), not the next number of a generator.
+So a sequence's samples depend on its seed alone, not on its batch-mates, on how many
+drafts a step proposes, or on which steps the clock made speculative.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import IntEnum
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -59,7 +67,12 @@ class BatchSampling:
 def to_probs(logits: Tensor, s: BatchSampling) -> Tensor:
     """logits [B, T, V] (any float) -> probabilities [B, T, V] float32.
 
-    Greedy rows become the one-hot of the argmax (first index on ties).
+    In order: divide by the temperature; top-k keeps every token whose logit is at least the k-th
+    largest (ties at the boundary all stay, as in transformers); softmax; top-p keeps the smallest
+    prefix of the distribution sorted by descending probability (equal ones by token id) whose mass
+    reaches top_p (the most likely token always stays), renormalised. Greedy rows become the one-hot
+    of the argmax (first index on ties). Each row's result depends only on its own logits and
+    parameters, bit for bit, whatever else the batch holds.
     """
     logits = logits.float()
     B, T, V = logits.shape
@@ -74,13 +87,15 @@ def to_probs(logits: Tensor, s: BatchSampling) -> Tensor:
         thresh = kth.gather(-1, (k - 1)[:, None, None].expand(B, T, 1))         # [B, T, 1]
         x = x.masked_fill(x < thresh, float("-inf"))
     probs = torch.softmax(x, dim=-1)
-    if bool((s.top_p < 1).any()):
+    nucleus = s.top_p < 1                                                       # [B] rows with top-p
+    if bool(nucleus.any()):
         sp, si = probs.sort(dim=-1, descending=True, stable=True)
         before = sp.cumsum(-1) - sp                                             # mass strictly before each token
         drop = before >= s.top_p[:, None, None]                                 # top-1 always kept
         sp = sp.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, si, sp)
-        probs = probs / probs.sum(-1, keepdim=True)
+        cut = torch.zeros_like(probs).scatter_(-1, si, sp)
+        cut = cut / cut.sum(-1, keepdim=True)
+        probs = torch.where(nucleus[:, None, None], cut, probs)                 # other rows untouched
     if bool(greedy.any()):
         onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None, None], onehot, probs)
@@ -88,16 +103,76 @@ def to_probs(logits: Tensor, s: BatchSampling) -> Tensor:
 
 
 def sample(probs: Tensor, u: Tensor) -> Tensor:
-    """Inverse-CDF sampling: probs [..., V], uniforms u [...] in [0, 1) -> indices [...]."""
+    """Inverse-CDF sampling: probs [..., V] (need not sum to one), uniforms u [...] in [0, 1) -> indices [...].
+
+    The first index whose cumulative mass exceeds u * total: never a token of probability zero (u < 1
+    has 24 bits, so u * total < total in float32)."""
     cdf = probs.cumsum(-1)
     idx = torch.searchsorted(cdf, (u * cdf[..., -1]).unsqueeze(-1).contiguous(), right=True).squeeze(-1)
     return idx.clamp(max=probs.shape[-1] - 1)
 
 
-def uniforms(rngs: list[torch.Generator], n: int, device: torch.device | str = "cpu") -> Tensor:
-    """[B, n] uniforms, row b drawn from its own generator (so a sequence's draws do not depend on its batch)."""
-    return torch.stack([torch.rand(n, generator=g) for g in rngs]).to(device)
+# ---- counter-based random streams -------------------------------------------------------------
+class Stream(IntEnum):
+    """Independent random streams of one sequence (see position_uniforms)."""
+    TARGET = 1      # the target's token at a position: plain sampling, recovered and bonus tokens
+    ACCEPT = 2      # the acceptance test of a sampled draft at a position
+    DRAFT = 3       # a proposer's own sampling of its draft at a position
 
 
-def make_rng(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
+_MASK = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15                       # splitmix64's increment (the golden ratio)
+_STREAM_SALT = {s: (0x632BE59BD9B4E019 * int(s)) & _MASK for s in Stream}
+_SEED_SALT = 0xD1B54A32D192ED03                   # derive_seed's key
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 arrays (wrapping arithmetic): a bijection with full avalanche."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def _splitmix(keys: np.ndarray, counters: np.ndarray) -> np.ndarray:
+    """Output number counters + 1 of splitmix64 started at `keys` (uint64 arrays that broadcast)."""
+    return _mix(keys + (counters + np.uint64(1)) * np.uint64(_GAMMA))
+
+
+def _as_uint64(x: Tensor) -> np.ndarray:
+    """int64 tensor -> uint64 array with the same bits (two's complement)."""
+    return np.ascontiguousarray(x.detach().to("cpu", torch.int64).numpy()).view(np.uint64)
+
+
+def position_uniforms(seeds: Tensor, positions: Tensor, stream: Stream) -> Tensor:
+    """seeds [B] int64, positions [B, n] int64 -> uniforms [B, n] float32 in [0, 1).
+
+    A stateless hash of (seed, stream, position): output number position + 1 of splitmix64 started at
+    a key mixed from the seed and the stream, its top 24 bits as a float32 (exact). The same on every
+    machine and device, whatever else is computed: a sequence's draws depend on nothing but its seed
+    and the positions asked for, not on its batch, the draft length or the order of calls.
+    """
+    keys = _mix(_mix(_as_uint64(seeds)) ^ np.uint64(_STREAM_SALT[stream]))       # [B]
+    bits = _splitmix(keys[:, None], _as_uint64(positions))                        # [B, n]
+    u = (bits >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -24)
+    return torch.from_numpy(u).to(positions.device)
+
+
+def seed_tensor(seeds: list[int], device: torch.device | str = "cpu") -> Tensor:
+    """Python integer seeds (any size, any sign) -> [B] int64, each taken modulo 2**64."""
+    wrapped = [(s & _MASK) - (1 << 64) if s & _MASK >= 1 << 63 else s & _MASK for s in seeds]
+    return torch.tensor(wrapped, dtype=torch.int64, device=device)
+
+
+def step_seeds(seeds: Tensor, starts: Tensor) -> Tensor:
+    """seeds [B], starts [B] int64 -> [B] int64: the seeds of one drafting step that starts at `starts`.
+
+    A sampling proposer draws its drafts from position_uniforms(step_seeds(seeds, start), positions,
+    Stream.DRAFT): fresh draws at every step (each step starts at a later position), so nothing a
+    step reveals about its drafts (how far it drafted, how long that took) bears on a later step's."""
+    return torch.from_numpy(_splitmix(_mix(_as_uint64(seeds)), _as_uint64(starts)).view(np.int64)).to(seeds.device)
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """A seed in [0, 2**62) for prompt `index` of a list sampled with `seed` (distinct per index)."""
+    key = _mix(np.array([(seed ^ _SEED_SALT) & _MASK], dtype=np.uint64))
+    return int(_splitmix(key, np.array([index], dtype=np.uint64))[0] >> np.uint64(2))

@@ -3,8 +3,20 @@
 Node 0 is the root (the pending token, already chosen); every other node is a
 draft token whose parent is an earlier node. The target sees the nodes at
 positions base + depth under an ancestor-or-self mask, so each node's logits are
-exactly those of its own path. Candidates are point masses (deterministic
-proposals), so the verifier below is lossless for any way of building the tree.
+exactly those of its own path.
+
+Candidates are point masses (deterministic proposals). Verification walks from
+the root: at a node of depth d the target's token is y = sample(p_node, u) with
+the sequence's uniform for position base + d + 1 (`sampling.position_uniforms`);
+the child whose token is y is *accepted* and the walk goes on from it; if no
+child has token y, y is the *recovered* token (or the *bonus* token at a leaf).
+In distribution this is the sequential rejection over siblings (accept child x
+with probability p(x) / what is left, else remove x and renormalise): y lands on
+a child with that child's probability under p, and otherwise follows p without
+the children, renormalised. And since the walk meets one node per depth, every
+committed token is the one plain sampling draws at its position with the same
+seed: lossless for any way of building the tree, token-identical to plain
+decoding when sampling too.
 """
 from __future__ import annotations
 
@@ -14,6 +26,7 @@ import torch
 from torch import Tensor
 
 from .errors import SpecdecError
+from .sampling import sample
 
 
 MAX_TREE_BUDGET = 64      # nodes per tree: the exact (batch-invariant) tree forward takes up to 72 tokens
@@ -98,53 +111,41 @@ class TreeVerdict:
 
 
 def verify_tree(tree: TokenTree, p: Tensor, u: Tensor) -> TreeVerdict:
-    """Walk the tree from the root with recursive rejection over siblings (point-mass candidates).
+    """Walk the tree from the root along the target's own samples (see the module docstring).
 
-    p [B, N, V]: target probabilities at every node (greedy = one-hot); u [B, N + 1] uniforms.
-    At a node, try its children in order: accept child x with probability p(x) / sum(p);
-    on rejection zero p(x) and renormalise. If no child survives (or there is none), sample
-    the next token from what is left of p: the recovered token, or the bonus at a leaf.
-    The result is distributed exactly as p along the path; greedy takes the argmax child.
+    p [B, N, V]: target probabilities at every node (greedy = one-hot); u [B, N]: the uniform of the
+    position each node's distribution decides (the node's position + 1).
     """
-    B, N, V = p.shape
-    toks, pars = tree.tokens.tolist(), tree.parents.tolist()
-    D = N
-    out_tok = torch.full((B, D + 1), -1, dtype=torch.long)
-    out_path = torch.full((B, D + 1), -1, dtype=torch.long)
-    num = torch.zeros(B, dtype=torch.long)
-    uu = u.tolist()
-    for b in range(B):
-        children: dict[int, list[int]] = {}
-        for n in range(1, N):
-            if toks[b][n] >= 0 and pars[b][n] >= 0:
-                children.setdefault(pars[b][n], []).append(n)
-        node, a, ui = 0, 0, 0
-        out_path[b, 0] = 0
-        while True:
-            dist = p[b, node].clone()
-            nxt = -1
-            for c in children.get(node, []):
-                x = toks[b][c]
-                total = float(dist.sum())
-                if total <= 0:
-                    break
-                if uu[b][min(ui, N)] * total < float(dist[x]):
-                    nxt = c
-                    ui += 1
-                    break
-                ui += 1
-                dist[x] = 0.0
-            if nxt < 0:
-                if float(dist.sum()) <= 0:                             # rounding: fall back to p
-                    dist = p[b, node]
-                cdf = dist.cumsum(0)
-                x = int(torch.searchsorted(cdf, torch.tensor([uu[b][min(ui, N)] * float(cdf[-1])]), right=True)[0])
-                out_tok[b, a] = min(x, V - 1)
-                break
-            out_tok[b, a] = toks[b][nxt]
-            a += 1
-            out_path[b, a] = nxt
-            node = nxt
-        num[b] = a
-    dev = p.device
-    return TreeVerdict(num.to(dev), out_tok.to(dev), out_path.to(dev))
+    y = sample(p, u)                                                      # [B, N] the target's token after each node
+    child = matching_child(tree, y)                                       # [B, N]
+    B, N = y.shape
+    D = int(tree.depth().amax())                                          # deepest node
+    rows = torch.arange(B, device=y.device)
+    out_tok = torch.full((B, D + 1), -1, dtype=torch.long, device=y.device)
+    out_path = torch.full((B, D + 1), -1, dtype=torch.long, device=y.device)
+    out_path[:, 0] = 0
+    node = torch.zeros(B, dtype=torch.long, device=y.device)             # [B] where each walk stands
+    num = torch.zeros(B, dtype=torch.long, device=y.device)              # [B] accepted nodes
+    walking = torch.ones(B, dtype=torch.bool, device=y.device)
+    for d in range(D + 1):
+        out_tok[:, d] = torch.where(walking, y[rows, node], out_tok[:, d])
+        nxt = child[rows, node]
+        walking &= nxt >= 0
+        if d == D or not bool(walking.any()):
+            break
+        node = torch.where(walking, nxt, node)
+        out_path[:, d + 1] = torch.where(walking, node, out_path[:, d + 1])
+        num += walking.long()
+    return TreeVerdict(num, out_tok, out_path)
+
+
+def matching_child(tree: TokenTree, y: Tensor) -> Tensor:
+    """y [B, N] a token per node -> [B, N] the first child of each node whose token is y there, -1 if none."""
+    B, N = y.shape
+    par = tree.parents.clamp(min=0)                                       # [B, N]
+    real = (tree.tokens >= 0) & (tree.parents >= 0)
+    hit = real & (tree.tokens == y.gather(1, par))                        # [B, N] node c is its parent's y
+    ids = torch.arange(N, device=y.device).expand(B, N)
+    first = torch.full((B, N), N, dtype=torch.long, device=y.device)
+    first.scatter_reduce_(1, par, torch.where(hit, ids, torch.full_like(ids, N)), "amin")
+    return torch.where(first < N, first, torch.full_like(first, -1))

@@ -18,7 +18,7 @@ class ActiveBatch:
     rows: Tensor                      # [B] cache rows / slots of the active sequences
     tokens: list[list[int]]           # full history per sequence: prompt + generated (last one not yet scored)
     sampling: BatchSampling           # per-sequence transform parameters
-    rngs: list[torch.Generator]       # per-sequence proposer generators
+    seeds: Tensor                     # [B] int64 per-sequence seeds (random numbers: sampling.position_uniforms)
 
 
 class Proposer(Protocol):

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ..models.base import CausalLM
-from ..sampling import sample, to_probs, uniforms
+from ..sampling import Stream, position_uniforms, sample, step_seeds, to_probs
 from ..verify import Draft, Verdict
 from .base import ActiveBatch
 
@@ -21,7 +21,7 @@ class DraftModelProposer:
     def __init__(self, model: CausalLM, sample_drafts: bool = True, min_confidence: float = 0.0) -> None:
         self.model = model
         self.sample_drafts = sample_drafts          # False: draft greedily even when the target samples
-        self.min_confidence = min_confidence        # stop a sequence's drafting below this top probability
+        self.min_confidence = min_confidence        # a sequence stops drafting below this top probability
         self.fed: dict[int, int] = {}               # row -> history tokens in the draft cache
         self.drafted = 0                            # provisional tokens committed in the last propose
 
@@ -53,42 +53,57 @@ class DraftModelProposer:
         return self.model.lm_head(h[torch.arange(h.shape[0], device=dev), take - 1])
 
     def propose(self, batch: ActiveBatch, k: int) -> Draft:
+        """Up to k drafts per sequence: sampled from the draft's q (with the sequence's transform) where
+        the sequence samples and sample_drafts is on, its argmax otherwise. A sequence stops drafting
+        where its own confidence (the top probability it drafts from) falls below min_confidence; the
+        batch drafts until every sequence has stopped, and no sequence's draws depend on how long."""
         dev = self.model.device
         rows = batch.rows.to(dev)
         B = rows.numel()
-        new = [t[self.fed[r]:] for r, t in zip(rows.tolist(), batch.tokens)]
-        take = torch.tensor([len(n) for n in new], device=dev)
-        inp = torch.zeros(B, int(take.max()), dtype=torch.long, device=dev)
-        for i, n in enumerate(new):
-            inp[i, :len(n)] = torch.tensor(n)
-        for r, t in zip(rows.tolist(), batch.tokens):
-            self.fed[r] = len(t)
-        greedy_only = bool((batch.sampling.temperature <= 0).all()) or not self.sample_drafts
+        logits = self._catch_up(rows, batch.tokens)                             # [B, V] for the first draft
+        samples = (batch.sampling.temperature.to(dev) > 0) & self.sample_drafts  # [B] rows that sample drafts
+        sampled = bool(samples.any())
+        first = torch.tensor([len(t) for t in batch.tokens], device=dev)        # [B] the first draft's position
+        u = position_uniforms(step_seeds(batch.seeds.to(dev), first),
+                              first[:, None] + torch.arange(k, device=dev), Stream.DRAFT)   # [B, k]
         tokens = torch.full((B, k), -1, dtype=torch.long, device=dev)
         qs: list[Tensor] = []
         alive = torch.ones(B, dtype=torch.bool, device=dev)
-        logits = self._step(inp, rows, take)
         self.drafted = 0
         for i in range(k):
-            if greedy_only:
-                x = logits.argmax(-1)
-                conf = torch.softmax(logits, -1).amax(-1) if self.min_confidence > 0 else None
+            if sampled:
+                qs.append(to_probs(logits[:, None], batch.sampling)[:, 0])      # [B, V]; greedy rows: one-hot
+                x = sample(qs[-1], u[:, i])
             else:
-                q = to_probs(logits[:, None], batch.sampling)[:, 0]             # [B, V]
-                x = sample(q, uniforms(batch.rngs, 1, dev)[:, 0])
-                qs.append(q)
-                conf = q.amax(-1)
-            if conf is not None and i > 0:
+                x = logits.argmax(-1)
+            if i > 0 and self.min_confidence > 0:
+                conf = torch.softmax(logits.float(), -1).amax(-1)               # [B] rows drafting greedily
+                if sampled:
+                    conf = torch.where(samples, qs[-1].amax(-1), conf)          # rows sampling: their q's top
                 alive &= conf >= self.min_confidence
             tokens[:, i] = torch.where(alive, x, torch.full_like(x, -1))
             if i == k - 1 or not bool(alive.any()):
                 break
             logits = self._step(x[:, None], rows, torch.ones(B, dtype=torch.long, device=dev))
             self.drafted += 1
-        probs = torch.stack(qs, 1) if qs else None
-        if probs is not None and probs.shape[1] < k:
+        if not sampled:
+            return Draft(tokens)
+        probs = torch.stack(qs, 1)                                              # [B, <=k, V]
+        if probs.shape[1] < k:
             probs = torch.cat([probs, torch.zeros(B, k - probs.shape[1], probs.shape[2], device=dev)], 1)
         return Draft(tokens, probs)
+
+    def _catch_up(self, rows: Tensor, histories: list[list[int]]) -> Tensor:
+        """Feed every row the history tokens its cache lacks; the draft's logits [B, V] after the last."""
+        dev = self.model.device
+        new = [t[self.fed[r]:] for r, t in zip(rows.tolist(), histories)]
+        take = torch.tensor([len(n) for n in new], device=dev)
+        inp = torch.zeros(len(new), int(take.max()), dtype=torch.long, device=dev)
+        for i, n in enumerate(new):
+            inp[i, :len(n)] = torch.tensor(n)
+        for r, t in zip(rows.tolist(), histories):
+            self.fed[r] = len(t)
+        return self._step(inp, rows, take)
 
     def commit(self, batch: ActiveBatch, verdict: Verdict, hidden: Tensor) -> None:
         rows = batch.rows.to(self.model.device)

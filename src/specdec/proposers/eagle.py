@@ -28,7 +28,8 @@ class EagleProposer:
                  min_confidence: float = 0.0) -> None:
         """min_confidence: a chain stops where the head's cumulative probability of its drafts falls
         below it (0 = always draft `depth` tokens); drafts that would rarely be accepted cost
-        target compute and head forwards for nothing. Trees use `budget` instead."""
+        target compute and head forwards for nothing. Each sequence's chain is cut by its own
+        confidence; the batch drafts until every chain has stopped. Trees use `budget` instead."""
         self.head, self.topk, self.depth, self.budget = head, topk, depth, budget
         self.log_min_confidence = math.log(min_confidence) if min_confidence > 0 else -math.inf
         self.pred: dict[int, Tensor] = {}
@@ -89,6 +90,7 @@ class EagleProposer:
         for d in range(1, min(self.depth, k)):                     # feed depth-d frontier -> depth d+1 children
             if K == 1 and bool((nodes_score[-1] < self.log_min_confidence).all()):
                 break                                              # every chain fell below min_confidence
+                                                                   # (each is cut at its own point below)
             all_par = torch.cat(nodes_par, 1)
             if d == 1:
                 feat = pred[:, None].expand(B, K, pred.shape[-1])

@@ -47,7 +47,7 @@ class HybridProposer:
         if need:
             idx = torch.tensor(need, device=batch.rows.device)
             sub = ActiveBatch(batch.rows[idx], [batch.tokens[i] for i in need], batch.sampling.select(idx),
-                              [batch.rngs[i] for i in need])
+                              batch.seeds[idx])
             e = self.eagle.propose(sub, k).tokens                    # [b, <=k]
             tokens[idx] = -1
             tokens[idx, :e.shape[1]] = e
