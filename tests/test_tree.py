@@ -138,3 +138,19 @@ def test_tree_sampling_matches_exact_distribution(params):
     samples = sample_engine(target, RandomTree(V), params, prompt)
     assert check_joint(samples, exact) > 1e-3
 
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_tree_greedy_stops_at_max_new_tokens_when_eos_lies_beyond(batch):
+    """An accepted tree path may reach past max_new_tokens: nodes deeper than a row's room are cut before
+    verification, so an EOS the tree would accept beyond the limit never ends the text as "stop"."""
+    model = tiny_model(seed=7)
+    prompts = PROMPTS[:batch]
+    truth = {tuple(p): reference_greedy(model, p, 60) for p in prompts}
+    first = truth[tuple(prompts[-1])]
+    for j in [i for i in range(6, 40) if first[i] not in first[:i]][:6]:   # a token first seen at position j
+        for n in (j - 1, j - 2, j - 3):                                      # it lies just beyond the limit
+            gen = tiny_generator(model, TreeOracle(truth, 97, 0.0), "fixed", 4, eos=first[j])
+            plain = tiny_generator(model, None, "fixed", 4, eos=first[j]).generate(prompts, max_new_tokens=n)
+            for a, b in zip(plain, gen.generate(prompts, max_new_tokens=n)):
+                assert (b.tokens, b.finish_reason) == (a.tokens, a.finish_reason), (j, n)
+                assert len(b.tokens) <= n

@@ -262,7 +262,8 @@ class Engine:
         draft = self.proposer.propose(batch, k) if k > 0 else Draft(torch.empty(B, 0, dtype=torch.long, device=dev))
         k = draft.tokens.shape[1]
         limit = torch.tensor(keep, device=dev)[:, None]                       # [B, 1]
-        if k and bool((limit < k).any()):                                      # cut drafts past a row's room
+        deepest = k if draft.tree is None else int(draft.tree.depth().amax())  # a tree's drafts: its depth
+        if deepest and bool((limit < deepest).any()):                          # cut drafts past a row's room
             tokens = draft.tokens.masked_fill(torch.arange(k, device=dev)[None] >= limit, -1)
             tree = draft.tree
             if tree is not None:                                               # nodes deeper than the room

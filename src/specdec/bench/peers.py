@@ -164,8 +164,10 @@ class LlamaCppPeer:
 
             draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup)
         self.name, self.description, self.eos_ids = name, description, eos_ids
+        # with a draft, llama-cpp-python keeps the scores of every position it verifies (logits_all);
+        # without it, a verification of 11 tokens overflows its score buffer
         self.llm = Llama(model_path=str(path), n_ctx=LLAMACPP_CTX, n_threads=threads, draft_model=draft,
-                         verbose=False)
+                         logits_all=draft is not None, verbose=False)
 
     def generate(self, ids: list[int], max_new_tokens: int, params: SamplingParams) -> Generation:
         _check_greedy(params)
