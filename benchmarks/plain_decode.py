@@ -8,7 +8,7 @@ decoder streams per second.
     .venv/bin/python benchmarks/plain_decode.py [--model smollm2-135m] [--repeats 3] [--new-tokens 128]
     SPECDEC_ISA=avx2 .venv/bin/python benchmarks/plain_decode.py      # the portable AVX2 kernels
 
-bfloat16 runs only where oneDNN computes it on this CPU (`specdec info`).
+bfloat16 runs only where oneDNN computes it on this CPU, q4 where torch's int4 kernel runs (`specdec info`).
 """
 from __future__ import annotations
 
@@ -70,7 +70,8 @@ def main() -> None:
 
     name, path = resolve(a.model)
     lean = {}
-    for dt in ("bfloat16", "float32") if probe().onednn_bf16 else ("float32",):
+    m = probe()
+    for dt in ("float32", *(("bfloat16",) if m.onednn_bf16 else ()), *(("q4",) if m.int4_kernel else ())):
         model, tok, _ = load_model(a.model, dt)
         lean[f"lean {dt}"] = Generator(model, tok, NoProposer(), name=name)
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
