@@ -115,7 +115,7 @@ def test_cli_json_contract():
         assert key in m
     assert m["new_tokens"] == len(obj["tokens"]) and m["tau"] >= 1.0
     rt = obj["runtime"]                                         # the machine, dtype and self-check are named
-    assert rt["dtype"] in ("float32", "bfloat16") and rt["self_check"]["passed"] and rt["cpu"]
+    assert rt["dtype"] in ("float32", "bfloat16", "q4") and rt["self_check"]["passed"] and rt["cpu"]
     plain = json.loads(subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "--prompt", "Say hello.",
                                        "--max-new-tokens", "12", "--json"], capture_output=True, text=True,
                                       timeout=300).stdout)
