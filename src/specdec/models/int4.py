@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .kernels import RowCheck, check_inputs, check_rows
+from .kernels import RowCheck, checked
 
 GROUP = 32
 INT4_TYPES = ("Q4_1", "Q4_K")
@@ -110,10 +110,5 @@ class Int4Linear:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         sz = torch.stack([torch.from_numpy(blocks.scale).t(), torch.from_numpy(blocks.zero).t()], -1)
         unchecked = Int4Linear(packed, sz.to(torch.bfloat16).contiguous(), RowCheck(True, True))
-        key = tuple(q.shape)
-        if key not in _CHECKED:                       # the kernel is chosen by shape: check once per shape
-            _CHECKED[key] = check_rows(unchecked, check_inputs(q.shape[1], torch.bfloat16))
-        return Int4Linear(unchecked.packed, unchecked.scale_zero, _CHECKED[key])
-
-
-_CHECKED: dict[tuple[int, int], RowCheck] = {}
+        check = checked(("int4", *q.shape), unchecked, q.shape[1], torch.bfloat16)
+        return Int4Linear(unchecked.packed, unchecked.scale_zero, check)

@@ -74,22 +74,22 @@ def packed_linear_available(device: torch.device) -> bool:
     return device.type == "cpu" and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-_CHECKED: dict[tuple, RowCheck] = {}   # (out, in, dtype, rows hint) -> result: kernels are chosen by shape
+_CHECKED: dict[tuple, RowCheck] = {}   # (kind, out, in, dtype, ...) -> result: kernels are chosen by shape
+
+
+def checked(key: tuple, kernel: Callable[[Tensor], Tensor], n_in: int, dtype: torch.dtype) -> RowCheck:
+    """`check_rows` of `kernel`, run once per process for each `key` (a kernel family and its shape)."""
+    if key not in _CHECKED:
+        _CHECKED[key] = check_rows(kernel, check_inputs(n_in, dtype))
+    return _CHECKED[key]
 
 
 def pack(w: Tensor, rows: int = PACK_ROWS) -> PackedLinear:
     """A prepacked copy of w [out, in] for about `rows` input rows, its rows checked on this machine
     (once per shape and dtype per process: the kernel is chosen by those, not by the values)."""
     packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)
-    key = (*w.shape, w.dtype, rows)
-    if key not in _CHECKED:
-        _CHECKED[key] = check_rows(PackedLinear(packed, w.dtype, RowCheck(True, True)), check_inputs(w.shape[1], w.dtype))
-    return PackedLinear(packed, w.dtype, _CHECKED[key])
-
-
-def checked_shapes() -> dict[str, str]:
-    """What the checks of this process found, per packed shape: '[out x in] dtype' -> verdict."""
-    return {f"[{k[0]} x {k[1]}] {str(k[2]).removeprefix('torch.')}": c.verdict for k, c in _CHECKED.items()}
+    kernel = PackedLinear(packed, w.dtype, RowCheck(True, True))
+    return PackedLinear(packed, w.dtype, checked(("onednn", *w.shape, w.dtype, rows), kernel, w.shape[1], w.dtype))
 
 
 @dataclass(frozen=True)
