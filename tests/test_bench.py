@@ -13,7 +13,7 @@ from specdec.cli import main
 from specdec.errors import SpecdecError
 from specdec.tree import TreeShape
 
-from conftest import tiny_model
+from helpers import tiny_model
 
 USER, ASSISTANT, ANSWER = 2, 3, 4
 

@@ -19,8 +19,8 @@ from specdec.reference import exact_distribution, reference_greedy
 from specdec.sampling import BatchSampling, SamplingParams, sample, to_probs
 from specdec.tree import TokenTree, TreeVerdict, verify_tree
 
-from conftest import chi2_pvalue, needs_bf16, perturbed_copy, tiny_model
-from helpers import V, check_joint, exact_joint, head_for, run_engine, sample_engine, stream_engine
+from helpers import (V, check_joint, chi2_pvalue, exact_joint, head_for, needs_bf16, perturbed_copy, run_engine,
+                     sample_engine, stream_engine, tiny_model)
 
 PROMPT, NEW3, N6 = [1, 2, 3], 3, 6000          # 3-token continuations, 6000 sequences: a few seconds each
 TEMPERATURE_ONLY = SamplingParams(0.8)

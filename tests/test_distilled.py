@@ -11,7 +11,7 @@ from specdec.models.distilled import DistilledDraft
 from specdec.proposers.draft_model import DraftModelProposer
 from specdec.train.draft import draft_losses
 
-from conftest import tiny_generator, tiny_model
+from helpers import tiny_generator, tiny_model
 
 
 def test_logits_are_minus_inf_outside_its_vocabulary():

@@ -16,8 +16,7 @@ from specdec.proposers.medusa import MedusaProposer
 from specdec.proposers.ngram import NgramProposer
 from specdec.reference import reference_greedy
 
-from conftest import tiny_model
-from helpers import PROMPTS, head_for, heads_for
+from helpers import PROMPTS, head_for, heads_for, tiny_model
 
 
 def trained(policy: CostAware, alpha: float, cost, batches=(1, 8), steps: int = 40) -> CostAware:

@@ -13,7 +13,7 @@ from specdec.models.gguf_loader import load_gguf, open_gguf
 from specdec.models.registry import resolve
 from specdec.proposers.draft_model import DraftModelProposer
 
-from conftest import tiny_generator, tiny_model
+from helpers import tiny_generator, tiny_model
 
 
 def test_unknown_model_lists_known():

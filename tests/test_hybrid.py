@@ -11,8 +11,7 @@ from specdec.proposers.ngram import NgramProposer
 from specdec.reference import reference_greedy
 from specdec.sampling import SamplingParams
 
-from conftest import tiny_generator, tiny_model
-from helpers import V, check_joint, exact_joint, head_for, sample_engine
+from helpers import V, check_joint, exact_joint, head_for, sample_engine, tiny_generator, tiny_model
 
 # repeats in the prompts give prompt lookup matches of length >= 2, the rest falls to EAGLE
 PROMPTS = [[3, 5, 7, 9, 3, 5, 7], list(range(10, 28)), [42, 1, 42, 1, 42, 1]]

@@ -69,7 +69,7 @@ def test_packed_kernels_of_this_machine_pass_their_check():
 
 def test_self_check_catches_a_kernel_that_is_not_row_invariant(monkeypatch):
     """Feed the start-up self-check a linear kernel whose rows depend on the row count: it must fail."""
-    from conftest import tiny_model
+    from helpers import tiny_model
 
     model = tiny_model(seed=3).pack()
     assert self_check(model).passed

@@ -10,8 +10,7 @@ from specdec.proposers.medusa import MedusaProposer
 from specdec.reference import reference_greedy
 from specdec.sampling import SamplingParams
 
-from conftest import tiny_generator, tiny_model
-from helpers import PROMPTS, V, check_joint, exact_joint, heads_for, sample_engine
+from helpers import PROMPTS, V, check_joint, exact_joint, heads_for, sample_engine, tiny_generator, tiny_model
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])

@@ -8,7 +8,7 @@ import torch
 
 from specdec.reference import exact_distribution, reference_greedy
 
-from conftest import needs_bf16, tiny_generator, tiny_model
+from helpers import needs_bf16, tiny_generator, tiny_model
 
 pytestmark = pytest.mark.exactness
 

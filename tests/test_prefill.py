@@ -9,7 +9,7 @@ from specdec.models.decoder import Transformer, init_random
 from specdec.prefix_cache import PREFILL_PIECE, PrefixCache
 from specdec.proposers.ngram import NgramProposer
 
-from conftest import needs_bf16, tiny_config, tiny_generator
+from helpers import needs_bf16, tiny_config, tiny_generator
 
 pytestmark = pytest.mark.exactness
 

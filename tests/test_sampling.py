@@ -10,8 +10,7 @@ from specdec.sampling import (BatchSampling, SamplingParams, Stream, derive_seed
                               step_seeds, to_probs)
 from specdec.verify import Draft, verify
 
-from conftest import chi2_pvalue
-from helpers import rng
+from helpers import chi2_pvalue, rng
 
 N = 20_000
 

@@ -15,8 +15,7 @@ from specdec.proposers.medusa import MedusaProposer
 from specdec.proposers.ngram import NgramProposer
 from specdec.sampling import SamplingParams
 
-from conftest import tiny_generator, tiny_model
-from helpers import V, close_draft, head_for, heads_for, run_engine
+from helpers import V, close_draft, head_for, heads_for, run_engine, tiny_generator, tiny_model
 
 pytestmark = pytest.mark.exactness           # equalities that rest on row-invariant kernels
 

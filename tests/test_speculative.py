@@ -15,8 +15,7 @@ from specdec.reference import exact_distribution, reference_greedy
 from specdec.sampling import BatchSampling, SamplingParams
 from specdec.verify import Draft, verify
 
-from conftest import tiny_generator, tiny_model
-from helpers import N, PROMPTS, V, check_joint, close_draft, exact_joint, sample_engine
+from helpers import N, PROMPTS, V, check_joint, close_draft, exact_joint, sample_engine, tiny_generator, tiny_model
 
 
 class ScriptedProposer:

@@ -1,5 +1,10 @@
 """Benchmark prompt suites read from the installed data wheels."""
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
 from specdec.bench import suites
@@ -113,9 +118,25 @@ def test_rag_gold_passage_position_varies():
     assert len(slots) > 1
 
 
+def _as_rows(prompts: list[Prompt]) -> list[list]:
+    return [[p.category, p.id, list(p.turns), p.max_new_tokens] for p in prompts]
+
+
+def _load_in_fresh_interpreter(suite: str) -> list[list]:
+    """The suite as another Python process reads it from the files (another string hash seed too)."""
+    code = ("import json, sys\nfrom specdec.bench.suites import load_suite\n"
+            f"json.dump([[p.category, p.id, list(p.turns), p.max_new_tokens] for p in load_suite({suite!r})], sys.stdout)")
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    return json.loads(done.stdout)
+
+
 @pytest.mark.parametrize("suite", ["mini", "full"])
-def test_suite_is_deterministic(suite):
-    assert load_suite(suite) == load_suite(suite)
+def test_suite_is_deterministic(suite, fresh_cache):
+    first = _as_rows(load_suite(suite))
+    suites._load.cache_clear()                       # read the files again, not the cached tuples
+    assert _as_rows(load_suite(suite)) == first
+    assert _load_in_fresh_interpreter(suite) == first
 
 
 def test_mini_suite():

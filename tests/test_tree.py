@@ -12,8 +12,7 @@ from specdec.sampling import SamplingParams
 from specdec.tree import TokenTree, chain_tree, verify_tree
 from specdec.verify import Draft
 
-from conftest import chi2_pvalue, tiny_generator, tiny_model
-from helpers import PROMPTS, V, check_joint, exact_joint, rng, sample_engine
+from helpers import PROMPTS, V, check_joint, chi2_pvalue, exact_joint, rng, sample_engine, tiny_generator, tiny_model
 
 SHAPE = [-1, 0, 0, 0, 1, 1, 2, 4]          # parents: root, 3 children, grandchildren, a depth-3 node
 
