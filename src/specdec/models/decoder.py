@@ -22,9 +22,11 @@ def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
 
 
 def rope_tables(head_dim: int, base: float, max_len: int) -> tuple[Tensor, Tensor]:
-    """cos, sin [max_len, head_dim] in float32 (NeoX layout: the two halves share angles)."""
-    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    ang = torch.arange(max_len, dtype=torch.float64)[:, None] * inv[None, :]
+    """cos, sin [max_len, head_dim] in float32 on the CPU (NeoX layout: the two halves share angles).
+    Always computed on the CPU: under a meta-device context, building them took seconds."""
+    cpu = torch.device("cpu")
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=cpu) / head_dim))
+    ang = torch.arange(max_len, dtype=torch.float64, device=cpu)[:, None] * inv[None, :]
     ang = torch.cat([ang, ang], dim=-1)
     return ang.cos().float(), ang.sin().float()
 

@@ -1,6 +1,8 @@
 """Load a lean `Transformer` from a GGUF file (weights dequantized with `gguf`)."""
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -8,10 +10,19 @@ import torch
 
 from ..errors import SpecdecError
 from .config import ModelConfig
-from .decoder import Transformer, rope_tables
+from .decoder import Transformer
 from .int4 import INT4_TYPES, Blocks4, Int4Linear, read_blocks
+from .kernels import Kernel
 
 SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
+
+
+@dataclass(frozen=True)
+class Weights:
+    """A model converted from its file: what `build` makes a decoder of, and the cache stores."""
+    config: ModelConfig                        # the file's own (full context)
+    state: dict[str, torch.Tensor]             # Transformer parameter name -> dequantized weight (CPU)
+    int4: dict[tuple[int, str], Kernel]        # (layer, fused linear name) -> 4-bit kernel (`Int4Linear`)
 
 
 def open_gguf(path: str | Path):
@@ -75,15 +86,35 @@ def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def load_gguf(path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
-              name: str | None = None, max_seq_len: int | None = None, int4: bool = False) -> Transformer:
+              name: str | None = None, max_seq_len: int | None = None, int4: bool = False,
+              use_cache: bool = True) -> Transformer:
     """Build the decoder and fill it with the file's dequantized weights (in `dtype`).
 
     int4: also decode and verify through the file's own 4-bit blocks (Q4_1, Q4_K) where a fused
-    linear layer is stored in them entirely (see `int4.py`); prefills keep the dequantized weights."""
+    linear layer is stored in them entirely (see `int4.py`); prefills keep the dequantized weights.
+    use_cache: read the weights from the packed-weight cache (`weight_cache.py`) when it holds this
+    file in this form, else convert the file and store the result there."""
+    from . import weight_cache
+
+    path = Path(path)
+    if not path.is_file():
+        raise SpecdecError(f"GGUF file not found: {path}")
+    where = weight_cache.entry(path, dtype, int4) if use_cache else None
+    weights = weight_cache.read(where) if where is not None else None
+    if weights is None:
+        weights = read_gguf(path, dtype, int4)
+        if where is not None:
+            weight_cache.write(where, weights)
+    return build(weights, device, name or path.stem, max_seq_len)
+
+
+def read_gguf(path: Path, dtype: torch.dtype, int4: bool) -> Weights:
+    """The file's configuration, its weights dequantized to `dtype` (CPU) and, with int4, the packed
+    4-bit kernels of the fused linears stored wholly in a 4-bit format."""
     from gguf.quants import dequantize
 
     reader = open_gguf(path)
-    cfg = config_from_gguf(reader, name or Path(path).stem, max_seq_len)
+    cfg = config_from_gguf(reader, path.stem)
     raw = {t.name: t for t in reader.tensors}
 
     def take(key: str) -> torch.Tensor:
@@ -98,10 +129,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype, device: str | torch.device =
 
     arch_interleaved = field(reader, "general.architecture") == "llama"
     blocks4 = int4_blocks(raw, cfg, arch_interleaved) if int4 else {}
-    with torch.device("meta"):
-        model = Transformer(cfg)
     sd: dict[str, torch.Tensor] = {"embed": take("token_embd.weight"), "norm": take("output_norm.weight")}
-    sd["output"] = take("output.weight") if "output.weight" in raw else torch.empty(0)
+    sd["output"] = take("output.weight") if "output.weight" in raw else torch.empty(0, dtype=dtype)
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
         q, k = take(p + "attn_q.weight"), take(p + "attn_k.weight")
@@ -112,16 +141,22 @@ def load_gguf(path: str | Path, dtype: torch.dtype, device: str | torch.device =
         for src, dst in _LAYER_MAP.items():
             if p + src + ".weight" in raw:
                 sd[f"layers.{i}.{dst}"] = take(p + src + ".weight")
-    model = model.to_empty(device=device).to(dtype)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
+    return Weights(cfg, sd, {key: Int4Linear.of(b) for key, b in blocks4.items()})
+
+
+def build(weights: Weights, device: str | torch.device, name: str, max_seq_len: int | None) -> Transformer:
+    """The decoder on `device` from converted weights (shared, not copied, on the CPU), packed."""
+    cfg = weights.config
+    cfg = dataclasses.replace(cfg, name=name, max_seq_len=min(cfg.max_seq_len, max_seq_len or cfg.max_seq_len))
+    model = Transformer(cfg)                   # uninitialised parameters (untouched pages), replaced below
+    try:
+        missing, unexpected = model.load_state_dict(weights.state, strict=False, assign=True)
+    except RuntimeError as e:
+        raise SpecdecError(f"weights do not fit the {cfg.name} layout: {e}") from None
     if missing or unexpected:
-        raise SpecdecError(f"GGUF {path} does not fit the {cfg.name} layout: missing {missing}, unexpected {unexpected}")
-    # rope tables are buffers built on meta; rebuild them (float32) on the real device
-    model.cos, model.sin = (t.to(device) for t in rope_tables(cfg.head_dim, cfg.rope_base, cfg.max_seq_len))
-    if cfg.sliding_window > 0:
-        model.lcos, model.lsin = (t.to(device) for t in rope_tables(cfg.head_dim, cfg.rope_local_base, cfg.max_seq_len))
-    model = model.eval().requires_grad_(False).use_int4({key: Int4Linear.of(b) for key, b in blocks4.items()})
-    return model.pack()
+        raise SpecdecError(f"weights do not fit the {cfg.name} layout: missing {missing}, unexpected {unexpected}")
+    model = model.to(device)
+    return model.eval().requires_grad_(False).use_int4(weights.int4).pack()
 
 
 def int4_blocks(tensors: dict, cfg: ModelConfig, interleaved: bool) -> dict[tuple[int, str], Blocks4]:

@@ -109,6 +109,11 @@ class Int4Linear:
         q = torch.from_numpy(blocks.q.astype(np.int32))
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         sz = torch.stack([torch.from_numpy(blocks.scale).t(), torch.from_numpy(blocks.zero).t()], -1)
-        unchecked = Int4Linear(packed, sz.to(torch.bfloat16).contiguous(), RowCheck(True, True))
-        check = checked(("int4", *q.shape), unchecked, q.shape[1], torch.bfloat16)
-        return Int4Linear(unchecked.packed, unchecked.scale_zero, check)
+        return Int4Linear.packed_as(packed, sz.to(torch.bfloat16).contiguous())
+
+    @staticmethod
+    def packed_as(packed: Tensor, scale_zero: Tensor) -> "Int4Linear":
+        """The kernel of weights already in torch's int4 layout, its rows checked on this machine."""
+        unchecked = Int4Linear(packed, scale_zero, RowCheck(True, True))
+        n_out, n_in = scale_zero.shape[1], scale_zero.shape[0] * GROUP
+        return Int4Linear(packed, scale_zero, checked(("int4", n_out, n_in), unchecked, n_in, torch.bfloat16))

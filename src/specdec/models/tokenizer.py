@@ -1,58 +1,120 @@
-"""Tokenizer and chat template from the same GGUF file (via transformers' GGUF conversion, cached)."""
+"""Tokenizer and chat template from the same GGUF file.
+
+The GGUF's vocabulary is converted once by transformers and saved as `tokenizer.json` plus the chat
+template under the cache directory; every later load reads that with `tokenizers` and renders the
+template with jinja2 as transformers does (sandboxed, trim_blocks, lstrip_blocks, the special tokens
+as variables), without importing transformers (seconds of start-up).
+`tests/test_tokenizer.py` checks encode, decode and chat against transformers' own tokenizer.
+"""
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 from ..errors import SpecdecError
 from .registry import cache_dir
 
 END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")
+SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def _raise(message: str) -> None:
+    raise SpecdecError(f"chat template: {message}")
 
 
 class Tokenizer:
-    def __init__(self, hf) -> None:
-        self.hf = hf
-        vocab = hf.get_vocab()
-        ids = {hf.eos_token_id} if hf.eos_token_id is not None else set()
+    def __init__(self, backend, chat_template: str, special: dict[str, str]) -> None:
+        """backend: a `tokenizers.Tokenizer`; chat_template: jinja source ("" if none); special: the
+        special tokens by role (bos_token, eos_token, ...)."""
+        self.backend, self.special = backend, special
+        vocab = backend.get_vocab(with_added_tokens=True)
+        ids = {vocab[special["eos_token"]]} if special.get("eos_token") in vocab else set()
         ids |= {vocab[t] for t in END_OF_TURN if t in vocab}
         self.eos_ids = frozenset(ids)
-        self.has_chat_template = bool(getattr(hf, "chat_template", None))
+        self.has_chat_template = bool(chat_template)
+        self._template = None
+        if chat_template:
+            import jinja2.ext
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=[jinja2.ext.loopcontrols])
+            env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+            env.globals["raise_exception"] = _raise
+            self._template = env.from_string(chat_template)
 
     @staticmethod
     def from_gguf(path: Path) -> "Tokenizer":
-        from transformers import AutoTokenizer
+        """The tokenizer of a GGUF file (converted by transformers on first use, then cached)."""
+        saved = saved_dir(path)
+        if not (saved / "tokenizer.json").exists():
+            convert_gguf_tokenizer(path, saved)
+        return Tokenizer.from_dir(saved)
 
-        st = path.stat()
-        key = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-        saved = cache_dir() / "tokenizers" / f"{path.stem}-{key}"
-        if (saved / "tokenizer_config.json").exists():
-            return Tokenizer(AutoTokenizer.from_pretrained(saved, local_files_only=True))
-        try:
-            hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-        except Exception as e:
-            raise SpecdecError(f"cannot read the tokenizer of {path}: {type(e).__name__}: {e}") from None
-        hf.save_pretrained(saved)
-        return Tokenizer(hf)
+    @staticmethod
+    def from_dir(saved: Path) -> "Tokenizer":
+        """A tokenizer saved by transformers' `save_pretrained` (tokenizer.json and its config)."""
+        from tokenizers import Tokenizer as Backend
+
+        config = json.loads((saved / "tokenizer_config.json").read_text(encoding="utf-8"))
+        template_file = saved / "chat_template.jinja"
+        template = template_file.read_text(encoding="utf-8") if template_file.exists() else config.get("chat_template") or ""
+        special = {k: _token_text(config[k]) for k in SPECIAL_KEYS if config.get(k)}
+        return Tokenizer(Backend.from_file(str(saved / "tokenizer.json")), template, special)
+
+    def render_chat(self, messages: list[dict]) -> str:
+        """The chat template applied to `messages`, with the assistant's turn opened."""
+        if self._template is None:
+            raise SpecdecError("this model has no chat template; use --no-chat / chat=False")
+        return self._template.render(messages=messages, add_generation_prompt=True, tools=None, documents=None,
+                                     **self.special)
 
     def encode(self, text: str, chat: bool) -> list[int]:
         if chat:
-            if not self.has_chat_template:
-                raise SpecdecError("this model has no chat template; use --no-chat / chat=False")
-            out = self.hf.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                              tokenize=True)
-            return list(out["input_ids"] if hasattr(out, "keys") else out)
-        return list(self.hf(text)["input_ids"])
+            return self.encode_chat([{"role": "user", "content": text}])
+        return self.backend.encode(text, add_special_tokens=True).ids
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
-        if not self.has_chat_template:
-            raise SpecdecError("this model has no chat template")
-        out = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(out["input_ids"] if hasattr(out, "keys") else out)
+        return self.backend.encode(self.render_chat(messages), add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
-        return self.hf.decode(ids, skip_special_tokens=False)
+        return self.backend.decode(ids, skip_special_tokens=False)
 
     @property
     def vocab(self) -> dict[str, int]:
-        return self.hf.get_vocab()
+        return self.backend.get_vocab(with_added_tokens=True)
+
+
+def saved_dir(path: Path) -> Path:
+    """Where the converted tokenizer of the GGUF file `path` is kept."""
+    st = path.stat()
+    key = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_dir() / "tokenizers" / f"{path.stem}-{key}"
+
+
+def _token_text(entry) -> str:
+    return entry["content"] if isinstance(entry, dict) else str(entry)
+
+
+def convert_gguf_tokenizer(path: Path, saved: Path) -> None:
+    """Convert a GGUF's tokenizer with transformers and save it to `saved` (written whole, then renamed)."""
+    import shutil
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    try:
+        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    except Exception as e:
+        raise SpecdecError(f"cannot read the tokenizer of {path}: {type(e).__name__}: {e}") from None
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=saved.parent, prefix=".tmp-"))
+    hf.save_pretrained(tmp)
+    if not (tmp / "tokenizer.json").exists():
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise SpecdecError(f"the tokenizer of {path} has no fast (tokenizers) form")
+    try:
+        tmp.rename(saved)
+    except OSError:                       # another process saved it first
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,108 @@
+"""Converted weights on disk, so that a GGUF file is dequantized and packed once, not at every start.
+
+An entry holds what `gguf_loader.read_gguf` makes of a file for one compute form: the configuration,
+the dequantized weights and the 4-bit kernels' packed codes and scales. It is keyed by the file's
+SHA-256, the weights' dtype, the 4-bit form, the torch version and torch's CPU kernel family (the
+int4 packing is the kernel's own layout). Entries are written whole and renamed into place, so a
+killed writer leaves nothing half-read; an unreadable entry is converted again. The file hash is
+remembered per (path, size, mtime), so a start reads only the entry.
+Delete `$SPECDEC_CACHE/weights` (default `~/.cache/specdec/weights`) to reclaim the space.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+from .int4 import Int4Linear
+from .registry import cache_dir
+
+FORMAT = 1
+
+
+def _hashes_file() -> Path:
+    return cache_dir() / "weights" / "hashes.json"
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file, computed once per (path, size, mtime) and remembered."""
+    st = path.stat()
+    stamp = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    book = _hashes_file()
+    try:
+        known = json.loads(book.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if stamp not in known:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+        known[stamp] = h.hexdigest()
+        _write_atomic(book, json.dumps(known, indent=1).encode())
+    return known[stamp]
+
+
+def entry(path: Path, dtype: torch.dtype, int4: bool) -> Path:
+    """Where the converted weights of `path` in this form live (whether or not they exist yet)."""
+    dt = str(dtype).removeprefix("torch.")
+    cap = torch.backends.cpu.get_cpu_capability().lower()
+    form = f"{dt}-{'q4' if int4 else 'dense'}-torch{torch.__version__.split('+')[0]}-{cap}-v{FORMAT}"
+    return cache_dir() / "weights" / f"{path.stem}-{file_sha256(path)[:16]}-{form}.safetensors"
+
+
+def write(where: Path, weights) -> None:
+    """Store `weights` (a `gguf_loader.Weights`) at `where`."""
+    from safetensors.torch import save
+
+    tensors = {f"state.{k}": v.contiguous() for k, v in weights.state.items()}
+    for (i, name), k in weights.int4.items():
+        tensors[f"int4.{i}.{name}.packed"] = k.packed
+        tensors[f"int4.{i}.{name}.scale_zero"] = k.scale_zero
+    meta = {"format": str(FORMAT), "config": json.dumps(dataclasses.asdict(weights.config))}
+    _write_atomic(where, save(tensors, metadata=meta))
+
+
+def read(where: Path):
+    """The `gguf_loader.Weights` stored at `where`, or None when there is no readable entry."""
+    from safetensors import safe_open
+
+    from .gguf_loader import Weights
+
+    if not where.is_file():
+        return None
+    try:
+        with safe_open(str(where), "pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != str(FORMAT):
+                return None
+            cfg = ModelConfig(**json.loads(meta["config"]))
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception:                     # any unreadable or foreign entry: convert again
+        return None
+    state = {k[len("state."):]: v for k, v in tensors.items() if k.startswith("state.")}
+    int4 = {}
+    for k in tensors:
+        if k.startswith("int4.") and k.endswith(".packed"):
+            _, i, name, _ = k.split(".")
+            stem = f"int4.{i}.{name}"
+            int4[(int(i), name)] = Int4Linear.packed_as(tensors[f"{stem}.packed"], tensors[f"{stem}.scale_zero"])
+    return Weights(cfg, state, int4)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
