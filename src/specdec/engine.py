@@ -31,6 +31,7 @@ from .models.base import CausalLM
 from .prefix_cache import PREFILL_PIECE, Piece, PrefixCache, piece_keys
 from .proposers.base import ActiveBatch, NoProposer, Proposer
 from .sampling import BatchSampling, SamplingParams, Stream, position_uniforms, sample, seed_tensor, to_probs
+from .text_output import TextOutput
 from .tree import TokenTree, verify_tree
 from .verify import Draft, verify
 
@@ -49,8 +50,10 @@ class Sequence:
     """A request being decoded: its row in the caches, output so far, metrics (compared by identity)."""
     request: Request
     row: int
+    output: TextOutput                                       # detokenizes new tokens, finds stop strings
     tokens: list[int] = field(default_factory=list)        # prompt + generated
     text: str = ""                                           # text emitted so far (stop strings cut)
+    read: int = 0                                            # tokens[:read] given to `output` or the prompt
     finish_reason: str = ""                                  # "", "stop" or "length"
     counters: Counters = field(default_factory=Counters)
     started: float = 0.0
@@ -112,7 +115,8 @@ class Engine:
         # the lowest free row: active rows stay one contiguous block of the cache as long as they can, so
         # the decoder reads their keys in place instead of gathering them (see KVCache.read)
         row = heapq.heappop(self.free)
-        seq = Sequence(request, row, list(request.prompt), started=time.perf_counter())
+        seq = Sequence(request, row, TextOutput(self.decode, request.stop), list(request.prompt),
+                       read=len(request.prompt), started=time.perf_counter())
         rows = torch.tensor([row], device=self.target.device)
         self.cache.truncate(rows, torch.zeros_like(rows))
         self.prompt_hidden[row] = []
@@ -247,7 +251,7 @@ class Engine:
         for s in seqs:
             s.counters.record_step(0, 0, 1)
             s.counters.target_seconds += dt
-            self._check_stop(s)
+            self._check_end(s, len(s.tokens) - 1)
 
     def _speculate(self, seqs: list[Sequence]) -> None:
         dev = self.target.device
@@ -302,6 +306,7 @@ class Engine:
         t2 = time.perf_counter()
         valid = (draft.tokens >= 0).sum(-1) if draft.tree is None else tree_depth_valid(draft.tree)
         new = verdict.tokens.tolist()
+        first_new = [len(s.tokens) for s in seqs]
         for i, s in enumerate(seqs):
             n = int(verdict.num_new[i])
             s.tokens.extend(new[i][:n])
@@ -314,48 +319,38 @@ class Engine:
         for s in seqs:
             s.counters.draft_seconds += t4 - t3
         self.policy.observe(B, k, valid, verdict.num_accepted, t1 - t0 + t4 - t3, t2 - t1)
-        for s in seqs:
-            self._check_stop(s)
+        for s, first in zip(seqs, first_new):
+            self._check_end(s, first)
             if not s.done:
                 assert int(self.cache.lengths[s.row]) == len(s.tokens) - 1, "target cache out of step with tokens"
 
     # ---- stopping and text --------------------------------------------------------
-    def _check_stop(self, s: Sequence) -> None:
-        gen = s.generated
-        for i, t in enumerate(gen):
-            if t in self.eos_ids:
-                del s.tokens[len(s.request.prompt) + i + 1:]
-                s.counters.new_tokens -= len(gen) - (i + 1)
+    def _check_end(self, s: Sequence, first_new: int) -> None:
+        """End `s` at an EOS among its new tokens s.tokens[first_new:] (dropping what follows it), or
+        at max_new_tokens (dropping the excess)."""
+        prompt = len(s.request.prompt)
+        for i in range(max(first_new, prompt), len(s.tokens)):
+            if s.tokens[i] in self.eos_ids:
+                s.counters.new_tokens -= len(s.tokens) - (i + 1)
+                del s.tokens[i + 1:]
                 s.finish_reason = "stop"
                 return
-        if len(gen) >= s.request.max_new_tokens:
-            extra = len(gen) - s.request.max_new_tokens
+        extra = len(s.tokens) - prompt - s.request.max_new_tokens
+        if extra >= 0:
             if extra:
                 del s.tokens[-extra:]
                 s.counters.new_tokens -= extra
             s.finish_reason = "length"
 
     def _emit(self, s: Sequence) -> str:
-        """New text since the last call; holds back partial characters and possible stop-string prefixes."""
-        gen = s.generated
-        if gen and gen[-1] in self.eos_ids:
-            gen = gen[:-1]
-        full = self.decode(gen)
-        for stop in s.request.stop:
-            at = full.find(stop)
-            if at >= 0:
-                full = full[:at]
-                s.finish_reason = "stop"
-        if not s.done:
-            hold = 0
-            if full.endswith("\ufffd"):
-                hold = len(full) - len(full.rstrip("\ufffd"))
-            for stop in s.request.stop:
-                for n in range(min(len(stop) - 1, len(full)), 0, -1):
-                    if full.endswith(stop[:n]):
-                        hold = max(hold, n)
-                        break
-            full = full[:len(full) - hold]
-        piece = full[len(s.text):] if full.startswith(s.text) else ""
-        s.text = full if full.startswith(s.text) else s.text
+        """The text of the tokens committed since the last call (an EOS that ended `s` shows none); partial
+        characters and possible stop-string beginnings are held back until `s` ends."""
+        new = s.tokens[s.read:]
+        s.read = len(s.tokens)
+        if new and new[-1] in self.eos_ids:
+            new = new[:-1]
+        piece = s.output.feed(new, final=s.done)
+        if s.output.stopped:
+            s.finish_reason = "stop"
+        s.text += piece
         return piece

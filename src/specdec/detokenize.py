@@ -1,0 +1,51 @@
+"""Text of a growing token sequence, decoded incrementally (constant work per new token).
+
+Decoding every token again at every step costs O(n) per step, O(n^2) per output. Instead only a
+window of recent tokens is decoded, the way vLLM's and transformers' text streamers do it: the text
+of the new tokens is decode(window + new) minus decode(window), where the window is the tokens of
+the previous emission. A tokenizer whose pieces depend on their left context (a leading space
+dropped at the start, say) gives both decodes the same start, so the difference is exact. Text
+ending in U+FFFD (bytes of a character still incomplete) is held back until the character
+completes; `flush` gives whatever is left as a full decode shows it.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+REPLACEMENT = "\ufffd"      # what a decoder shows for the bytes of an incomplete character
+
+
+class IncrementalDetokenizer:
+    """Decodes tokens as they arrive; the concatenated output equals one decode of all of them."""
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self.decode = decode
+        self.ids: list[int] = []
+        self.prefix_offset = 0          # the window: ids[prefix_offset:read_offset], emitted already
+        self.read_offset = 0            # ids from here on are (partly) new
+        self.shown = 0                  # characters after the window's text emitted already (before a
+                                        # character still incomplete)
+
+    def push(self, ids: list[int]) -> str:
+        """Add tokens; the text they complete (a character still incomplete at the end is held back)."""
+        self.ids.extend(ids)
+        return self._advance(hold_partial=True)
+
+    def flush(self) -> str:
+        """The text of every token not emitted yet, an incomplete character shown as U+FFFD."""
+        return self._advance(hold_partial=False)
+
+    def _advance(self, hold_partial: bool) -> str:
+        if self.read_offset == len(self.ids):
+            return ""
+        window = self.decode(self.ids[self.prefix_offset:self.read_offset])
+        text = self.decode(self.ids[self.prefix_offset:])
+        start = len(window) + self.shown
+        end = len(text.rstrip(REPLACEMENT)) if hold_partial else len(text)
+        if end <= start:
+            return ""                   # nothing visible yet, or only bytes of an incomplete character
+        if end == len(text):            # everything decoded: the new tokens become the window
+            self.prefix_offset, self.read_offset, self.shown = self.read_offset, len(self.ids), 0
+        else:                           # text before an incomplete character: shown, the window stays
+            self.shown = end - len(window)
+        return text[start:end]

@@ -1,0 +1,56 @@
+"""A sequence's emitted text: decoded incrementally, cut at the first stop string.
+
+Each step looks at the new text only. Text that could still begin a stop string (a proper prefix of
+one at the end) is held back until the next tokens decide; a stop string may straddle the boundary
+between what was held and what is new, so the search starts len(stop) - 1 characters before it.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from .detokenize import IncrementalDetokenizer
+
+
+def find_stop(text: str, scanned: int, stops: tuple[str, ...]) -> int:
+    """The first index of a stop string in `text`, where text[:scanned] held none; len(text) if none."""
+    found = len(text)
+    for stop in stops:
+        at = text.find(stop, max(0, scanned - len(stop) + 1))
+        if 0 <= at < found:
+            found = at
+    return found
+
+
+def stop_prefix_length(text: str, stops: tuple[str, ...]) -> int:
+    """The longest end of `text` that is a proper prefix of a stop string (0: none)."""
+    hold = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), hold, -1):
+            if text.endswith(stop[:n]):
+                hold = n
+                break
+    return hold
+
+
+class TextOutput:
+    """The text of one sequence's new tokens, piece by piece, up to its first stop string."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stops: tuple[str, ...]) -> None:
+        self.detokenizer = IncrementalDetokenizer(decode)
+        self.stops = stops
+        self.held = ""                 # decoded, not emitted: it may begin a stop string
+        self.stopped = False           # a stop string was found: the text ends before it
+
+    def feed(self, ids: list[int], final: bool) -> str:
+        """The text to emit for the new tokens `ids`; `final`: the sequence ends with them (nothing held)."""
+        new = self.detokenizer.push(ids)
+        if final:
+            new += self.detokenizer.flush()
+        text = self.held + new
+        at = find_stop(text, len(self.held), self.stops)
+        if at < len(text):
+            self.stopped, self.held = True, ""
+            return text[:at]
+        hold = 0 if final else stop_prefix_length(text, self.stops)
+        self.held = text[len(text) - hold:]
+        return text[:len(text) - hold]

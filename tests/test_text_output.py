@@ -1,0 +1,157 @@
+"""Incremental detokenization equals a full decode; stop strings are found across step boundaries."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specdec.detokenize import IncrementalDetokenizer
+from specdec.engine import Engine, Request
+from specdec.draft_length import make_policy
+from specdec.proposers.base import NoProposer
+from specdec.text_output import TextOutput, find_stop, stop_prefix_length
+
+from helpers import tiny_model
+
+TEXT = ("Speculative decoding — naïve café, straße, Größe. 推测解码在一次前向中验证多个草稿。 "
+        "Ελληνικά, русский, emoji 🚀🔥👩‍💻 and tabs\tand\nnew lines.  Double  spaces, 1234567.")
+
+
+def byte_decode(ids: list[int]) -> str:
+    """A byte-level tokenizer: token i is byte i (multi-byte characters span several tokens)."""
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def sentencepiece_decode(ids: list[int]) -> str:
+    """A tokenizer whose decode drops the leading space of its first piece (as SentencePiece does)."""
+    words = ["▁the", "▁cat", "s", "▁sat", ".", "▁on", "▁mat", "▁é", "t", "é"]
+    return "".join(words[i] for i in ids).replace("▁", " ").removeprefix(" ")
+
+
+def chunks(ids: list[int], seed: int, most: int = 5) -> list[list[int]]:
+    """`ids` cut into random steps of 0..most tokens (a speculative step commits several at once)."""
+    r, out, i = random.Random(seed), [], 0
+    while i < len(ids):
+        n = r.randint(0, most)
+        out.append(ids[i:i + n])
+        i += n
+    return out
+
+
+def streamed(decode, steps: list[list[int]]) -> tuple[str, list[str]]:
+    det = IncrementalDetokenizer(decode)
+    pieces = [det.push(step) for step in steps]
+    pieces.append(det.flush())
+    return "".join(pieces), pieces
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_byte_level_stream_equals_full_decode_and_holds_partial_characters(seed):
+    ids = list(TEXT.encode())
+    text, pieces = streamed(byte_decode, chunks(ids, seed))
+    assert text == TEXT
+    assert all("\ufffd" not in p for p in pieces)           # a character is emitted only once complete
+
+
+def test_text_before_an_incomplete_character_is_emitted_at_once():
+    det = IncrementalDetokenizer(byte_decode)
+    assert det.push(list("ab".encode()) + list("é".encode())[:1]) == "ab"
+    assert det.push(list("é".encode())[1:]) == "é"
+
+
+def test_an_incomplete_character_at_the_end_is_flushed_as_a_full_decode_shows_it():
+    ids = list("ok 🚀".encode())[:-2]
+    det = IncrementalDetokenizer(byte_decode)
+    assert det.push(ids) == "ok "
+    assert "ok " + det.flush() == byte_decode(ids)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_left_context_dependent_decoder_stream_equals_full_decode(seed):
+    ids = [0, 1, 2, 3, 4, 5, 0, 6, 7, 8, 9, 0, 1]
+    assert streamed(sentencepiece_decode, chunks(ids, seed, 3))[0] == sentencepiece_decode(ids)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("most", [1, 3, 6])
+def test_real_tokenizer_stream_equals_full_decode(most):
+    from specdec.models.registry import resolve
+    from specdec.models.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(resolve("smollm2-135m")[1])
+    ids = tok.encode(TEXT * 3, chat=True)
+    assert any("\ufffd" in tok.decode([t]) for t in ids)    # some characters span several tokens
+    for seed in range(4):
+        text, pieces = streamed(tok.decode, chunks(ids, seed, most))
+        assert text == tok.decode(ids)
+        assert all("\ufffd" not in p for p in pieces)
+
+
+def test_find_stop_and_held_prefix():
+    assert find_stop("abcSTOPx", 0, ("STOP",)) == 3
+    assert find_stop("abcSTOPx", 5, ("STOP",)) == 3               # starts before `scanned`, ends after it
+    assert find_stop("abcdef", 3, ("STOP",)) == 6                 # none: len(text)
+    assert find_stop("xxENDyySTOP", 0, ("STOP", "END")) == 2      # the first of several
+    assert stop_prefix_length("the ST", ("STOP",)) == 2
+    assert stop_prefix_length("the S", ("STOP", "SO")) == 1
+    assert stop_prefix_length("the", ("STOP",)) == 0
+
+
+def feed_text(pieces_of_text: list[str], stops: tuple[str, ...]) -> tuple[list[str], TextOutput]:
+    """Feed text (one byte per token) in the given steps; the last step ends the sequence."""
+    out = TextOutput(byte_decode, stops)
+    emitted = []
+    for i, piece in enumerate(pieces_of_text):
+        emitted.append(out.feed(list(piece.encode()), final=i == len(pieces_of_text) - 1))
+        if out.stopped:
+            break
+    return emitted, out
+
+
+def test_stop_string_straddling_steps_is_found_and_held_back():
+    emitted, out = feed_text(["Hello ST", "O", "P and more"], ("STOP",))
+    assert emitted == ["Hello ", "", ""] and out.stopped          # "ST", "STO" held: they may begin STOP
+    emitted, out = feed_text(["Hello ST", "O", "W and more"], ("STOP",))
+    assert "".join(emitted) == "Hello STOW and more" and not out.stopped
+    assert emitted[:2] == ["Hello ", ""]
+
+
+def test_stop_string_inside_a_multi_byte_split():
+    emitted, out = feed_text(["naïve ", "caf", "é", " end"], ("fé ",))
+    assert "".join(emitted) == "naïve ca" and out.stopped
+
+
+def test_first_of_several_stop_strings_across_steps():
+    emitted, out = feed_text(["one EN", "D two STOP"], ("STOP", "END"))
+    assert "".join(emitted) == "one " and out.stopped
+
+
+def test_final_step_flushes_held_prefix():
+    emitted, out = feed_text(["abc S", "T"], ("STOP",))
+    assert emitted == ["abc ", "ST"] and not out.stopped
+
+
+class ByteTokenizerEngine:
+    """An engine over a 256-token tiny model whose tokens are bytes."""
+
+    @staticmethod
+    def run(prompt: list[int], stop: tuple[str, ...], max_new: int = 60) -> tuple[str, list[int], str]:
+        target = tiny_model(seed=3, vocab=256)
+        eng = Engine(target, NoProposer(), make_policy("fixed", 1), byte_decode, frozenset())
+        eng.allocate(1, len(prompt) + max_new + 8)
+        seq = eng.add(Request(prompt, max_new, stop=stop))
+        pieces = []
+        with torch.inference_mode():
+            while eng.busy:
+                pieces += [p for _, p in eng.step()]
+        return "".join(pieces), seq.generated, seq.finish_reason
+
+
+def test_engine_text_equals_full_decode_and_cuts_at_a_stop_string():
+    prompt = list(b"The engine")
+    text, tokens, reason = ByteTokenizerEngine.run(prompt, ())
+    assert text == byte_decode(tokens) and reason == "length"
+    stop = next(text[i:i + 2] for i in range(5, len(text)) if "\ufffd" not in text[i:i + 2])
+    cut, _, reason = ByteTokenizerEngine.run(prompt, (stop,))
+    assert reason == "stop" and cut == text[:text.find(stop)]
