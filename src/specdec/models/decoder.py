@@ -332,6 +332,7 @@ class Transformer(nn.Module):
         self.output = nn.Parameter(torch.empty(0))          # empty: tied to `embed`
         self.packed: dict[str, Kernel] = {}
         self.int4 = False                                   # decoding runs 4-bit kernels (see use_int4)
+        self.feature_layers: tuple[int, ...] = ()           # see `features`
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_base, cfg.max_seq_len)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -383,9 +384,18 @@ class Transformer(nn.Module):
         return x
 
     def lm_head(self, hidden: Tensor) -> Tensor:
-        """hidden [..., H] -> float32 logits [..., V]."""
+        """hidden [..., H] (or the wider output of `features`) -> float32 logits [..., V]."""
         w = self.output if self.output.numel() else self.embed
-        return linear(hidden, w, self.packed, "lm_head").float()
+        return linear(hidden[..., :self.config.dim], w, self.packed, "lm_head").float()
+
+    def features(self, layers: tuple[int, ...]) -> "Transformer":
+        """From now on, forwards return [B, T, H * (1 + len(layers))]: the final-normed hidden state,
+        then the outputs of these layers (0-based, in this order), for drafters that read several
+        depths of the target (EAGLE-3). Consumers of the final state take [..., :H]."""
+        if any(not 0 <= i < self.config.n_layers for i in layers):
+            raise ValueError(f"feature layers {layers} outside 0..{self.config.n_layers - 1}")
+        self.feature_layers = tuple(layers)
+        return self
 
     def pack(self, wide: bool = True) -> "Transformer":
         """Prepack every linear weight for fast CPU inference (a no-op elsewhere). Re-pack after training.
@@ -465,12 +475,16 @@ class Transformer(nn.Module):
                 vpos = tail[:, None, None] + torch.arange(tvis.shape[-1], device=x.device)
                 tvis = tvis & (positions[:, :, None] - vpos < self.config.sliding_window)
             local = AttentionMask(visible & window, nkv, nh, slots, tvis)
+        taken: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
             if self.config.is_local(i):
                 x = layer(x, lcos, lsin, local, cache, rows, kv_len, contiguous, wide)
             else:
                 x = layer(x, cos, sin, mask, cache, rows, kv_len, contiguous, wide)
-        return rms_norm(x, self.norm, self.config.norm_eps)
+            if i in self.feature_layers:
+                taken[i] = x
+        out = rms_norm(x, self.norm, self.config.norm_eps)
+        return torch.cat([out, *(taken[i] for i in self.feature_layers)], -1) if self.feature_layers else out
 
     @staticmethod
     def _tree_tails(lengths: Tensor, positions: Tensor, tree_mask: Tensor, n_slots: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -1,0 +1,34 @@
+"""Forwards that also return middle layers' outputs (the features EAGLE-3 heads read)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import tiny_model
+from specdec.models.decoder import rms_norm
+
+
+def _run(model, tokens):
+    cache = model.new_cache(1, 64)
+    T = tokens.shape[1]
+    return model(tokens, torch.arange(T)[None], cache, torch.tensor([0]))
+
+
+def test_features_append_layer_outputs_and_leave_the_head_alone():
+    model = tiny_model(seed=3, layers=4)
+    tokens = torch.tensor([[3, 14, 15, 92, 65]])
+    plain = _run(model, tokens)                                             # [1, T, H]
+    H = model.config.dim
+    model.features((0, 2, 3))
+    wide = _run(model, tokens)                                              # [1, T, 4H]
+    assert wide.shape == (1, 5, 4 * H)
+    assert torch.equal(wide[..., :H], plain)
+    assert torch.equal(model.lm_head(wide), model.lm_head(plain))
+    last = wide[..., 3 * H:]                                                # layer 3's output, before the final norm
+    assert torch.equal(rms_norm(last, model.norm, model.config.norm_eps), plain)
+    assert not torch.equal(wide[..., H:2 * H], wide[..., 2 * H:3 * H])      # different depths differ
+
+
+def test_feature_layers_must_exist():
+    with pytest.raises(ValueError, match="outside"):
+        tiny_model(layers=2).features((0, 2))
