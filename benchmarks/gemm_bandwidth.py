@@ -2,7 +2,7 @@
 
 Decoding a small model is bound by reading weights (2 rows per GEMM, as in a decode step: GB/s),
 prefilling by arithmetic (many rows: GFLOP/s); together they explain most of a machine's plain
-decoding and prefill speed, and whether float32 prefill linears pay (`wide_prefill_pays`).
+decoding and prefill speed, and whether float32 prefill linears pay (`float32_prefill_pays`).
 64 distinct [1536, 576] weights (larger than the L2 cache).
 Usage: python benchmarks/gemm_bandwidth.py [--threads N] [--rows 2,24,128]
 """

@@ -187,11 +187,11 @@ def test_prefill_is_the_causal_forward(dtype):
     """prefill computes forward's function: bit for bit in float32; a bf16 model's prefill goes
     through float32 copies of the linears where that pays, which agree with the bf16 kernels to bf16
     rounding."""
-    from specdec.models.decoder import wide_prefill_pays
+    from specdec.models.decoder import float32_prefill_pays
 
     model = target_shaped(7, dtype)
-    wide = wide_prefill_pays(dtype, model.device)
-    assert bool(model.layers[0].packed_wide) == wide
+    wide = float32_prefill_pays(dtype, model.device)
+    assert bool(model.layers[0].prefill_kernels) == wide
     g = torch.Generator().manual_seed(3)
     for n in (1, 24, 100):                                                    # 100: the SDPA path
         tokens = torch.randint(0, 512, (2, n), generator=g)
