@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from specdec.draft_length import CostAware
+from specdec.draft_length import Auto
 from specdec.engine import Engine, Request
 from specdec.proposers.draft_model import DraftModelProposer
 from specdec.proposers.eagle import EagleProposer
@@ -19,7 +19,7 @@ from specdec.reference import reference_greedy
 from helpers import PROMPTS, head_for, heads_for, tiny_model
 
 
-def trained(policy: CostAware, alpha: float, cost, batches=(1, 8), steps: int = 40) -> CostAware:
+def trained(policy: Auto, alpha: float, cost, batches=(1, 8), steps: int = 40) -> Auto:
     """Feed `policy` steps at each batch size: every 4th step tries the next K in turn, the others
     take the K it picks; each draft position is accepted with probability alpha (seeded) and a
     target forward over `rows` rows takes cost(rows) seconds."""
@@ -38,21 +38,21 @@ def trained(policy: CostAware, alpha: float, cost, batches=(1, 8), steps: int = 
 
 
 def test_cost_aware_drafts_long_when_forwards_are_overhead_bound():
-    p = trained(CostAware(4, 8), alpha=0.9, cost=lambda rows: 0.020 + 0.0001 * rows)
+    p = trained(Auto(4, 8), alpha=0.9, cost=lambda rows: 0.020 + 0.0001 * rows)
     assert p.choose(1) >= 4
     assert p.choose(8) >= 4
 
 
 def test_cost_aware_stops_drafting_when_the_batch_is_compute_bound():
     """Cost proportional to rows: extra rows cost as much as the tokens they may save, so K=0 wins."""
-    p = trained(CostAware(4, 8), alpha=0.5, cost=lambda rows: 0.001 + 0.002 * rows)
+    p = trained(Auto(4, 8), alpha=0.5, cost=lambda rows: 0.001 + 0.002 * rows)
     assert p.choose(16) == 0
-    q = trained(CostAware(4, 8), alpha=0.5, cost=lambda rows: 0.020 + 0.0005 * rows)
+    q = trained(Auto(4, 8), alpha=0.5, cost=lambda rows: 0.020 + 0.0005 * rows)
     assert q.choose(1) > 0 and q.choose(64) == 0                               # same machine, bigger batch
 
 
 def test_cost_aware_prior_before_any_measurement_drafts():
-    p = CostAware(4, 8)
+    p = Auto(4, 8)
     assert 1 <= p.choose(1) <= 8
     assert p.target_cost(40) > p.target_cost(8) > 0
 

@@ -12,13 +12,12 @@
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 from torch import Tensor
 
 from .errors import SpecdecError
 
-POLICIES = ("fixed", "heuristic", "auto")
 MAX_DRAFT_TOKENS = 64
 
 
@@ -56,8 +55,9 @@ class Heuristic:
         self.k = min(self.k_max, k + 2) if bool((accepted >= k).all()) else max(1, k - 1)
 
 
-class CostAware:
-    """argmax_k B * (1 + sum_i prod_{j<=i} alpha_j) / (k * c_draft + c_target(B * (k + 1))), k in 0..k_max.
+class Auto:
+    """The `auto` policy: argmax_k B * (1 + sum_i prod_{j<=i} alpha_j) / (k * c_draft + c_target(B * (k + 1))),
+    k in 0..k_max.
 
     alpha_j: conditional acceptance at draft position j (decayed counts, prior `prior`).
     c_target(rows): least-squares line through the measured (rows scored, seconds) points; with
@@ -116,13 +116,18 @@ class CostAware:
         self.c_draft = 0.8 * self.c_draft + 0.2 * (draft_s / k) if self.c_draft else draft_s / k
 
 
+POLICY_BUILDERS: dict[str, Callable[[int], DraftPolicy]] = {
+    "fixed": Fixed,
+    "heuristic": lambda k: Heuristic(k, k_max=min(MAX_DRAFT_TOKENS, 2 * k + 4)),
+    "auto": lambda k: Auto(k, k_max=min(MAX_DRAFT_TOKENS, max(2 * k, 8))),
+}
+POLICIES = tuple(POLICY_BUILDERS)
+
+
 def make_policy(name: str, k: int) -> DraftPolicy:
     if not isinstance(k, int) or k < 1 or k > MAX_DRAFT_TOKENS:
         raise SpecdecError(f"num_draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}], got {k!r}")
-    if name == "fixed":
-        return Fixed(k)
-    if name == "heuristic":
-        return Heuristic(k, k_max=min(MAX_DRAFT_TOKENS, 2 * k + 4))
-    if name == "auto":
-        return CostAware(k, k_max=min(MAX_DRAFT_TOKENS, max(2 * k, 8)))
-    raise SpecdecError(f"unknown draft policy {name!r}; choose one of: {', '.join(POLICIES)}")
+    build = POLICY_BUILDERS.get(name)
+    if build is None:
+        raise SpecdecError(f"unknown draft policy {name!r}; choose one of: {', '.join(POLICIES)}")
+    return build(k)
