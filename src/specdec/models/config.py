@@ -39,8 +39,3 @@ class ModelConfig:
     @property
     def scale(self) -> float:
         return self.query_scale if self.query_scale > 0 else self.head_dim ** -0.5
-
-    def num_params(self) -> int:
-        attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
-        mlp = 3 * self.dim * self.hidden_dim
-        return self.n_layers * (attn + mlp) + self.vocab_size * self.dim
