@@ -10,7 +10,7 @@ from scipy.stats import chisquare
 
 from specdec.api import Generator
 from specdec.draft_length import make_policy
-from specdec.engine import Engine, Request, Sequence
+from specdec.engine import Engine, Request, SequenceState
 from specdec.models.config import ModelConfig
 from specdec.models.decoder import Transformer, init_random
 from specdec.models.eagle import EagleHead
@@ -115,7 +115,7 @@ def exact_joint(model, prompt: list[int], params: SamplingParams, new: int = NEW
 
 
 def run_engine(target, proposer: Proposer, requests: list[Request], policy: str = "fixed", k: int = 3,
-               slots: int = 0) -> list[Sequence]:
+               slots: int = 0) -> list[SequenceState]:
     """Decode `requests` as one batch (prefilled in one step) with `policy` drafting up to k tokens."""
     target.pack()                 # packed weights (as every loaded model has): equal prompts share a prefill
     budget = sum(len(r.prompt) for r in requests)
@@ -169,7 +169,7 @@ def heads_for(target, n: int = 3, seed: int = 0, vocab: torch.Tensor | None = No
 
 
 def stream_engine(target, proposer: Proposer, requests: list[Request], policy: str = "auto", k: int = 3,
-                  rows: int = 4) -> list[Sequence]:
+                  rows: int = 4) -> list[SequenceState]:
     """Decode `requests` through `rows` slots, each newcomer joining as a sequence finishes (the server's
     continuous batching): batches of changing composition, and `auto` sees small batches, where it drafts."""
     target.pack()

@@ -17,7 +17,8 @@ from specdec.proposers.draft_model import DraftModelProposer
 from specdec.proposers.eagle import EagleProposer
 from specdec.reference import exact_distribution, reference_greedy
 from specdec.sampling import BatchSampling, SamplingParams, sample, to_probs
-from specdec.tree import TokenTree, TreeVerdict, verify_tree
+from specdec.tree import TokenTree
+from specdec.verify import Verdict, verify_tree
 
 from helpers import (V, check_joint, chi2_pvalue, exact_joint, head_for, needs_bf16, perturbed_copy, run_engine,
                      sample_engine, stream_engine, tiny_model)
@@ -196,7 +197,7 @@ def test_catches_a_tree_verifier_that_recovers_from_p_with_the_rejected_children
     whole p (a fresh uniform) instead of p without the children it rejected."""
     g = torch.Generator().manual_seed(0)
 
-    def recover_from_p(tree: TokenTree, p: torch.Tensor, u: torch.Tensor) -> TreeVerdict:
+    def recover_from_p(tree: TokenTree, p: torch.Tensor, u: torch.Tensor) -> Verdict:
         v = verify_tree(tree, p, u)
         rows = torch.arange(p.shape[0])
         node = v.path[rows, v.num_accepted]                                     # [B] where the walk stopped
@@ -204,7 +205,7 @@ def test_catches_a_tree_verifier_that_recovers_from_p_with_the_rejected_children
         redo = sample(p[rows, node], torch.rand(p.shape[0], generator=g))
         tokens = v.tokens.clone()
         tokens[rows, v.num_accepted] = torch.where(had_children, redo, tokens[rows, v.num_accepted])
-        return TreeVerdict(v.num_accepted, tokens, v.path)
+        return Verdict(v.num_accepted, tokens, v.path)
 
     monkeypatch.setattr(engine_mod, "verify_tree", recover_from_p)
     model = target()

@@ -9,8 +9,8 @@ import torch
 
 from specdec.reference import reference_greedy
 from specdec.sampling import SamplingParams
-from specdec.tree import TokenTree, chain_tree, verify_tree
-from specdec.verify import Draft
+from specdec.tree import TokenTree, chain_tree
+from specdec.verify import Draft, verify_tree
 
 from helpers import PROMPTS, V, check_joint, chi2_pvalue, exact_joint, rng, sample_engine, tiny_generator, tiny_model
 
@@ -85,7 +85,7 @@ class TreeOracle:
                     toks[i, node] = cont[d]
         parents = torch.tensor(SHAPE).expand(B, len(SHAPE)).clone()
         parents[:, 4], parents[:, 7] = 3, 4                            # make the oracle chain 3 -> 4 -> 7
-        return Draft(torch.zeros(B, 1, dtype=torch.long), None, TokenTree(toks, parents))
+        return Draft(toks[:, 1:], parents=parents[:, 1:] - 1)          # node i + 1 is draft i; root: ROOT
 
     def commit(self, batch, verdict, hidden):
         pass
@@ -122,13 +122,13 @@ class RandomTree:
         B = len(batch.tokens)
         toks = torch.randint(0, self.vocab, (B, len(SHAPE)), generator=self.g)
         toks[:, 0] = torch.tensor([t[-1] for t in batch.tokens])
-        return Draft(torch.zeros(B, 1, dtype=torch.long), None,
-                     TokenTree(toks, torch.tensor(SHAPE).expand(B, len(SHAPE))))
+        return Draft(toks[:, 1:], parents=torch.tensor(SHAPE[1:]).expand(B, len(SHAPE) - 1) - 1)
 
     def commit(self, batch, verdict, hidden):
         pass
 
 
+@pytest.mark.slow        # 20,000 sequences: `make test`; fast loop: test_seeds.py (plain sampling's tokens)
 @pytest.mark.parametrize("params", [SamplingParams(0.7, 5, 0.9), SamplingParams(1.0, 6, 0.95)], ids=["t0.7", "t1.0"])
 def test_tree_sampling_matches_exact_distribution(params):
     target = tiny_model(seed=20, vocab=V, std=0.5)

@@ -4,12 +4,12 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Sequence as Seq
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence as Seq
 
 import torch
 
 from .draft_length import MAX_DRAFT_TOKENS, POLICIES, make_policy
-from .engine import Engine, Request
+from .engine import Engine, Request, scratch_slots
 from .errors import SpecdecError
 from .models.base import CausalLM
 from .models.gguf_loader import load_gguf
@@ -25,7 +25,6 @@ from .tree import TreeShape
 if TYPE_CHECKING:
     from .proposers.eagle import EagleProposer
 
-METHODS = ("none", "ngram", "draft", "eagle", "medusa", "hybrid")
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 SHIPPED = {("smollm2-135m", "draft"): "draft-smollm2-135m.safetensors",
            ("smollm2-135m", "eagle"): "eagle-smollm2-135m.safetensors",
@@ -179,9 +178,10 @@ class Generator:
             reqs.append(Request(ids, max_new_tokens, sampling, tuple(stop)))
         return reqs
 
-    def engine(self, rows: int, slots: int, prefix_cache: PrefixCache = PrefixCache(0),
+    def engine(self, rows: int, slots: int, prefix_cache: PrefixCache | None = None,
                prefill_budget: int = 512) -> Engine:
-        """An engine for `rows` sequences of up to `slots` tokens (see Engine for the prefill options)."""
+        """An engine for `rows` sequences of up to `slots` tokens (see Engine for the prefill options; no
+        prefix cache given: a disabled one of the engine's own)."""
         policy = make_policy(self.policy_name, self.num_draft_tokens) if self.method != "none" else make_policy("fixed", 1)
         eng = Engine(self.target, self.proposer, policy, self.tokenizer.decode, self.tokenizer.eos_ids,
                      prefix_cache, prefill_budget)
@@ -191,7 +191,7 @@ class Generator:
     def _run(self, prompts: list[Prompt], max_new_tokens: int, params: list[SamplingParams], stop: Seq[str],
              chat: bool, truncate: bool) -> Iterator[tuple[int, str, Engine, list]]:
         reqs = self._requests(prompts, max_new_tokens, params, stop, chat, truncate)
-        slots = max(len(r.prompt) for r in reqs) + max_new_tokens + 2 * self.num_draft_tokens + 24  # + tree scratch
+        slots = max(len(r.prompt) for r in reqs) + max_new_tokens + scratch_slots(self.num_draft_tokens)
         eng = self.engine(len(reqs), slots)
         seqs = [eng.add(r) for r in reqs]
         index = {id(s): i for i, s in enumerate(seqs)}
@@ -237,56 +237,93 @@ class Generator:
                       len(s.request.prompt))
 
 
-def make_proposer(method: str, target: CausalLM, target_tok: Tokenizer, draft_model: str | CausalLM | None,
+DraftSource = str | CausalLM | None
+"""What a method drafts with: for `draft` a draft model (loaded, a registered name or GGUF path, `self:N`
+layers of the target, or a distilled `.safetensors`); for `eagle`, `hybrid`, `medusa` a head's weights
+file; None: the one shipped for the target. (The public flag keeps its name: `draft_model`.)"""
+
+
+@dataclass(frozen=True)
+class ProposerInputs:
+    """Everything a method's builder may use."""
+    target: CausalLM
+    tokenizer: Tokenizer
+    source: DraftSource
+    dtype: str
+    device: str
+    tree: TreeShape
+
+
+def make_proposer(method: str, target: CausalLM, target_tok: Tokenizer, source: DraftSource,
                   dtype: str, device: str, tree: TreeShape = TreeShape()) -> Proposer:
-    if method == "none":
-        return NoProposer()
-    if method == "ngram":
-        return NgramProposer()
-    if method == "draft":
-        if draft_model is None:                               # the distilled draft we ship for this target
-            if (getattr(target, "config", None) is None
-                    or (target.config.name, "draft") not in SHIPPED):
-                raise SpecdecError("method 'draft' needs a draft model for this target: draft_model=NAME|PATH|"
-                                   "self:N (--draft-model), or train one with `specdec train draft`")
-            draft_model = str(shipped(target.config.name, "draft"))
-        if isinstance(draft_model, str) and draft_model.endswith(".safetensors"):
-            from .models.decoder import Transformer
-            from .models.distilled import DistilledDraft
+    """The proposer of `method` for `target`, drafting with `source` (see DraftSource)."""
+    build = PROPOSER_BUILDERS.get(method)
+    if build is None:
+        raise SpecdecError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
+    return build(ProposerInputs(target, target_tok, source, dtype, device, tree))
 
-            if not isinstance(target, Transformer):
-                raise SpecdecError("a distilled draft (.safetensors) needs a lean GGUF target")
-            draft = DistilledDraft.load(Path(draft_model), target)
-        elif isinstance(draft_model, str) and draft_model.startswith("self:"):
-            draft = early_exit_draft(target, draft_model)
-        elif isinstance(draft_model, str):
-            draft, draft_tok, _ = load_model(draft_model, dtype, device)
-            if draft_tok.vocab != target_tok.vocab:
-                raise SpecdecError(f"draft model {draft_model!r} has a different vocabulary than the target; "
-                                   "a draft must share the target's tokenizer")
-        else:
-            draft = draft_model
-        if draft.vocab_size != target.vocab_size:
-            raise SpecdecError(f"draft vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size})")
-        if _params(draft) > _params(target):
-            warnings.warn("the draft model is larger than the target: speculation will likely be slower", stacklevel=3)
-        return DraftModelProposer(draft)
-    if method == "eagle":
-        return eagle_proposer(target, draft_model, tree)
-    if method == "hybrid":
-        from .proposers.hybrid import HybridProposer
 
-        return HybridProposer(eagle_proposer(target, draft_model, TreeShape()), NgramProposer())
-    if method == "medusa":
+def _draft_proposer(x: ProposerInputs) -> Proposer:
+    draft = load_draft(x)
+    if draft.vocab_size != x.target.vocab_size:
+        raise SpecdecError(f"draft vocabulary ({draft.vocab_size}) differs from the target's ({x.target.vocab_size})")
+    if _params(draft) > _params(x.target):
+        warnings.warn("the draft model is larger than the target: speculation will likely be slower", stacklevel=4)
+    return DraftModelProposer(draft)
+
+
+def load_draft(x: ProposerInputs) -> CausalLM:
+    """The draft model `x.source` names (or is), or the distilled draft shipped for the target."""
+    source = x.source
+    if source is None:
+        if getattr(x.target, "config", None) is None or (x.target.config.name, "draft") not in SHIPPED:
+            raise SpecdecError("method 'draft' needs a draft model for this target: draft_model=NAME|PATH|"
+                               "self:N (--draft-model), or train one with `specdec train draft`")
+        source = str(shipped(x.target.config.name, "draft"))
+    if not isinstance(source, str):
+        return source                                         # a loaded model
+    if source.endswith(".safetensors"):
         from .models.decoder import Transformer
-        from .models.medusa import MedusaHeads
-        from .proposers.medusa import MedusaProposer
+        from .models.distilled import DistilledDraft
 
-        if not isinstance(target, Transformer):
-            raise SpecdecError("method 'medusa' needs a lean GGUF target")
-        path = draft_model if isinstance(draft_model, str) else shipped(target.config.name, "medusa")
-        return MedusaProposer(MedusaHeads.load(Path(path), target))
-    raise SpecdecError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
+        if not isinstance(x.target, Transformer):
+            raise SpecdecError("a distilled draft (.safetensors) needs a lean GGUF target")
+        return DistilledDraft.load(Path(source), x.target)
+    if source.startswith("self:"):
+        return early_exit_draft(x.target, source)
+    draft, draft_tok, _ = load_model(source, x.dtype, x.device)
+    if draft_tok.vocab != x.tokenizer.vocab:
+        raise SpecdecError(f"draft model {source!r} has a different vocabulary than the target; "
+                           "a draft must share the target's tokenizer")
+    return draft
+
+
+def _hybrid_proposer(x: ProposerInputs) -> Proposer:
+    from .proposers.hybrid import HybridProposer
+
+    return HybridProposer(eagle_proposer(x.target, x.source, TreeShape()), NgramProposer())
+
+
+def _medusa_proposer(x: ProposerInputs) -> Proposer:
+    from .models.decoder import Transformer
+    from .models.medusa import MedusaHeads
+    from .proposers.medusa import MedusaProposer
+
+    if not isinstance(x.target, Transformer):
+        raise SpecdecError("method 'medusa' needs a lean GGUF target")
+    path = x.source if isinstance(x.source, str) else shipped(x.target.config.name, "medusa")
+    return MedusaProposer(MedusaHeads.load(Path(path), x.target))
+
+
+PROPOSER_BUILDERS: dict[str, Callable[[ProposerInputs], Proposer]] = {
+    "none": lambda x: NoProposer(),
+    "ngram": lambda x: NgramProposer(),
+    "draft": _draft_proposer,
+    "eagle": lambda x: eagle_proposer(x.target, x.source, x.tree),
+    "medusa": _medusa_proposer,
+    "hybrid": _hybrid_proposer,
+}
+METHODS = tuple(PROPOSER_BUILDERS)
 
 
 # an EAGLE chain stops drafting where the head's cumulative confidence falls below this (measured on the
@@ -294,8 +331,8 @@ def make_proposer(method: str, target: CausalLM, target_tok: Tokenizer, draft_mo
 EAGLE_CHAIN_MIN_CONFIDENCE = 0.1
 
 
-def eagle_proposer(target: CausalLM, head: str | CausalLM | None, tree: TreeShape) -> EagleProposer:
-    """The EAGLE proposer for a lean target: the head at `head` (a path) or the one we ship."""
+def eagle_proposer(target: CausalLM, head: DraftSource, tree: TreeShape) -> EagleProposer:
+    """The EAGLE proposer for a lean target: the head whose weights file is `head`, or the one we ship."""
     from .models.decoder import Transformer
     from .models.eagle import EagleHead
     from .proposers.eagle import EagleProposer

@@ -59,18 +59,20 @@ class KVCache:
         return self.k[layer, rows, :, :kv_len], self.v[layer, rows, :, :kv_len]
 
     def commit(self, rows: Tensor, keep: Tensor, num_keep: Tensor) -> None:
-        """Keep scratch rows `keep` [B, T] (first num_keep[b] of them) and advance.
+        """Keep scratch rows `keep` [B, T] (the first num_keep[b] of them; later entries, PAD among them,
+        are ignored) and advance.
 
         keep[b, i] is an index into the scratch block of the last forward; the
         kept rows land at slots lengths[b] + i, i < num_keep[b].
         """
         B, T = keep.shape
         if T > 0:
-            ar = torch.arange(T, device=keep.device)
-            if not torch.equal(keep, ar.expand(B, T)):          # a tree path: move rows into place
+            ar = torch.arange(T, device=keep.device).expand(B, T)
+            src_rows = torch.where(ar < num_keep[:, None], keep, ar)   # [B, T] past num_keep: stay in place
+            if not torch.equal(src_rows, ar):                          # a tree path: move rows into place
                 base = self.lengths[rows][:, None]
-                src = base + keep.clamp(min=0)                 # [B, T] scratch slots on the path
-                dst = base + ar                                # [B, T] where they belong
+                src = base + src_rows                                  # [B, T] scratch slots on the path
+                dst = base + ar                                        # [B, T] where they belong
                 r = rows[:, None].expand(B, T)
                 for buf in (self.k, self.v):
                     # advanced indices around a slice: the indexed view is [B, T, L, n_kv, hd]

@@ -32,8 +32,16 @@ from .prefix_cache import PREFILL_PIECE, Piece, PrefixCache, piece_keys
 from .proposers.base import ActiveBatch, NoProposer, Proposer
 from .sampling import BatchSampling, SamplingParams, Stream, position_uniforms, sample, seed_tensor, to_probs
 from .text_output import TextOutput
-from .tree import TokenTree, verify_tree
-from .verify import Draft, verify
+from .verify import Draft, Verdict, verify, verify_tree
+
+
+TREE_SCRATCH = 24          # cache slots for a token tree's nodes past a sequence's last token (default trees: 17)
+
+
+def scratch_slots(num_draft_tokens: int) -> int:
+    """Cache slots a sequence needs past its last token for a step's drafts: twice the asked K (the
+    `heuristic` and `auto` policies draft more than it) and a token tree's nodes."""
+    return 2 * num_draft_tokens + TREE_SCRATCH
 
 
 @dataclass
@@ -46,7 +54,7 @@ class Request:
 
 
 @dataclass(eq=False)
-class Sequence:
+class SequenceState:
     """A request being decoded: its row in the caches, output so far, metrics (compared by identity)."""
     request: Request
     row: int
@@ -65,30 +73,37 @@ class Sequence:
         return self.tokens[len(self.request.prompt):]
 
     @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - len(self.request.prompt)
+
+    @property
     def done(self) -> bool:
         return bool(self.finish_reason)
 
 
-def tree_depth_valid(tree) -> Tensor:
-    """[B] the deepest draft node of each tree: the drafts a chain-equivalent step could accept."""
-    d = tree.depth()
-    return torch.where(tree.tokens >= 0, d, torch.zeros_like(d)).amax(-1)
+@dataclass(frozen=True)
+class Scored:
+    """The target's forward over a step's drafts: the pending token (row 0), then the draft nodes."""
+    hidden: Tensor                    # [B, N, H] the target's features of the scored rows
+    probs: Tensor                     # [B, N, V] the distribution each row gives its next position
+    positions: Tensor                 # [B, N] each row's position
 
 
 class Engine:
     def __init__(self, target: CausalLM, proposer: Proposer, policy: DraftPolicy,
                  decode: Callable[[list[int]], str], eos_ids: frozenset[int],
-                 prefix_cache: PrefixCache = PrefixCache(0), prefill_budget: int = 512) -> None:
-        """prefix_cache: shared by the engines of one target (capacity 0: off); prefill_budget: prompt
-        tokens prefilled per step (at least one piece)."""
+                 prefix_cache: PrefixCache | None = None, prefill_budget: int = 512) -> None:
+        """prefix_cache: shared by the engines of one target (capacity 0: off; not given: a disabled one of
+        this engine's own); prefill_budget: prompt tokens prefilled per step (at least one piece)."""
         if prefill_budget < 1:
             raise ValueError("prefill_budget must be >= 1 token")
         self.target, self.proposer, self.policy = target, proposer, policy
         self.decode, self.eos_ids = decode, eos_ids
-        self.prefix_cache, self.prefill_budget = prefix_cache, prefill_budget
+        self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(0)
+        self.prefill_budget = prefill_budget
         self.speculative = not isinstance(proposer, NoProposer)
-        self.active: list[Sequence] = []
-        self.pending: list[Sequence] = []
+        self.active: list[SequenceState] = []
+        self.pending: list[SequenceState] = []
         self.prompt_hidden: dict[int, list[Tensor]] = {}                     # row -> hidden [T, H] per piece
         self.prefilled_last = False                                            # the last step prefilled
         self.rows = 0
@@ -104,7 +119,7 @@ class Engine:
         self.active, self.pending = [], []
         self.prompt_hidden = {}
 
-    def add(self, request: Request) -> Sequence:
+    def add(self, request: Request) -> SequenceState:
         """Queue a request; it is prefilled at the next step boundary."""
         if not self.free:
             raise SpecdecError("no free slot: the batch is full")
@@ -115,8 +130,8 @@ class Engine:
         # the lowest free row: active rows stay one contiguous block of the cache as long as they can, so
         # the decoder reads their keys in place instead of gathering them (see KVCache.read)
         row = heapq.heappop(self.free)
-        seq = Sequence(request, row, TextOutput(self.decode, request.stop), list(request.prompt),
-                       read=len(request.prompt), started=time.perf_counter())
+        seq = SequenceState(request, row, TextOutput(self.decode, request.stop), list(request.prompt),
+                            read=len(request.prompt), started=time.perf_counter())
         rows = torch.tensor([row], device=self.target.device)
         self.cache.truncate(rows, torch.zeros_like(rows))
         self.prompt_hidden[row] = []
@@ -128,7 +143,7 @@ class Engine:
         self.pending.append(seq)
         return seq
 
-    def cancel(self, seq: Sequence) -> None:
+    def cancel(self, seq: SequenceState) -> None:
         """Stop a sequence (client gone): frees its slot at once."""
         if seq in self.pending:
             self.pending.remove(seq)
@@ -149,7 +164,7 @@ class Engine:
         return bool(self.pending) and (not self.active or not self.prefilled_last)
 
     # ---- one step -----------------------------------------------------------------
-    def step(self) -> list[tuple[Sequence, str]]:
+    def step(self) -> list[tuple[SequenceState, str]]:
         """Prefill newcomers, or run one speculative step for the active batch.
 
         Returns (sequence, newly emitted text) for every sequence that emitted text or finished.
@@ -177,13 +192,13 @@ class Engine:
         self.active = [s for s in self.active if not s.done]                   # one pass: batches may be huge
         return events
 
-    def _batch(self, seqs: list[Sequence]) -> ActiveBatch:
+    def _batch(self, seqs: list[SequenceState]) -> ActiveBatch:
         dev = self.target.device
         return ActiveBatch(torch.tensor([s.row for s in seqs], device=dev), [s.tokens for s in seqs],
                            BatchSampling.of([s.request.sampling for s in seqs], dev),
                            seed_tensor([s.request.sampling.seed for s in seqs], dev))
 
-    def _prefill_pieces(self) -> list[Sequence]:
+    def _prefill_pieces(self) -> list[SequenceState]:
         """Prefill up to prefill_budget prompt tokens (at least one piece), in rounds of one piece per
         waiting prompt; returns the sequences whose prompts are now complete (no longer pending).
 
@@ -232,7 +247,7 @@ class Engine:
             self.pending = [s for s in self.pending if s.prefilled < len(s.request.prompt)]
         return ready
 
-    def _start(self, seqs: list[Sequence]) -> None:
+    def _start(self, seqs: list[SequenceState]) -> None:
         """Sample each complete prompt's first token and start the proposer on it."""
         t0 = time.perf_counter()
         batch = self._batch(seqs)
@@ -253,79 +268,89 @@ class Engine:
             s.counters.target_seconds += dt
             self._check_end(s, len(s.tokens) - 1)
 
-    def _speculate(self, seqs: list[Sequence]) -> None:
-        dev = self.target.device
+    def _speculate(self, seqs: list[SequenceState]) -> None:
+        """One step of the active batch: propose -> score -> verify -> commit."""
         batch = self._batch(seqs)
-        B = len(seqs)
-        # drafts a row may keep: one fewer than its remaining tokens, none if it does not speculate. The
-        # batch drafts as many as the policy asks (what fits every row's cache); the rest is cut per row
-        keep = [s.request.max_new_tokens - len(s.generated) - 1 if s.request.speculate else 0 for s in seqs]
-        room = min(self.slots - len(s.tokens) - 1 for s in seqs)
-        k = max(0, min(self.policy.choose(B), room)) if self.speculative else 0
+        pending = torch.tensor([s.tokens[-1] for s in seqs], device=self.target.device)   # [B] not yet scored
         t0 = time.perf_counter()
-        draft = self.proposer.propose(batch, k) if k > 0 else Draft(torch.empty(B, 0, dtype=torch.long, device=dev))
-        k = draft.tokens.shape[1]
-        limit = torch.tensor(keep, device=dev)[:, None]                       # [B, 1]
-        deepest = k if draft.tree is None else int(draft.tree.depth().amax())  # a tree's drafts: its depth
-        if deepest and bool((limit < deepest).any()):                          # cut drafts past a row's room
-            tokens = draft.tokens.masked_fill(torch.arange(k, device=dev)[None] >= limit, -1)
-            tree = draft.tree
-            if tree is not None:                                               # nodes deeper than the room
-                cut = tree.depth() > limit
-                tree = TokenTree(tree.tokens.masked_fill(cut, -1), tree.parents.masked_fill(cut, -1))
-            draft = Draft(tokens, draft.probs, tree)
-        if draft.tree is None and k:                                           # drop all-empty trailing columns
-            k = int((draft.tokens >= 0).any(0).nonzero().amax()) + 1 if bool((draft.tokens >= 0).any()) else 0
-            draft = Draft(draft.tokens[:, :k], None if draft.probs is None else draft.probs[:, :k])
+        draft = self._propose(seqs, batch)
         t1 = time.perf_counter()
-        pending = torch.tensor([s.tokens[-1] for s in seqs], device=dev)
-        base = self.cache.lengths[batch.rows]                                  # [B] the pending token's position
-        # A row scored at position t gives the distribution of the token at t + 1, decided by
-        # u(seed, t + 1, TARGET) (and a sampled draft's acceptance by u(seed, t + 1, ACCEPT)) whichever
-        # step scores it. A position scored now but not committed (past the first rejection) is scored
-        # again next step with the same uniforms. That stays exact: verification stops at the first
-        # rejection, so nothing this step commits or reports (tokens, accepted counts) depended on them,
-        # and they are as fresh next step as if never computed. Sampled drafts are drawn afresh at every
-        # step (sampling.step_seeds), so the same holds for the draws behind them.
-        if draft.tree is None:                                                 # a chain: pending + K drafts
-            inp = torch.cat([pending[:, None], draft.tokens.clamp(min=0)], 1)  # [B, k+1]
-            pos = base[:, None] + torch.arange(k + 1, device=dev)
-            hidden = self.target(inp, pos, self.cache, batch.rows)             # [B, k+1, H]
-            p = to_probs(self.target.lm_head(hidden), batch.sampling)          # [B, k+1, V]
-            u_target = position_uniforms(batch.seeds, pos + 1, Stream.TARGET)  # [B, k+1]
-            u_accept = position_uniforms(batch.seeds, pos[:, :k] + 1, Stream.ACCEPT)   # [B, k]
-            verdict = verify(draft, p, u_target, u_accept)
-        else:                                                                  # a token tree, root = pending
-            tree = draft.tree
-            assert torch.equal(tree.tokens[:, 0], pending), "tree root must be the pending token"
-            pos = base[:, None] + tree.depth()                                 # [B, N]
-            hidden = self.target(tree.tokens.clamp(min=0), pos, self.cache, batch.rows, tree.mask())
-            p = to_probs(self.target.lm_head(hidden), batch.sampling)          # [B, N, V]
-            verdict = verify_tree(tree, p, position_uniforms(batch.seeds, pos + 1, Stream.TARGET))
-        self.cache.commit(batch.rows, verdict.path.clamp(min=0), verdict.num_new)
+        scored = self._score(batch, draft, pending)
+        verdict = self._verify(batch, draft, pending, scored)
+        first_new = self._commit(seqs, batch, verdict)
         t2 = time.perf_counter()
-        valid = (draft.tokens >= 0).sum(-1) if draft.tree is None else tree_depth_valid(draft.tree)
-        new = verdict.tokens.tolist()
-        first_new = [len(s.tokens) for s in seqs]
-        for i, s in enumerate(seqs):
-            n = int(verdict.num_new[i])
-            s.tokens.extend(new[i][:n])
-            s.counters.record_step(int(valid[i]), n - 1, n)
-            s.counters.draft_seconds += t1 - t0
-            s.counters.target_seconds += t2 - t1
+        self.proposer.commit(batch, verdict, scored.hidden)
         t3 = time.perf_counter()
-        self.proposer.commit(batch, verdict, hidden)
-        t4 = time.perf_counter()
-        for s in seqs:
-            s.counters.draft_seconds += t4 - t3
-        self.policy.observe(B, k, valid, verdict.num_accepted, t1 - t0 + t4 - t3, t2 - t1)
+        self._record(seqs, draft, verdict, t1 - t0 + t3 - t2, t2 - t1)
         for s, first in zip(seqs, first_new):
             self._check_end(s, first)
             if not s.done:
                 assert int(self.cache.lengths[s.row]) == len(s.tokens) - 1, "target cache out of step with tokens"
 
+    def _propose(self, seqs: list[SequenceState], batch: ActiveBatch) -> Draft:
+        """The batch drafts as many tokens as the policy asks (what fits every row's cache); each row keeps
+        one fewer than its remaining tokens (none if it does not speculate), the rest is cut per row."""
+        B, dev = len(seqs), self.target.device
+        room = min(self.slots - len(s.tokens) - 1 for s in seqs)
+        k = max(0, min(self.policy.choose(B), room)) if self.speculative else 0
+        if k == 0:
+            return Draft.empty(B, dev)
+        keep = torch.tensor([s.request.max_new_tokens - s.num_generated - 1 if s.request.speculate else 0
+                             for s in seqs], device=dev)                                  # [B]
+        return self.proposer.propose(batch, k).cut(keep).trimmed()
+
+    def _score(self, batch: ActiveBatch, draft: Draft, pending: Tensor) -> Scored:
+        """One target forward over each row's pending token and its drafts: a chain causally, a tree under
+        its ancestor mask, every node at the position of its depth."""
+        B, K = draft.tokens.shape
+        if draft.is_chain:
+            nodes = torch.cat([pending[:, None], draft.tokens], 1)                      # [B, K+1]
+            depth = torch.arange(K + 1, device=pending.device).expand(B, K + 1)
+            mask = None                                                                   # causal
+        else:
+            tree = draft.tree(pending)
+            nodes, depth, mask = tree.tokens, tree.depth(), tree.mask()                  # [B, N], [B, N], [B, N, N]
+        positions = self.cache.lengths[batch.rows][:, None] + depth                      # [B, N]
+        hidden = self.target(nodes.clamp(min=0), positions, self.cache, batch.rows, mask)  # [B, N, H]
+        return Scored(hidden, to_probs(self.target.lm_head(hidden), batch.sampling), positions)
+
+    def _verify(self, batch: ActiveBatch, draft: Draft, pending: Tensor, scored: Scored) -> Verdict:
+        """What the target keeps of the drafts (verify.py).
+
+        A row scored at position t gives the distribution of the token at t + 1, decided by
+        u(seed, t + 1, TARGET) (and a sampled draft's acceptance by u(seed, t + 1, ACCEPT)) whichever
+        step scores it. A position scored now but not committed (past the first rejection) is scored
+        again next step with the same uniforms. That stays exact: verification stops at the first
+        rejection, so nothing this step commits or reports (tokens, accepted counts) depended on them,
+        and they are as fresh next step as if never computed. Sampled drafts are drawn afresh at every
+        step (sampling.step_seeds), so the same holds for the draws behind them."""
+        u_target = position_uniforms(batch.seeds, scored.positions + 1, Stream.TARGET)          # [B, N]
+        if not draft.is_chain:
+            return verify_tree(draft.tree(pending), scored.probs, u_target)
+        u_accept = position_uniforms(batch.seeds, scored.positions[:, :-1] + 1, Stream.ACCEPT)  # [B, K]
+        return verify(draft, scored.probs, u_target, u_accept)
+
+    def _commit(self, seqs: list[SequenceState], batch: ActiveBatch, verdict: Verdict) -> list[int]:
+        """The target's cache keeps the committed path's rows; the sequences take the new tokens (where
+        each one's new tokens start is returned)."""
+        self.cache.commit(batch.rows, verdict.path, verdict.num_new)
+        first_new = [len(s.tokens) for s in seqs]
+        for s, tokens, n in zip(seqs, verdict.tokens.tolist(), verdict.num_new.tolist()):
+            s.tokens.extend(tokens[:n])
+        return first_new
+
+    def _record(self, seqs: list[SequenceState], draft: Draft, verdict: Verdict, draft_s: float,
+                target_s: float) -> None:
+        """Each sequence's counters and the draft-length policy learn the step's outcome."""
+        offered = draft.offered()                                                          # [B]
+        for s, valid, n in zip(seqs, offered.tolist(), verdict.num_new.tolist()):
+            s.counters.record_step(valid, n - 1, n)
+            s.counters.draft_seconds += draft_s
+            s.counters.target_seconds += target_s
+        self.policy.observe(len(seqs), draft.length, offered, verdict.num_accepted, draft_s, target_s)
+
     # ---- stopping and text --------------------------------------------------------
-    def _check_end(self, s: Sequence, first_new: int) -> None:
+    def _check_end(self, s: SequenceState, first_new: int) -> None:
         """End `s` at an EOS among its new tokens s.tokens[first_new:] (dropping what follows it), or
         at max_new_tokens (dropping the excess)."""
         prompt = len(s.request.prompt)
@@ -342,7 +367,7 @@ class Engine:
                 s.counters.new_tokens -= extra
             s.finish_reason = "length"
 
-    def _emit(self, s: Sequence) -> str:
+    def _emit(self, s: SequenceState) -> str:
         """The text of the tokens committed since the last call (an EOS that ended `s` shows none); partial
         characters and possible stop-string beginnings are held back until `s` ends."""
         new = s.tokens[s.read:]

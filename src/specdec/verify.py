@@ -22,59 +22,139 @@ norm(max(0, p - q)), if all K survive the bonus token from p, both with u_t. Its
 draws are keyed by position too, so they do not depend on batch-mates, but which
 positions hold drafts depends on K: the output is the target's distribution for
 any policy, and reproducible token for token for a fixed draft length.
+
+Token trees (point-mass candidates): the walk from the root follows, at each node,
+the child whose token is the target's own sample y there; if no child matches, y
+is the *recovered* token (the *bonus* token at a leaf). In distribution this is the
+sequential rejection over siblings (accept child x with probability p(x) / what is
+left, else remove x and renormalise): y lands on a child with that child's
+probability under p, and otherwise follows p without the children, renormalised.
+Since the walk meets one node per depth, every committed token is the one plain
+sampling draws at its position with the same seed: lossless for any way of
+building the tree, token-identical to plain decoding when sampling too.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from torch import Tensor
 
 from .sampling import sample
+from .tree import PAD, TokenTree
 
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from .tree import TokenTree
+ROOT = -1                 # Draft.parents: the draft hangs from the pending token (the tree's root)
+
+
+def chain_parents(batch: int, k: int, device: torch.device | str) -> Tensor:
+    """[batch, k] the parents of a chain: draft i hangs from draft i - 1, the first from the root."""
+    return torch.arange(-1, k - 1, device=device).expand(batch, k)
 
 
 @dataclass(frozen=True)
 class Draft:
-    tokens: Tensor                   # [B, K] long, -1 = no draft at this position
-    probs: Tensor | None = None      # [B, K, V] proposer's q; None = deterministic proposer (point mass)
-    tree: "TokenTree | None" = None  # a token tree (root = pending token) instead of a chain; tokens unused
+    """A step's drafts for a batch: a chain or a token tree over each sequence's pending token.
+
+    A chain is the tree in which draft i hangs from draft i - 1: both are tokens and parents, and a
+    draft whose parents say chain is scored and verified as one. Point-mass drafts (probs None) may
+    take any shape; drafts sampled from a proposer's q are chains.
+    """
+    tokens: Tensor                     # [B, K] long draft tokens; PAD = no draft here
+    probs: Tensor | None = None        # [B, K, V] the proposer's q; None: point masses (deterministic proposer)
+    parents: Tensor | None = None      # [B, K] long: ROOT or an earlier draft's index; not given: a chain
+    is_chain: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        B, K = self.tokens.shape
+        chain = chain_parents(B, K, self.tokens.device)
+        if self.parents is None:
+            object.__setattr__(self, "parents", chain)
+        object.__setattr__(self, "is_chain", torch.equal(self.parents, chain))
+        if self.probs is not None and not self.is_chain:
+            raise ValueError("sampled drafts (with the proposer's q) must be a chain")
+
+    @staticmethod
+    def empty(batch: int, device: torch.device | str) -> "Draft":
+        """No drafts: a plain step."""
+        return Draft(torch.empty(batch, 0, dtype=torch.long, device=device))
+
+    @cached_property
+    def depth(self) -> Tensor:
+        """[B, K] each draft's depth below the pending token (1: its children)."""
+        B, K = self.tokens.shape
+        if self.is_chain:
+            return torch.arange(1, K + 1, device=self.tokens.device).expand(B, K)
+        d = torch.ones(B, K, dtype=torch.long, device=self.tokens.device)
+        for n in range(1, K):                                   # parents precede children
+            par = self.parents[:, n]
+            d[:, n] = torch.where(par != ROOT, d.gather(1, par.clamp(min=0)[:, None])[:, 0] + 1, d[:, n])
+        return d
+
+    @property
+    def length(self) -> int:
+        """Drafts on the longest path: a chain's K, a tree's depth."""
+        return self.tokens.shape[1] if self.is_chain else int(self.depth.amax())
+
+    def offered(self) -> Tensor:
+        """[B] the drafts a row could accept in this step: the depth of its deepest real draft."""
+        B, K = self.tokens.shape
+        if K == 0:
+            return torch.zeros(B, dtype=torch.long, device=self.tokens.device)
+        return torch.where(self.tokens != PAD, self.depth, torch.zeros_like(self.tokens)).amax(-1)
+
+    def cut(self, keep: Tensor) -> "Draft":
+        """Drafts deeper than keep [B] (a row's remaining room) become PAD."""
+        deeper = self.depth > keep[:, None]                     # [B, K]
+        if not bool(deeper.any()):
+            return self
+        return Draft(self.tokens.masked_fill(deeper, PAD), self.probs, self.parents)
+
+    def trimmed(self) -> "Draft":
+        """Without trailing columns that hold no draft in any row (nothing hangs from them)."""
+        real = (self.tokens != PAD).any(0).nonzero()
+        k = int(real.amax()) + 1 if real.numel() else 0
+        if k == self.tokens.shape[1]:
+            return self
+        return Draft(self.tokens[:, :k], None if self.probs is None else self.probs[:, :k], self.parents[:, :k])
+
+    def tree(self, pending: Tensor) -> TokenTree:
+        """The token tree rooted at pending [B]: node 0 the pending token, node i + 1 draft i."""
+        parents = torch.where(self.tokens != PAD, self.parents + 1, torch.full_like(self.parents, PAD))
+        root = torch.full_like(pending[:, None], PAD)
+        return TokenTree(torch.cat([pending[:, None], self.tokens], 1), torch.cat([root, parents], 1))
 
 
 @dataclass(frozen=True)
 class Verdict:
+    """What a step keeps, for chains and trees alike."""
     num_accepted: Tensor             # [B] accepted drafts
-    tokens: Tensor                   # [B, K+1] accepted drafts then the recovered/bonus token, -1 padded
+    tokens: Tensor                   # [B, D+1] accepted drafts then the recovered/bonus token, PAD after;
+                                     # D: the deepest draft (a chain's K)
+    path: Tensor                     # [B, D+1] the committed scored rows (0: the pending token, i: draft
+                                     # i - 1), PAD after; a chain's is its prefix
 
     @property
     def num_new(self) -> Tensor:     # [B] tokens committed this step
         return self.num_accepted + 1
 
-    @property
-    def path(self) -> Tensor:        # [B, K+1] scored rows that are committed (a chain: its prefix)
-        B, K1 = self.tokens.shape
-        return torch.arange(K1, device=self.tokens.device).expand(B, K1)
-
 
 def verify(draft: Draft, p: Tensor, u_target: Tensor, u_accept: Tensor) -> Verdict:
-    """draft [B, K]; p [B, K+1, V] target probabilities; u_target [B, K+1] the target's uniforms at the
-    positions p decides, u_accept [B, K] the acceptance tests' (used by sampled drafts only)."""
+    """A chain: draft [B, K]; p [B, K+1, V] target probabilities; u_target [B, K+1] the target's uniforms
+    at the positions p decides, u_accept [B, K] the acceptance tests' (used by sampled drafts only)."""
     if draft.probs is None:
         return verify_point_masses(draft.tokens, p, u_target)
     return verify_sampled(draft.tokens, draft.probs, p, u_target, u_accept)
 
 
 def verify_point_masses(x: Tensor, p: Tensor, u_target: Tensor) -> Verdict:
-    """x [B, K] drafts (-1 = none); p [B, K+1, V]; u_target [B, K+1]: follow the drafts while they are
+    """x [B, K] drafts (PAD = none); p [B, K+1, V]; u_target [B, K+1]: follow the drafts while they are
     the target's own samples."""
     K = x.shape[1]
     y = sample(p, u_target)                                                     # [B, K+1] the target's tokens
-    follows = (x >= 0) & (x == y[:, :K])                                        # [B, K]
+    follows = (x != PAD) & (x == y[:, :K])                                      # [B, K]
     num_accepted = follows.long().cumprod(-1).sum(-1)                           # [B]
-    return Verdict(num_accepted, _committed(y, num_accepted))
+    return _chain_verdict(y, num_accepted)
 
 
 def verify_sampled(x: Tensor, q: Tensor, p: Tensor, u_target: Tensor, u_accept: Tensor) -> Verdict:
@@ -83,7 +163,7 @@ def verify_sampled(x: Tensor, q: Tensor, p: Tensor, u_target: Tensor, u_accept: 
     if K == 0:                                                                  # nothing drafted: plain sampling
         return verify_point_masses(x, p, u_target)
     rows = torch.arange(B, device=x.device)
-    valid = x >= 0
+    valid = x != PAD
     xs = x.clamp(min=0)
     p_x = p[:, :K].gather(-1, xs[..., None]).squeeze(-1)                       # [B, K]
     q_x = q.gather(-1, xs[..., None]).squeeze(-1)
@@ -98,9 +178,9 @@ def verify_sampled(x: Tensor, q: Tensor, p: Tensor, u_target: Tensor, u_accept: 
     if bool(rejected.any()):
         final = torch.where(rejected[:, None], residual(final, q[rows, at]), final)
     last = sample(final, u_target.gather(1, num_accepted[:, None])[:, 0])      # [B]
-    y = torch.cat([x, torch.full((B, 1), -1, dtype=x.dtype, device=x.device)], 1)
+    y = torch.cat([x, torch.full((B, 1), PAD, dtype=x.dtype, device=x.device)], 1)
     y[rows, num_accepted] = last
-    return Verdict(num_accepted, _committed(y, num_accepted))
+    return _chain_verdict(y, num_accepted)
 
 
 def residual(p: Tensor, q: Tensor) -> Tensor:
@@ -111,7 +191,50 @@ def residual(p: Tensor, q: Tensor) -> Tensor:
     return torch.where(mass > 0, r / mass.clamp(min=1e-30), p)
 
 
-def _committed(y: Tensor, num_accepted: Tensor) -> Tensor:
-    """y [B, K+1] accepted drafts then the final token -> the same with -1 after index num_accepted."""
-    ar = torch.arange(y.shape[1], device=y.device)
-    return torch.where(ar[None] <= num_accepted[:, None], y, torch.full_like(y, -1))
+def _chain_verdict(y: Tensor, num_accepted: Tensor) -> Verdict:
+    """y [B, K+1] accepted drafts then the final token -> tokens and path, PAD after index num_accepted."""
+    ar = torch.arange(y.shape[1], device=y.device).expand_as(y)
+    kept = ar <= num_accepted[:, None]
+    return Verdict(num_accepted, torch.where(kept, y, torch.full_like(y, PAD)),
+                   torch.where(kept, ar, torch.full_like(ar, PAD)))
+
+
+def verify_tree(tree: TokenTree, p: Tensor, u: Tensor) -> Verdict:
+    """Walk the tree from the root along the target's own samples (see the module docstring).
+
+    p [B, N, V]: target probabilities at every node (greedy = one-hot); u [B, N]: the uniform of the
+    position each node's distribution decides (the node's position + 1).
+    """
+    y = sample(p, u)                                                      # [B, N] the target's token after each node
+    child = matching_child(tree, y)                                       # [B, N]
+    B, N = y.shape
+    D = int(tree.depth().amax())                                          # deepest node
+    rows = torch.arange(B, device=y.device)
+    out_tok = torch.full((B, D + 1), PAD, dtype=torch.long, device=y.device)
+    out_path = torch.full((B, D + 1), PAD, dtype=torch.long, device=y.device)
+    out_path[:, 0] = 0
+    node = torch.zeros(B, dtype=torch.long, device=y.device)             # [B] where each walk stands
+    num = torch.zeros(B, dtype=torch.long, device=y.device)              # [B] accepted nodes
+    walking = torch.ones(B, dtype=torch.bool, device=y.device)
+    for d in range(D + 1):
+        out_tok[:, d] = torch.where(walking, y[rows, node], out_tok[:, d])
+        nxt = child[rows, node]
+        walking &= nxt != PAD
+        if d == D or not bool(walking.any()):
+            break
+        node = torch.where(walking, nxt, node)
+        out_path[:, d + 1] = torch.where(walking, node, out_path[:, d + 1])
+        num += walking.long()
+    return Verdict(num, out_tok, out_path)
+
+
+def matching_child(tree: TokenTree, y: Tensor) -> Tensor:
+    """y [B, N] a token per node -> [B, N] the first child of each node whose token is y there, PAD if none."""
+    B, N = y.shape
+    par = tree.parents.clamp(min=0)                                       # [B, N]
+    real = (tree.tokens != PAD) & (tree.parents != PAD)
+    hit = real & (tree.tokens == y.gather(1, par))                        # [B, N] node c is its parent's y
+    ids = torch.arange(N, device=y.device).expand(B, N)
+    first = torch.full((B, N), N, dtype=torch.long, device=y.device)
+    first.scatter_reduce_(1, par, torch.where(hit, ids, torch.full_like(ids, N)), "amin")
+    return torch.where(first < N, first, torch.full_like(first, PAD))

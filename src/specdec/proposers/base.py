@@ -8,7 +8,6 @@ import torch
 from torch import Tensor
 
 from ..sampling import BatchSampling
-from ..tree import TreeVerdict
 from ..verify import Draft, Verdict
 
 
@@ -34,10 +33,11 @@ class Proposer(Protocol):
         ...
 
     def propose(self, batch: ActiveBatch, k: int) -> Draft:
-        """Up to k drafts per sequence: tokens [B, k] (-1 = none), q [B, k, V] or None (deterministic)."""
+        """Up to k drafts per sequence along any path: a chain (tokens [B, k], PAD = none; q [B, k, V] or
+        None for point masses) or a tree of depth at most k (tokens and parents)."""
         ...
 
-    def commit(self, batch: ActiveBatch, verdict: Verdict | TreeVerdict, hidden: Tensor) -> None:
+    def commit(self, batch: ActiveBatch, verdict: Verdict, hidden: Tensor) -> None:
         """Roll own state (cache, features) forward to the accepted path. `batch.tokens` already holds
         the new tokens; hidden [B, N, H] are the target's features of the scored rows (`verdict.path` indexes them)."""
         ...
@@ -54,7 +54,7 @@ class NoProposer:
         pass
 
     def propose(self, batch: ActiveBatch, k: int) -> Draft:
-        return Draft(torch.empty(len(batch.tokens), 0, dtype=torch.long))
+        return Draft.empty(len(batch.tokens), batch.rows.device)
 
-    def commit(self, batch: ActiveBatch, verdict: Verdict | TreeVerdict, hidden: Tensor) -> None:
+    def commit(self, batch: ActiveBatch, verdict: Verdict, hidden: Tensor) -> None:
         pass

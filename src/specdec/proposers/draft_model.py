@@ -11,6 +11,7 @@ from torch import Tensor
 
 from ..models.base import CausalLM
 from ..sampling import Stream, position_uniforms, sample, step_seeds, to_probs
+from ..tree import PAD
 from ..verify import Draft, Verdict
 from .base import ActiveBatch
 
@@ -66,7 +67,7 @@ class DraftModelProposer:
         first = torch.tensor([len(t) for t in batch.tokens], device=dev)        # [B] the first draft's position
         u = position_uniforms(step_seeds(batch.seeds.to(dev), first),
                               first[:, None] + torch.arange(k, device=dev), Stream.DRAFT)   # [B, k]
-        tokens = torch.full((B, k), -1, dtype=torch.long, device=dev)
+        tokens = torch.full((B, k), PAD, dtype=torch.long, device=dev)
         qs: list[Tensor] = []
         alive = torch.ones(B, dtype=torch.bool, device=dev)
         self.drafted = 0
@@ -81,7 +82,7 @@ class DraftModelProposer:
                 if sampled:
                     conf = torch.where(samples, qs[-1].amax(-1), conf)          # rows sampling: their q's top
                 alive &= conf >= self.min_confidence
-            tokens[:, i] = torch.where(alive, x, torch.full_like(x, -1))
+            tokens[:, i] = torch.where(alive, x, torch.full_like(x, PAD))
             if i == k - 1 or not bool(alive.any()):
                 break
             logits = self._step(x[:, None], rows, torch.ones(B, dtype=torch.long, device=dev))

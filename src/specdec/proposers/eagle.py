@@ -11,13 +11,14 @@ back, so drafting always restarts from exact features.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from ..models.eagle import EagleHead
-from ..tree import TokenTree, TreeVerdict
-from ..verify import Draft, Verdict
+from ..tree import PAD
+from ..verify import ROOT, Draft, Verdict
 from .base import ActiveBatch
 
 
@@ -59,7 +60,7 @@ class EagleProposer:
         toks = [p[1:] for p in prompts]                           # x_{i+1} for i = 0 .. P-1
         self._feed(rows, toks, [hidden[i, :len(t)] for i, t in enumerate(toks)])
 
-    def commit(self, batch: ActiveBatch, verdict: Verdict | TreeVerdict, hidden: Tensor) -> None:
+    def commit(self, batch: ActiveBatch, verdict: Verdict, hidden: Tensor) -> None:
         rows = batch.rows
         n = verdict.num_new.tolist()
         path = verdict.path
@@ -69,90 +70,108 @@ class EagleProposer:
 
     @torch.inference_mode()
     def propose(self, batch: ActiveBatch, k: int) -> Draft:
-        head, K = self.head, self.topk
+        """Grow candidates depth by depth from the head's prediction for the pending token's position; a
+        chain (topk 1) is the draft, cut where its confidence falls too low, a tree keeps the best nodes."""
         rows = batch.rows
-        B = rows.numel()
-        dev = head.fc.weight.device
-        ids = head.vocab_ids.to(dev)
-        base = self.cache.lengths[rows]                            # head positions of the first draft layer
         pred = torch.stack([self.pred[r] for r in rows.tolist()])  # [B, H]
-        # every node: token, parent (-1 = root), score, depth; the head output of expanded nodes
-        logp = torch.log_softmax(head.logits(pred), -1)            # [B, V']
-        s, j = logp.topk(K, -1)
-        tok = ids[j]                                               # [B, K]
-        score, par, depth = s, torch.full((B, K), -1, device=dev), torch.ones(B, K, dtype=torch.long, device=dev)
-        nodes_tok, nodes_par, nodes_score, nodes_depth = [tok], [par], [score], [depth]
-        frontier = torch.arange(K, device=dev).expand(B, K)        # node ids to expand (this depth's best)
-        exp_ids: list[Tensor] = []                                 # expanded node ids, in feeding order
-        exp_feat_src: list[Tensor] = []                            # their input features
-        total = K
-        outs = pred[:, None]
+        grown = self._first_level(pred)
         for d in range(1, min(self.depth, k)):                     # feed depth-d frontier -> depth d+1 children
-            if K == 1 and bool((nodes_score[-1] < self.log_min_confidence).all()):
+            if self.topk == 1 and bool((grown.score[-1] < self.log_min_confidence).all()):
                 break                                              # every chain fell below min_confidence
                                                                    # (each is cut at its own point below)
-            all_par = torch.cat(nodes_par, 1)
-            if d == 1:
-                feat = pred[:, None].expand(B, K, pred.shape[-1])
-            else:                                                  # parent's predicted feature
-                fpar = all_par.gather(1, frontier)                 # [B, K] parents, all expanded earlier
-                slot = (torch.cat(exp_ids, 1)[:, None, :] == fpar[..., None]).float().argmax(-1)
-                feat = outs.gather(1, slot[..., None].expand(B, K, outs.shape[-1]))
-            exp_ids.append(frontier)
-            exp_feat_src.append(feat)
-            e_ids = torch.cat(exp_ids, 1)                          # [B, E] every expanded node so far
-            e_tok = torch.cat(nodes_tok, 1).gather(1, e_ids)
-            e_depth = torch.cat(nodes_depth, 1).gather(1, e_ids)
-            e_par = all_par.gather(1, e_ids)
-            E = e_ids.shape[1]
-            m = torch.eye(E, dtype=torch.bool, device=dev).expand(B, E, E).clone()
-            for c in range(E):                                     # ancestors precede descendants
-                pidx = (e_ids == e_par[:, c:c + 1]).float().argmax(1)
-                m[:, c] |= m[torch.arange(B), pidx] & (e_par[:, c] >= 0)[:, None]
-            outs = head(e_tok, torch.cat(exp_feat_src, 1), base[:, None] + e_depth - 1, self.cache, rows, m)
-            new = outs[:, -K:]                                     # the frontier's outputs
-            lp = torch.log_softmax(head.logits(new), -1)           # [B, K, V']
-            cs, cj = lp.topk(K, -1)                                # [B, K, K]
-            cscore = (score_of(nodes_score, frontier)[..., None] + cs).view(B, K * K)
-            ctok = ids[cj].view(B, K * K)
-            cpar = frontier[..., None].expand(B, K, K).reshape(B, K * K)
-            nodes_tok.append(ctok)
-            nodes_par.append(cpar)
-            nodes_score.append(cscore)
-            nodes_depth.append(torch.full((B, K * K), d + 1, dtype=torch.long, device=dev))
-            best = cscore.topk(K, -1).indices                      # expand the best K children next
-            frontier = total + best
-            total += K * K
-        if K == 1:                     # a chain: verified as one (cheaper than a tree forward), q a point mass
-            tokens = torch.cat(nodes_tok, 1)                       # [B, depth], one node per depth in order
-            low = torch.cat(nodes_score, 1) < self.log_min_confidence  # cumulative: a suffix of each chain
-            return Draft(tokens.masked_fill(low, -1))
-        return Draft(torch.zeros(B, 1, dtype=torch.long, device=dev), None,
-                     self._select(batch, torch.cat(nodes_tok, 1), torch.cat(nodes_par, 1),
-                                  torch.cat(nodes_score, 1), torch.cat(nodes_depth, 1)))
+            self._expand(grown, d, pred, rows)
+        tok, par, score, depth = (torch.cat(x, 1) for x in (grown.tok, grown.par, grown.score, grown.depth))
+        if self.topk == 1:             # a chain: verified as one (cheaper than a tree forward), q a point mass
+            low = score < self.log_min_confidence                  # cumulative: a suffix of each chain
+            return Draft(tok.masked_fill(low, PAD))                # [B, depth], one node per depth in order
+        return self._select(tok, par, score, depth)
 
-    def _select(self, batch: ActiveBatch, tok: Tensor, par: Tensor, score: Tensor, depth: Tensor) -> TokenTree:
-        """The `budget` best nodes (parents before children) as a tree rooted at the pending token."""
+    def _first_level(self, pred: Tensor) -> "Candidates":
+        """The topk children of the pending token from the head's prediction pred [B, H]."""
+        K, dev = self.topk, pred.device
+        B = pred.shape[0]
+        s, j = torch.log_softmax(self.head.logits(pred), -1).topk(K, -1)           # [B, K]
+        return Candidates(tok=[self.head.vocab_ids.to(dev)[j]], par=[torch.full((B, K), ROOT, device=dev)],
+                          score=[s], depth=[torch.ones(B, K, dtype=torch.long, device=dev)],
+                          frontier=torch.arange(K, device=dev).expand(B, K), outs=pred[:, None], total=K)
+
+    def _expand(self, grown: "Candidates", d: int, pred: Tensor, rows: Tensor) -> None:
+        """Feed the depth-d frontier to the head (with every node expanded before it, under their tree
+        mask) and add each frontier node's topk children; the best topk of them are the next frontier."""
+        head, K = self.head, self.topk
+        B, dev = pred.shape[0], pred.device
+        all_par = torch.cat(grown.par, 1)
+        if d == 1:
+            feat = pred[:, None].expand(B, K, pred.shape[-1])
+        else:                                                      # parent's predicted feature
+            fpar = all_par.gather(1, grown.frontier)               # [B, K] parents, all expanded earlier
+            slot = (torch.cat(grown.expanded, 1)[:, None, :] == fpar[..., None]).float().argmax(-1)
+            feat = grown.outs.gather(1, slot[..., None].expand(B, K, grown.outs.shape[-1]))
+        grown.expanded.append(grown.frontier)
+        grown.feats.append(feat)
+        e_ids = torch.cat(grown.expanded, 1)                       # [B, E] every expanded node so far
+        e_tok = torch.cat(grown.tok, 1).gather(1, e_ids)
+        e_depth = torch.cat(grown.depth, 1).gather(1, e_ids)
+        base = self.cache.lengths[rows]                            # head positions of the first draft layer
+        mask = ancestor_mask(e_ids, all_par.gather(1, e_ids))
+        grown.outs = head(e_tok, torch.cat(grown.feats, 1), base[:, None] + e_depth - 1, self.cache, rows, mask)
+        lp = torch.log_softmax(head.logits(grown.outs[:, -K:]), -1)  # [B, K, V'] from the frontier's outputs
+        cs, cj = lp.topk(K, -1)                                    # [B, K, K]
+        cscore = (score_of(grown.score, grown.frontier)[..., None] + cs).view(B, K * K)
+        grown.tok.append(head.vocab_ids.to(dev)[cj].view(B, K * K))
+        grown.par.append(grown.frontier[..., None].expand(B, K, K).reshape(B, K * K))
+        grown.score.append(cscore)
+        grown.depth.append(torch.full((B, K * K), d + 1, dtype=torch.long, device=dev))
+        grown.frontier = grown.total + cscore.topk(K, -1).indices  # expand the best K children next
+        grown.total += K * K
+
+    def _select(self, tok: Tensor, par: Tensor, score: Tensor, depth: Tensor) -> Draft:
+        """The `budget` best nodes (parents before children) as a tree under the pending token."""
         B, M = tok.shape
         n = min(self.budget, M)
-        out_tok = torch.full((B, n + 1), -1, dtype=torch.long)
-        out_par = torch.full((B, n + 1), -1, dtype=torch.long)
+        out_tok = torch.full((B, n), PAD, dtype=torch.long)
+        out_par = torch.full((B, n), ROOT, dtype=torch.long)
         order = torch.argsort(score - 1e-6 * depth, dim=-1, descending=True).tolist()
         tl, pl = tok.tolist(), par.tolist()
         for b in range(B):
-            out_tok[b, 0] = batch.tokens[b][-1]
-            where = {}
+            where: dict[int, int] = {}                             # candidate node -> its index in the draft
             for node in order[b]:
                 if len(where) == n:
                     break
                 p = pl[b][node]
-                if p >= 0 and p not in where:
+                if p != ROOT and p not in where:
                     continue                                       # its parent did not make the cut
-                where[node] = len(where) + 1
+                where[node] = len(where)
                 out_tok[b, where[node]] = tl[b][node]
-                out_par[b, where[node]] = 0 if p < 0 else where[p]
+                out_par[b, where[node]] = ROOT if p == ROOT else where[p]
         dev = tok.device
-        return TokenTree(out_tok.to(dev), out_par.to(dev))
+        return Draft(out_tok.to(dev), parents=out_par.to(dev))
+
+
+@dataclass
+class Candidates:
+    """Draft candidates grown so far, level by level: every node's token, parent (ROOT: the pending
+    token; else a node id, counting across levels), cumulative draft log-probability and depth."""
+    tok: list[Tensor]                  # per level [B, n]
+    par: list[Tensor]
+    score: list[Tensor]
+    depth: list[Tensor]
+    frontier: Tensor                   # [B, topk] the node ids to expand next
+    outs: Tensor                       # [B, E, H] the head's outputs of the expanded nodes (at first: pred)
+    total: int                         # nodes so far
+    expanded: list[Tensor] = field(default_factory=list)   # expanded node ids, in feeding order
+    feats: list[Tensor] = field(default_factory=list)      # their input features
+
+
+def ancestor_mask(ids: Tensor, parents: Tensor) -> Tensor:
+    """[B, E, E] node c attends to itself and its ancestors, for nodes ids [B, E] with parents [B, E]
+    (ancestors precede descendants)."""
+    B, E = ids.shape
+    m = torch.eye(E, dtype=torch.bool, device=ids.device).expand(B, E, E).clone()
+    for c in range(E):
+        pidx = (ids == parents[:, c:c + 1]).float().argmax(1)
+        m[:, c] |= m[torch.arange(B), pidx] & (parents[:, c] >= 0)[:, None]
+    return m
 
 
 def score_of(scores: list[Tensor], ids: Tensor) -> Tensor:

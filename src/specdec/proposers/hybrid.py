@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import SpecdecError
+from ..tree import PAD
 from ..verify import Draft, Verdict
 from .base import ActiveBatch
 from .eagle import EagleProposer
@@ -49,7 +50,7 @@ class HybridProposer:
             sub = ActiveBatch(batch.rows[idx], [batch.tokens[i] for i in need], batch.sampling.select(idx),
                               batch.seeds[idx])
             e = self.eagle.propose(sub, k).tokens                    # [b, <=k]
-            tokens[idx] = -1
+            tokens[idx] = PAD
             tokens[idx, :e.shape[1]] = e
         return Draft(tokens)
 

@@ -5,8 +5,7 @@ import torch
 from torch import Tensor
 
 from ..models.medusa import MedusaHeads
-from ..tree import TokenTree, TreeVerdict
-from ..verify import Draft, Verdict
+from ..verify import ROOT, Draft, Verdict
 from .base import ActiveBatch
 
 # Candidate paths as ranks into each head's top-k (Medusa-style static tree, 16 nodes).
@@ -24,7 +23,6 @@ class MedusaProposer:
     def __init__(self, heads: MedusaHeads, tree: tuple[tuple[int, ...], ...] = DEFAULT_TREE) -> None:
         self.heads = heads
         self.paths = [p for p in tree if len(p) <= heads.n_heads]
-        self.parent = [self.paths.index(p[:-1]) + 1 if len(p) > 1 else 0 for p in self.paths]
         self.topk = 1 + max(r for p in self.paths for r in p)
         self.feat: dict[int, Tensor] = {}
 
@@ -35,24 +33,22 @@ class MedusaProposer:
         for i, (r, p) in enumerate(zip(rows.tolist(), prompts)):
             self.feat[r] = hidden[i, len(p) - 2]                     # the last prompt token's feature
 
-    def commit(self, batch: ActiveBatch, verdict: Verdict | TreeVerdict, hidden: Tensor) -> None:
+    def commit(self, batch: ActiveBatch, verdict: Verdict, hidden: Tensor) -> None:
         last = verdict.path.gather(1, verdict.num_accepted[:, None])[:, 0]
         for i, r in enumerate(batch.rows.tolist()):
             self.feat[r] = hidden[i, last[i]]
 
     @torch.inference_mode()
     def propose(self, batch: ActiveBatch, k: int) -> Draft:
+        """The static tree's paths of up to k tokens: path (r_1, .., r_d) drafts head d's r_d-th best token
+        under its prefix path."""
         B = batch.rows.numel()
         f = torch.stack([self.feat[r] for r in batch.rows.tolist()])  # [B, H]
-        top = self.heads.logits(f, self.heads.w_sub).topk(self.topk, -1).indices   # [B, K, topk]
+        top = self.heads.logits(f, self.heads.w_sub).topk(self.topk, -1).indices   # [B, heads, topk]
         ids = self.heads.vocab_ids.to(f.device)
         paths = [p for p in self.paths if len(p) <= k]
-        n = len(paths)
-        tok = torch.empty(B, n + 1, dtype=torch.long, device=f.device)
-        tok[:, 0] = torch.tensor([t[-1] for t in batch.tokens], device=f.device)
-        par = torch.full((B, n + 1), -1, dtype=torch.long, device=f.device)
+        tok = torch.empty(B, len(paths), dtype=torch.long, device=f.device)
         for j, p in enumerate(paths):
-            d = len(p) - 1
-            tok[:, j + 1] = ids[top[:, d, p[-1]]]
-            par[:, j + 1] = self.parent[self.paths.index(p)]
-        return Draft(torch.zeros(B, 1, dtype=torch.long, device=f.device), None, TokenTree(tok, par))
+            tok[:, j] = ids[top[:, len(p) - 1, p[-1]]]
+        parents = torch.tensor([paths.index(p[:-1]) if len(p) > 1 else ROOT for p in paths], device=f.device)
+        return Draft(tok, parents=parents.expand(B, len(paths)))

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from ..errors import SpecdecError
+from ..tree import PAD
 from ..verify import Draft, Verdict
 from .base import ActiveBatch
 
@@ -63,9 +64,9 @@ class NgramProposer:
         return Draft(self.match(batch, k)[1].to(batch.rows.device))
 
     def match(self, batch: ActiveBatch, k: int) -> tuple[Tensor, Tensor]:
-        """Per sequence the matched n-gram length [B] (0 = no match) and its continuation [B, k] (-1 = none)."""
+        """Per sequence the matched n-gram length [B] (0 = no match) and its continuation [B, k] (PAD = none)."""
         n = torch.zeros(len(batch.tokens), dtype=torch.long)
-        out = torch.full((len(batch.tokens), k), -1, dtype=torch.long)
+        out = torch.full((len(batch.tokens), k), PAD, dtype=torch.long)
         for i, (r, toks) in enumerate(zip(batch.rows.tolist(), batch.tokens)):
             idx = self.index[r]
             idx.update(toks)

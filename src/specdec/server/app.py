@@ -22,15 +22,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..api import METHODS, Generator, runtime_info
+from ..api import METHODS, DraftSource, Generator, runtime_info
 from ..draft_length import MAX_DRAFT_TOKENS
 from ..engine import Request
 from ..errors import SpecdecError
 from ..prefix_cache import PrefixCache
 from ..sampling import SamplingParams
 from ..tree import TreeShape
-from .scheduler import (Done, DraftSpec, EnginePool, Event, Failed, Job, Piece, QueueFull, Scheduler, ServerMetrics,
-                        SpecChoice)
+from .scheduler import (Done, EnginePool, Event, Failed, Job, QueueFull, Scheduler, ServerMetrics, SpecChoice,
+                        TextPiece)
 
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
 MAX_STOP = 4
@@ -69,9 +69,9 @@ class ServeConfig:
 class ServerState:
     """Everything one app serves: the model, its engines and worker, limits and metrics."""
 
-    def __init__(self, generator: Generator, config: ServeConfig, drafts: dict[str, DraftSpec] | None = None,
+    def __init__(self, generator: Generator, config: ServeConfig, drafts: dict[str, DraftSource] | None = None,
                  dtype: str = "float32", tree: TreeShape = TreeShape()) -> None:
-        """`drafts`: per method, the draft_model argument of make_proposer (e.g. {"draft": a loaded draft});
+        """`drafts`: per method, what its proposers draft with (api.DraftSource, e.g. {"draft": a loaded draft});
         `dtype`: the target's dtype name, for anything a proposer loads; `tree`: EAGLE's draft shape."""
         self.generator, self.config, self.drafts = generator, config, dict(drafts or {})
         self.model_name = generator.name
@@ -80,10 +80,11 @@ class ServerState:
         k = generator.num_draft_tokens if generator.method != "none" else 0
         self.default = SpecChoice(generator.method, k)
         self.max_draft_tokens = min(MAX_DRAFT_TOKENS, max(16, k))
-        self.metrics = ServerMetrics()
+        prefix_cache = PrefixCache(config.prefix_cache_mb << 20)           # one for every engine of the pool
+        self.metrics = ServerMetrics(prefix_cache)
         self.pool = EnginePool(generator, self.drafts, dtype, self.default, config.max_batch,
                                config.max_prompt_tokens + config.max_tokens, config.max_engines, tree,
-                               PrefixCache(config.prefix_cache_mb << 20), config.prefill_tokens)
+                               prefix_cache, config.prefill_tokens)
         self.scheduler = Scheduler(self.pool, self.metrics, config.max_batch, config.max_waiting,
                                    config.prefill_threads)
 
@@ -469,6 +470,89 @@ async def next_event(job: Job, request: HttpRequest) -> Event:
                 raise ClientGone() from None
 
 
+class Routes:
+    """What the routes of one app share: its state, request counting, error responses, and running a
+    parsed request through the scheduler (answered as JSON or an SSE stream)."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state, self.metrics = state, state.metrics
+
+    def count(self, request: HttpRequest, status: int) -> None:
+        self.metrics.requests.labels(endpoint_label(request), str(status)).inc()
+
+    def error_response(self, request: HttpRequest, status: int, message: str, param: str | None = None,
+                       code: str | None = None) -> JSONResponse:
+        self.count(request, status)
+        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else ({"Retry-After": "1"} if status == 429 else None)
+        return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+    def user_input(self, parse: Callable[[dict, ServerState], Parsed], body: dict) -> Parsed:
+        """Parse a body; the library's own input errors (e.g. from the tokenizer) become 400s."""
+        try:
+            return parse(body, self.state)
+        except SpecdecError as e:
+            raise bad(str(e)) from None
+
+    def model_card(self) -> dict:
+        return {"id": self.state.model_name, "object": "model", "created": self.state.created, "owned_by": "specdec"}
+
+    async def run(self, request: HttpRequest, parsed: Parsed, chat: bool) -> Response:
+        """Submit to the scheduler; answer with JSON or an SSE stream."""
+        scheduler = self.state.scheduler
+        job = Job.create(Request(parsed.prompt, parsed.max_tokens, parsed.sampling, parsed.stop), parsed.spec)
+        try:
+            scheduler.submit(job)
+        except QueueFull as e:
+            raise ApiError(429, str(e), None, "rate_limit_exceeded") from None
+        out = Responder(chat, self.state.model_name, parsed.include_usage)
+        try:
+            first = await next_event(job, request)
+            if isinstance(first, Failed):
+                raise ApiError(first.status, first.message)
+            if parsed.stream:
+                return StreamingResponse(self.stream(request, job, first, out), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            event = first
+            while not isinstance(event, Done):
+                event = await next_event(job, request)
+                if isinstance(event, Failed):
+                    raise ApiError(event.status, event.message)
+        except ClientGone:
+            scheduler.cancel(job)
+            self.count(request, 499)
+            return Response(status_code=499)
+        except asyncio.CancelledError:
+            scheduler.cancel(job)
+            raise
+        self.count(request, 200)
+        return JSONResponse(out.full(event))
+
+    async def stream(self, request: HttpRequest, job: Job, first: Event, out: Responder) -> AsyncIterator[str]:
+        status = 499                                 # unless the stream completes: the client went away
+        try:
+            for obj in out.head():
+                yield sse(obj)
+            event = first
+            while True:
+                if isinstance(event, TextPiece):
+                    yield sse(out.chunk(event.text, None))
+                elif isinstance(event, Done):
+                    for obj in out.tail(event):
+                        yield sse(obj)
+                    status = 200
+                    yield sse("[DONE]")
+                    return
+                else:
+                    status = event.status
+                    yield sse(error_body(event.status, event.message))
+                    return
+                event = await job.events.get()
+        finally:
+            if status == 499:
+                self.state.scheduler.cancel(job)
+            self.count(request, status)
+
+
 def create_app(state: ServerState) -> FastAPI:
     """The FastAPI app serving `state`; its lifespan starts and stops the scheduler's worker.
 
@@ -485,130 +569,66 @@ def create_app(state: ServerState) -> FastAPI:
             state.scheduler.stop()
 
     app = FastAPI(title="specdec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    metrics = state.metrics
+    routes = Routes(state)
+    add_error_handlers(app, routes)
+    add_routes(app, routes)
+    return app
 
-    def count(request: HttpRequest, status: int) -> None:
-        metrics.requests.labels(endpoint_label(request), str(status)).inc()
 
-    def error_response(request: HttpRequest, status: int, message: str, param: str | None = None,
-                       code: str | None = None) -> JSONResponse:
-        count(request, status)
-        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else ({"Retry-After": "1"} if status == 429 else None)
-        return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+def add_error_handlers(app: FastAPI, routes: Routes) -> None:
+    """Every error answers with OpenAI's error JSON (and is counted)."""
 
     @app.exception_handler(ApiError)
     async def api_error(request: HttpRequest, e: ApiError) -> JSONResponse:
-        return error_response(request, e.status, e.message, e.param, e.code)
+        return routes.error_response(request, e.status, e.message, e.param, e.code)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: HttpRequest, e: StarletteHTTPException) -> JSONResponse:
         code = "not_found" if e.status_code == 404 else None
-        return error_response(request, e.status_code, str(e.detail), None, code)
+        return routes.error_response(request, e.status_code, str(e.detail), None, code)
 
     @app.exception_handler(Exception)
     async def internal_error(request: HttpRequest, e: Exception) -> JSONResponse:
-        return error_response(request, 500, f"internal error: {type(e).__name__}: {e}")
+        return routes.error_response(request, 500, f"internal error: {type(e).__name__}: {e}")
 
-    def user_input(parse: Callable[[dict, ServerState], Parsed], body: dict) -> Parsed:
-        """Parse a body; the library's own input errors (e.g. from the tokenizer) become 400s."""
-        try:
-            return parse(body, state)
-        except SpecdecError as e:
-            raise bad(str(e)) from None
 
-    async def run(request: HttpRequest, parsed: Parsed, chat: bool) -> Response:
-        """Submit to the scheduler; answer with JSON or an SSE stream."""
-        job = Job.create(Request(parsed.prompt, parsed.max_tokens, parsed.sampling, parsed.stop), parsed.spec)
-        try:
-            state.scheduler.submit(job)
-        except QueueFull as e:
-            raise ApiError(429, str(e), None, "rate_limit_exceeded") from None
-        out = Responder(chat, state.model_name, parsed.include_usage)
-        try:
-            first = await next_event(job, request)
-            if isinstance(first, Failed):
-                raise ApiError(first.status, first.message)
-            if parsed.stream:
-                return StreamingResponse(stream(request, job, first, out), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            event = first
-            while not isinstance(event, Done):
-                event = await next_event(job, request)
-                if isinstance(event, Failed):
-                    raise ApiError(event.status, event.message)
-        except ClientGone:
-            state.scheduler.cancel(job)
-            count(request, 499)
-            return Response(status_code=499)
-        except asyncio.CancelledError:
-            state.scheduler.cancel(job)
-            raise
-        count(request, 200)
-        return JSONResponse(out.full(event))
-
-    async def stream(request: HttpRequest, job: Job, first: Event, out: Responder) -> AsyncIterator[str]:
-        status = 499                                 # unless the stream completes: the client went away
-        try:
-            for obj in out.head():
-                yield sse(obj)
-            event = first
-            while True:
-                if isinstance(event, Piece):
-                    yield sse(out.chunk(event.text, None))
-                elif isinstance(event, Done):
-                    for obj in out.tail(event):
-                        yield sse(obj)
-                    status = 200
-                    yield sse("[DONE]")
-                    return
-                else:
-                    status = event.status
-                    yield sse(error_body(event.status, event.message))
-                    return
-                event = await job.events.get()
-        finally:
-            if status == 499:
-                state.scheduler.cancel(job)
-            count(request, status)
+def add_routes(app: FastAPI, routes: Routes) -> None:
+    """/health, /metrics, /v1/models, /v1/completions, /v1/chat/completions."""
+    state = routes.state
 
     @app.get("/health")
     async def health(request: HttpRequest) -> Response:
         if not state.scheduler.alive:
-            return error_response(request, 503, "the generation worker is not running")
-        count(request, 200)
+            return routes.error_response(request, 503, "the generation worker is not running")
+        routes.count(request, 200)
         return JSONResponse({"status": "ok", "model": state.model_name, "runtime": state.runtime})
 
     @app.get("/metrics")
     async def prometheus(request: HttpRequest) -> Response:
-        count(request, 200)
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    def model_card() -> dict:
-        return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "specdec"}
+        routes.count(request, 200)
+        return Response(generate_latest(routes.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: HttpRequest) -> dict:
         check_auth(request, state.config.api_key)
-        count(request, 200)
-        return {"object": "list", "data": [model_card()]}
+        routes.count(request, 200)
+        return {"object": "list", "data": [routes.model_card()]}
 
     @app.get("/v1/models/{model:path}")
     async def model(request: HttpRequest, model: str) -> dict:
         check_auth(request, state.config.api_key)
         check_model(model, state)
-        count(request, 200)
-        return model_card()
+        routes.count(request, 200)
+        return routes.model_card()
 
     @app.post("/v1/completions")
     async def completions(request: HttpRequest) -> Response:
         check_auth(request, state.config.api_key)
         body = await read_json(request, state.config.max_body_bytes)
-        return await run(request, user_input(parse_completion, body), chat=False)
+        return await routes.run(request, routes.user_input(parse_completion, body), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: HttpRequest) -> Response:
         check_auth(request, state.config.api_key)
         body = await read_json(request, state.config.max_body_bytes)
-        return await run(request, user_input(parse_chat, body), chat=True)
-
-    return app
+        return await routes.run(request, routes.user_input(parse_chat, body), chat=True)

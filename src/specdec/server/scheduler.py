@@ -24,15 +24,16 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
-from ..api import Generator, make_proposer
+from ..api import DraftSource, Generator, make_proposer
 from ..tree import TreeShape
-from ..engine import Engine, Request, Sequence
+from ..engine import Engine, Request, SequenceState, scratch_slots
 from ..errors import SpecdecError
-from ..models.base import CausalLM
 from ..prefix_cache import PrefixCache
 
 TRIM_EVERY_SECONDS = 20.0
@@ -77,7 +78,8 @@ class Done:
 
 
 @dataclass(frozen=True)
-class Piece:
+class TextPiece:
+    """Text the request's output gained (streamed as it comes)."""
     text: str
 
 
@@ -87,7 +89,7 @@ class Failed:
     status: int = 500
 
 
-Event = Piece | Done | Failed
+Event = TextPiece | Done | Failed
 
 
 class QueueFull(Exception):
@@ -102,7 +104,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
     arrived: float = field(default_factory=time.perf_counter)
-    seq: Sequence | None = None
+    seq: SequenceState | None = None
     engine: Engine | None = None
     last_emit: float | None = None
     finished: bool = False
@@ -113,11 +115,25 @@ class Job:
         return Job(request, spec, asyncio.get_running_loop(), asyncio.Queue())
 
 
+class PrefixCacheCollector:
+    """The prefix cache's own counters (prompt tokens looked up, served from it) as Prometheus counters."""
+
+    def __init__(self, cache: PrefixCache) -> None:
+        self.cache = cache
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily("specdec:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                  value=self.cache.queried_tokens)
+        yield CounterMetricFamily("specdec:prefix_cache_hits", "Prompt tokens served from the prefix cache",
+                                  value=self.cache.hit_tokens)
+
+
 class ServerMetrics:
     """Prometheus metrics in their own registry (several apps may live in one process)."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefix_cache: PrefixCache) -> None:
         r = self.registry = CollectorRegistry()
+        r.register(PrefixCacheCollector(prefix_cache))
         self.requests = Counter("specdec:requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
                                 registry=r)
         self.ttft = Histogram("specdec:time_to_first_token_seconds", "Arrival to first text piece",
@@ -129,9 +145,6 @@ class ServerMetrics:
         self.running = Gauge("specdec:num_requests_running", "Requests holding a batch slot", registry=r)
         self.waiting = Gauge("specdec:num_requests_waiting", "Requests queued for a slot", registry=r)
         self.prompt_tokens = Counter("specdec:prompt_tokens", "Prompt tokens of admitted requests", registry=r)
-        self.prefix_queries = Counter("specdec:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                                      registry=r)
-        self.prefix_hits = Counter("specdec:prefix_cache_hits", "Prompt tokens served from the prefix cache", registry=r)
         self.generation_tokens = Counter("specdec:generation_tokens", "Generated tokens", registry=r)
         self.num_drafts = Counter("specdec:spec_decode_num_drafts", "Speculative steps that proposed drafts",
                                   registry=r)
@@ -151,7 +164,7 @@ class ServerMetrics:
         self.step_seconds.labels(kind).inc(seconds)
         self.step_sequences.labels(kind).inc(sequences)
 
-    def record_speculation(self, seq: Sequence) -> None:
+    def record_speculation(self, seq: SequenceState) -> None:
         c = seq.counters
         self.generation_tokens.inc(len(seq.generated))
         self.num_drafts.inc(c.drafted_at[0] if c.drafted_at else 0)
@@ -161,7 +174,7 @@ class ServerMetrics:
             self.accepted_per_pos.labels(str(pos)).inc(n)
 
 
-def speculation_report(seq: Sequence, spec: SpecChoice) -> dict:
+def speculation_report(seq: SequenceState, spec: SpecChoice) -> dict:
     """The per-request `speculative` extension object of a response."""
     speculative = spec.method != "none"
     m = seq.counters.as_dict(speculative)
@@ -171,29 +184,28 @@ def speculation_report(seq: Sequence, spec: SpecChoice) -> dict:
             "target_forwards": m["target_forwards"]}
 
 
-DraftSpec = str | CausalLM     # make_proposer's draft_model argument: a loaded model, or a name/path it loads
-
-
 class EnginePool:
     """Engines keyed by (method, K), built lazily from one target; idle extra engines are evicted (LRU).
 
-    `drafts` maps a method to the draft_model argument its proposers are built with (a draft model
-    loaded once and shared, or e.g. a weights path); methods not in it get None. `tree` shapes EAGLE's drafts.
+    `drafts` maps a method to what its proposers draft with (api.DraftSource: a draft model loaded once and
+    shared, or e.g. a head's weights path); methods not in it get the shipped one. `tree` shapes EAGLE's drafts.
     """
 
-    def __init__(self, generator: Generator, drafts: dict[str, DraftSpec], dtype: str, default: SpecChoice,
+    def __init__(self, generator: Generator, drafts: dict[str, DraftSource], dtype: str, default: SpecChoice,
                  rows: int, base_slots: int, max_engines: int, tree: TreeShape = TreeShape(),
-                 prefix_cache: PrefixCache = PrefixCache(0), prefill_budget: int = 256) -> None:
-        """prefix_cache: shared by all engines (one target); prefill_budget: prompt tokens per prefill step."""
+                 prefix_cache: PrefixCache | None = None, prefill_budget: int = 256) -> None:
+        """prefix_cache: shared by all engines (one target; not given: a disabled one of this pool's own);
+        prefill_budget: prompt tokens per prefill step."""
         self.gen, self.drafts, self.dtype, self.default, self.tree = generator, drafts, dtype, default, tree
         self.rows, self.base_slots, self.max_engines = rows, base_slots, max_engines
-        self.prefix_cache, self.prefill_budget = prefix_cache, prefill_budget
+        self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(0)
+        self.prefill_budget = prefill_budget
         self.engines: dict[SpecChoice, Engine] = {}
         self.engines[default] = self._build(default)
 
     def slots(self, k: int) -> int:
         """Cache length of an engine drafting up to k tokens (capped by the model's context in Generator.engine)."""
-        return self.base_slots + 2 * k + 16
+        return self.base_slots + scratch_slots(k)
 
     def _build(self, spec: SpecChoice) -> Engine:
         device = str(self.gen.target.device)
@@ -360,8 +372,6 @@ class Scheduler:
             self.running[id(job.seq)] = job
             self.peak_running = max(self.peak_running, len(self.running))
             self.metrics.prompt_tokens.inc(len(req.prompt))
-            self.metrics.prefix_queries.inc(len(req.prompt))
-            self.metrics.prefix_hits.inc(job.seq.cached)
         self.waiting.extendleft(reversed(skipped))
 
     def _step_all(self) -> None:
@@ -381,7 +391,7 @@ class Scheduler:
                 if job is not None:
                     self._deliver(job, seq, piece, now)
 
-    def _step(self, eng: Engine) -> list[tuple[Sequence, str]]:
+    def _step(self, eng: Engine) -> list[tuple[SequenceState, str]]:
         """One engine step, with `prefill_threads` torch threads if the step prefills."""
         threads = torch.get_num_threads()
         if not eng.prefills_next or threads == self.prefill_threads:
@@ -392,14 +402,14 @@ class Scheduler:
         finally:
             torch.set_num_threads(threads)
 
-    def _deliver(self, job: Job, seq: Sequence, piece: str, now: float) -> None:
+    def _deliver(self, job: Job, seq: SequenceState, piece: str, now: float) -> None:
         if piece:
             if job.last_emit is None:
                 self.metrics.ttft.observe(now - job.arrived)
             else:
                 self.metrics.itl.observe(now - job.last_emit)
             job.last_emit = now
-            self._send(job, Piece(piece))
+            self._send(job, TextPiece(piece))
         if seq.done:
             del self.running[id(seq)]
             self.metrics.e2e.observe(now - job.arrived)
