@@ -65,6 +65,7 @@ def test_eagle_head_trained_on_target_accepts_more_than_random():
     assert acceptance["passing"] > acceptance["random"] + 0.05, acceptance
 
 
+@pytest.mark.slow        # 20,000 sequences: `make test`; fast loop: test_seeds.py (plain sampling's tokens)
 @pytest.mark.parametrize("params", [SamplingParams(0.7, 5, 0.9), SamplingParams(1.0, 6, 0.95)], ids=["t0.7", "t1.0"])
 def test_eagle_sampling_matches_exact_distribution(params):
     target = tiny_model(seed=20, vocab=V, std=0.5)

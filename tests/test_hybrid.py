@@ -40,6 +40,7 @@ def test_hybrid_uses_both_proposers_within_one_batch():
     assert prop.steps_ngram > 0 and prop.steps_eagle > 0
 
 
+@pytest.mark.slow        # 20,000 sequences: `make test`; fast loop: test_seeds.py (plain sampling's tokens)
 @pytest.mark.parametrize("params", [SamplingParams(0.7, 5, 0.9), SamplingParams(1.0, 6, 0.95)], ids=["t0.7", "t1.0"])
 def test_hybrid_sampling_matches_exact_distribution(params):
     target = tiny_model(seed=20, vocab=V, std=0.5)

@@ -22,6 +22,7 @@ def test_medusa_greedy_equals_plain(k, batch):
         assert r.tokens == reference_greedy(target, p, 30)
 
 
+@pytest.mark.slow        # 20,000 sequences: `make test`; fast loop: test_seeds.py (plain sampling's tokens)
 def test_medusa_sampling_matches_exact_distribution():
     params = SamplingParams(0.7, 5, 0.9)
     target = tiny_model(seed=20, vocab=V, std=0.5)

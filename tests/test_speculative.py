@@ -118,8 +118,14 @@ def test_seeded_sampling_is_reproducible_and_batch_independent():
 SAMPLING = [SamplingParams(0.7, 5, 0.9), SamplingParams(1.0, 6, 0.95)]
 
 
+SLOW_20K = pytest.mark.slow          # 20,000 sequences each: `make test`; the fast loop keeps the deterministic case
+                                     # and the smaller certificates (test_certificates.py) of sampled drafts
+
+
 @pytest.mark.parametrize("params", SAMPLING, ids=["t0.7", "t1.0"])
-@pytest.mark.parametrize("proposer", ["bad_draft", "close_draft", "deterministic", "reduced_vocab_draft"])
+@pytest.mark.parametrize("proposer", [pytest.param("bad_draft", marks=SLOW_20K),
+                                      pytest.param("close_draft", marks=SLOW_20K), "deterministic",
+                                      pytest.param("reduced_vocab_draft", marks=SLOW_20K)])
 def test_speculative_sampling_matches_exact_distribution(params, proposer):
     target = tiny_model(seed=20, vocab=V, std=0.5)
     prompt = [1, 2, 3]
@@ -139,6 +145,7 @@ def test_speculative_sampling_matches_exact_distribution(params, proposer):
 
 
 # ---- tests that catch the classic bugs (each mutant must be detected) ----------------------------
+@SLOW_20K
 def test_catches_q_without_the_transform(monkeypatch):
     """Drafts sampled from the transformed q but verified against an untransformed q: detected."""
     params = SAMPLING[0]
