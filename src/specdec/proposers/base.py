@@ -4,7 +4,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
 from torch import Tensor
 
 from ..sampling import BatchSampling
