@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 SHIPPED = {("smollm2-135m", "draft"): "draft-smollm2-135m.safetensors",
            ("smollm2-135m", "eagle"): "eagle-smollm2-135m.safetensors",
+           ("smollm2-135m", "eagle3"): "eagle3-smollm2-135m.safetensors",
            ("smollm2-135m", "medusa"): "medusa-smollm2-135m.safetensors"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DTYPE_CHOICES = ("auto", *DTYPES, "q4")  # auto: the fastest mode this machine computes exactly (see choose_dtype);
@@ -320,6 +321,7 @@ PROPOSER_BUILDERS: dict[str, Callable[[ProposerInputs], Proposer]] = {
     "ngram": lambda x: NgramProposer(),
     "draft": _draft_proposer,
     "eagle": lambda x: eagle_proposer(x.target, x.source, x.tree),
+    "eagle3": lambda x: eagle3_proposer(x.target, x.source, x.tree),
     "medusa": _medusa_proposer,
     "hybrid": _hybrid_proposer,
 }
@@ -342,6 +344,25 @@ def eagle_proposer(target: CausalLM, head: DraftSource, tree: TreeShape) -> Eagl
     path = head if isinstance(head, str) else shipped(target.config.name, "eagle")
     return EagleProposer(EagleHead.load(Path(path), target), tree.topk, MAX_DRAFT_TOKENS, tree.budget,
                          EAGLE_CHAIN_MIN_CONFIDENCE)
+
+
+def eagle3_proposer(target: CausalLM, head: DraftSource, tree: TreeShape) -> EagleProposer:
+    """The EAGLE-3 proposer for a lean target (its forwards then also return the head's aux features)."""
+    from .models.decoder import Transformer
+    from .models.eagle3 import Eagle3Head
+    from .proposers.eagle import EagleProposer
+
+    if not isinstance(target, Transformer):
+        raise SpecdecError("EAGLE-3 drafting (method 'eagle3') needs a lean GGUF target")
+    path = Path(head) if isinstance(head, str) else shipped(target.config.name, "eagle3")
+    if path.is_dir():                                      # a vLLM / SGLang export
+        from .export import import_eagle3
+
+        h = import_eagle3(path, target)
+    else:
+        h = Eagle3Head.load(path, target)
+    target.features(h.feature_layers)
+    return EagleProposer(h, tree.topk, MAX_DRAFT_TOKENS, tree.budget, EAGLE_CHAIN_MIN_CONFIDENCE, name="eagle3")
 
 
 def shipped(model: str, kind: str) -> Path:
@@ -384,8 +405,8 @@ def load(model: str = DEFAULT_MODEL, method: str = "none", dtype: str = "auto", 
         raise SpecdecError(f"unknown draft policy {draft_policy!r}; choose one of: {', '.join(POLICIES)}")
     make_policy(draft_policy, num_draft_tokens)
     tree = TreeShape.parse(tree) if isinstance(tree, str) else tree
-    if tree != TreeShape() and method != "eagle":
-        raise SpecdecError(f"a draft tree shape ({tree}) applies to method 'eagle' only, not {method!r}")
+    if tree != TreeShape() and method not in ("eagle", "eagle3"):
+        raise SpecdecError(f"a draft tree shape ({tree}) applies to methods 'eagle' and 'eagle3' only, not {method!r}")
     target, tok, name = load_model(model, dtype, device)
     proposer = make_proposer(method, target, tok, draft_model, dtype, device, tree)
     return Generator(target, tok, proposer, draft_policy, num_draft_tokens, name)

@@ -1,4 +1,4 @@
-"""The `specdec` command: generate, bench, train, serve."""
+"""The `specdec` command: generate, info, bench, serve, train, export."""
 from __future__ import annotations
 
 import argparse
@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="print one JSON object")
     i.set_defaults(func=cmd_info)
 
-    for extra in ("bench", "serve", "train"):
+    for extra in ("bench", "serve", "train", "export"):
         try:
             mod = __import__(f"specdec.cli_{extra}", fromlist=["register"])
         except ModuleNotFoundError as e:

@@ -17,7 +17,7 @@ def _check_target(model: str) -> None:
 def _check_numbers(a: argparse.Namespace) -> None:
     """Sizes and budgets must be positive (max_rows 0 = all)."""
     for name in ("minutes", "vocab_size", "window", "batch", "lr", "max_seq", "heads", "max_prompts",
-                 "max_new_tokens"):
+                 "max_new_tokens", "shards", "rows", "steps"):
         value = getattr(a, name, 1)
         if not value > 0:
             raise SpecdecError(f"--{name.replace('_', '-')} must be > 0, got {value}")
@@ -38,6 +38,17 @@ def cmd_data(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_magpie(a: argparse.Namespace) -> int:
+    from .train.magpie import generate_magpie, summary
+
+    _check_target(a.model)
+    _check_numbers(a)
+    out = Path(a.out or f"data/{a.model}")
+    generate_magpie(a.model, out, a.shards, a.rows, a.batch, a.seed, a.threads)
+    print(json.dumps(summary(out), indent=2))
+    return 0
+
+
 def cmd_eagle(a: argparse.Namespace) -> int:
     from .train.eagle import train_eagle
 
@@ -45,6 +56,17 @@ def cmd_eagle(a: argparse.Namespace) -> int:
     _check_numbers(a)
     report = train_eagle(a.model, Path(a.data or f"runs/data/{a.model}"), Path(a.out), a.minutes, a.vocab_size,
                          a.window, a.batch, a.lr, a.max_seq, a.overwrite, a.max_rows)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def cmd_eagle3(a: argparse.Namespace) -> int:
+    from .train.eagle3 import train_eagle3
+
+    _check_target(a.model)
+    _check_numbers(a)
+    report = train_eagle3(a.model, Path(a.data or f"data/{a.model}"), Path(a.out), a.minutes, a.vocab_size,
+                          a.window, a.batch, a.lr, a.max_seq, a.steps, a.overwrite, a.max_rows)
     print(json.dumps(report, indent=2))
     return 0
 
@@ -76,7 +98,7 @@ def cmd_draft(a: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter]) -> None:
-    p = sub.add_parser("train", help="train drafts for a target (data, draft, eagle, medusa)", formatter_class=fmt)
+    p = sub.add_parser("train", help="train drafts for a target (data, magpie, draft, eagle, eagle3, medusa)", formatter_class=fmt)
     tsub = p.add_subparsers(dest="kind", required=True, metavar="KIND")
 
     d = tsub.add_parser("data", help="the target's own generations for training prompts (resumable shards)",
@@ -89,6 +111,17 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     d.add_argument("--greedy-fraction", type=float, default=0.75, help="share of batches decoded greedily")
     d.add_argument("--seed", type=int, default=0, help="prompt order and sampling seed")
     d.set_defaults(func=cmd_data)
+
+    g = tsub.add_parser("magpie", help="self-generated conversations (the target writes questions and answers), "
+                        "appended as compressed token-id shards", formatter_class=fmt)
+    g.add_argument("--model", default=DEFAULT_MODEL, help="instruct target that writes the data")
+    g.add_argument("--out", default=None, help="shard directory (default data/MODEL; new shards are appended)")
+    g.add_argument("--shards", type=int, default=4, help="shards to add")
+    g.add_argument("--rows", type=int, default=256, help="conversations per shard")
+    g.add_argument("--batch", type=int, default=16, help="conversations decoded together")
+    g.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    g.add_argument("--seed", type=int, default=0, help="seed (each shard derives its own from it and its number)")
+    g.set_defaults(func=cmd_magpie)
 
     e = tsub.add_parser("eagle", help="an EAGLE-style head on the target's features", formatter_class=fmt)
     e.add_argument("--model", default=DEFAULT_MODEL, help="target to train for")
@@ -104,6 +137,23 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     e.add_argument("--max-rows", type=int, default=0, help="use at most N examples (0 = all)")
     e.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     e.set_defaults(func=cmd_eagle)
+
+    e3 = tsub.add_parser("eagle3", help="an EAGLE-3 head (fused low/mid/high features, training-time test) "
+                         "on self-generated conversations", formatter_class=fmt)
+    e3.add_argument("--model", default=DEFAULT_MODEL, help="target to train for")
+    e3.add_argument("--data", default=None, help="magpie shard directory (default data/MODEL)")
+    e3.add_argument("--out", required=True, help="output .safetensors (a .json report lands beside it; "
+                                                 "a .ckpt beside it resumes an interrupted run)")
+    e3.add_argument("--minutes", type=float, default=40.0, help="training time budget (after feature extraction)")
+    e3.add_argument("--steps", type=int, default=4, help="training-time-test steps (draft positions unrolled)")
+    e3.add_argument("--vocab-size", type=int, default=8192, help="reduced draft vocabulary (most frequent tokens)")
+    e3.add_argument("--window", type=int, default=128, help="tokens per training window")
+    e3.add_argument("--batch", type=int, default=8, help="windows per step")
+    e3.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (cosine to 10%%)")
+    e3.add_argument("--max-seq", type=int, default=640, help="keep the first N tokens of each conversation")
+    e3.add_argument("--max-rows", type=int, default=0, help="use at most N conversations (0 = all)")
+    e3.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    e3.set_defaults(func=cmd_eagle3)
 
     m = tsub.add_parser("medusa", help="Medusa heads (one per future position)", formatter_class=fmt)
     m.add_argument("--model", default=DEFAULT_MODEL, help="target to train for")

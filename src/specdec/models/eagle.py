@@ -60,6 +60,10 @@ class EagleHead(nn.Module):
     def new_cache(self, rows: int, slots: int) -> KVCache:
         return self.core.new_cache(rows, slots)
 
+    def input_features(self, target_hidden: Tensor) -> Tensor:
+        """The target's output (wider when it returns features) -> its final hidden state [.., H]."""
+        return target_hidden[..., :self.core.config.dim]
+
     def forward(self, tokens: Tensor, features: Tensor, positions: Tensor, cache: KVCache, rows: Tensor,
                 tree_mask: Tensor | None = None) -> Tensor:
         """tokens [B, T] (x_{i+1}), features [B, T, H] (f_i) -> predicted features f^_{i+1} [B, T, H]."""

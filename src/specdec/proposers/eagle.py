@@ -1,5 +1,9 @@
 """EAGLE proposer: a feature-level draft head growing a dynamic token tree (EAGLE-2 style).
 
+Drives an EAGLE head (the target's last hidden state) or an EAGLE-3 head (fused low/mid/high
+features): both take (feature, next token) pairs and turn their own outputs into the next draft's
+feature, so drafting is the same loop.
+
 State per sequence: the head's KV cache holds pairs (f_i, x_{i+1}) for every
 committed position i, and `pred` is the head's output at the last one (the
 predicted feature of the pending token's position). Drafting expands, depth by
@@ -17,6 +21,7 @@ import torch
 from torch import Tensor
 
 from ..models.eagle import EagleHead
+from ..models.eagle3 import Eagle3Head
 from ..tree import PAD
 from ..verify import ROOT, Draft, Verdict
 from .base import ActiveBatch
@@ -25,21 +30,23 @@ from .base import ActiveBatch
 class EagleProposer:
     name = "eagle"
 
-    def __init__(self, head: EagleHead, topk: int = 4, depth: int = 5, budget: int = 16,
-                 min_confidence: float = 0.0) -> None:
+    def __init__(self, head: EagleHead | Eagle3Head, topk: int = 4, depth: int = 5, budget: int = 16,
+                 min_confidence: float = 0.0, name: str = "eagle") -> None:
         """min_confidence: a chain stops where the head's cumulative probability of its drafts falls
         below it (0 = always draft `depth` tokens); drafts that would rarely be accepted cost
         target compute and head forwards for nothing. Each sequence's chain is cut by its own
         confidence; the batch drafts until every chain has stopped. Trees use `budget` instead."""
-        self.head, self.topk, self.depth, self.budget = head, topk, depth, budget
+        self.head, self.topk, self.depth, self.budget, self.name = head, topk, depth, budget, name
         self.log_min_confidence = math.log(min_confidence) if min_confidence > 0 else -math.inf
         self.pred: dict[int, Tensor] = {}
 
     def allocate(self, rows: int, slots: int) -> None:
         self.cache = self.head.new_cache(rows, slots + self.topk * self.depth + 2)
 
-    def _feed(self, rows: Tensor, tokens: list[list[int]], feats: list[Tensor]) -> None:
-        """Commit pairs (features[i], tokens[i]) after each row's head cache; remember the last output."""
+    def _feed(self, rows: Tensor, tokens: list[list[int]], target_feats: list[Tensor]) -> None:
+        """Commit pairs (the head's input feature of target_feats[i], tokens[i]) after each row's head
+        cache; remember the last output."""
+        feats = [self.head.input_features(x) for x in target_feats]
         B = len(tokens)
         T = max(len(t) for t in tokens)
         dev = self.head.fc.weight.device

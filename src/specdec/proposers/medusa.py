@@ -25,18 +25,19 @@ class MedusaProposer:
         self.paths = [p for p in tree if len(p) <= heads.n_heads]
         self.topk = 1 + max(r for p in self.paths for r in p)
         self.feat: dict[int, Tensor] = {}
+        self.dim = heads.target[0].config.dim                   # hidden may carry features after it
 
     def allocate(self, rows: int, slots: int) -> None:
         self.feat = {}
 
     def start(self, rows: Tensor, prompts: list[list[int]], hidden: Tensor) -> None:
         for i, (r, p) in enumerate(zip(rows.tolist(), prompts)):
-            self.feat[r] = hidden[i, len(p) - 2]                     # the last prompt token's feature
+            self.feat[r] = hidden[i, len(p) - 2, :self.dim]         # the last prompt token's final hidden state
 
     def commit(self, batch: ActiveBatch, verdict: Verdict, hidden: Tensor) -> None:
         last = verdict.path.gather(1, verdict.num_accepted[:, None])[:, 0]
         for i, r in enumerate(batch.rows.tolist()):
-            self.feat[r] = hidden[i, last[i]]
+            self.feat[r] = hidden[i, last[i], :self.dim]         # (wider when the target returns features)
 
     @torch.inference_mode()
     def propose(self, batch: ActiveBatch, k: int) -> Draft:

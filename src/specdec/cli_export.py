@@ -1,0 +1,50 @@
+"""`specdec export`: trained heads in the layouts vLLM and SGLang load."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .errors import SpecdecError
+from .models.registry import DEFAULT_MODEL
+
+
+def _target(model: str):
+    from .api import load_model
+    from .models.decoder import Transformer
+
+    target, _, _ = load_model(model, "float32")
+    if not isinstance(target, Transformer):
+        raise SpecdecError("export needs a lean GGUF target")
+    return target
+
+
+def cmd_export(a: argparse.Namespace) -> int:
+    from .api import shipped
+    from .export import export_eagle3, export_medusa
+
+    target = _target(a.model)
+    weights = Path(a.weights) if a.weights else shipped(target.config.name, a.kind)
+    if a.kind == "eagle3":
+        from .models.eagle3 import Eagle3Head
+
+        out = export_eagle3(Eagle3Head.load(weights, target), a.format, Path(a.out_dir), a.overwrite)
+    else:
+        from .models.medusa import MedusaHeads
+
+        out = export_medusa(MedusaHeads.load(weights, target), a.format, Path(a.out_dir), a.overwrite)
+    print(f"wrote {out / 'config.json'} and {out / 'model.safetensors'} ({a.format} layout)")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter]) -> None:
+    from .export import FORMATS
+
+    p = sub.add_parser("export", help="write a head in the layout vLLM / SGLang load (config.json + "
+                                      "model.safetensors)", formatter_class=fmt)
+    p.add_argument("kind", choices=("eagle3", "medusa"), help="which head")
+    p.add_argument("out_dir", help="output directory")
+    p.add_argument("--format", choices=FORMATS, default="vllm", help="target engine (medusa: vllm only)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="the target the head was trained for")
+    p.add_argument("--weights", default=None, help="head weights (.safetensors; default: the one shipped)")
+    p.add_argument("--overwrite", action="store_true", help="replace existing files in out_dir")
+    p.set_defaults(func=cmd_export)

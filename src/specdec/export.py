@@ -1,0 +1,126 @@
+"""Heads in the layouts the serving engines load, and EAGLE-3 heads from them.
+
+* EAGLE-3 -> vLLM (`LlamaForCausalLMEagle3`, also `Eagle3LlamaForCausalLM` there) and SGLang
+  (`LlamaForCausalLMEagle3`): `config.json` (a Llama config with one hidden layer, `draft_vocab_size`,
+  `eagle_aux_hidden_state_layer_ids`) and `model.safetensors` with `fc.weight` [H, 3H],
+  `midlayer.*` (q/k/v_proj take 2H inputs), `norm.weight`, `lm_head.weight` [draft_vocab, H],
+  `d2t` [draft_vocab] (target id - draft id) and `t2d` [vocab] (bool: the token is drafted).
+  Token embeddings are left out: both engines take the target's.
+* Medusa -> vLLM (`MedusaModel`): `blocks.{h}.layers.0.{weight,bias}`, `lm_heads.{h}.weight`
+  [truncated_vocab, H] and `token_map` (the reduced vocabulary's target ids).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .errors import SpecdecError
+from .models.decoder import Transformer
+from .models.eagle3 import Eagle3Config, Eagle3Head
+from .models.medusa import MedusaHeads
+
+FORMATS = ("vllm", "sglang")
+EAGLE3_ARCH = "LlamaForCausalLMEagle3"
+MEDUSA_ARCH = "MedusaModel"
+
+
+def _write(out: Path, config: dict, tensors: dict[str, Tensor], overwrite: bool) -> Path:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "model.safetensors"):
+        if (out / name).exists() and not overwrite:
+            raise SpecdecError(f"{out / name} exists; pass --overwrite to replace it")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def eagle3_config(head: Eagle3Head, fmt: str, dtype: str = "bfloat16") -> dict:
+    """The Llama config vLLM / SGLang read for an EAGLE-3 head."""
+    c = head.cfg
+    if fmt not in FORMATS:
+        raise SpecdecError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    return {"architectures": [EAGLE3_ARCH], "model_type": "llama", "hidden_size": c.dim,
+            "intermediate_size": c.hidden_dim, "num_attention_heads": c.n_heads,
+            "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim, "num_hidden_layers": 1,
+            "rms_norm_eps": c.norm_eps, "rope_theta": c.rope_base, "max_position_embeddings": c.max_seq_len,
+            "hidden_act": "silu", "vocab_size": c.target_vocab, "draft_vocab_size": c.draft_vocab,
+            "tie_word_embeddings": False, "attention_bias": False, "torch_dtype": dtype,
+            "target_hidden_size": c.dim, "eagle_aux_hidden_state_layer_ids": list(c.aux_layers),
+            "eagle_config": {"use_aux_hidden_state": True,
+                             "eagle_aux_hidden_state_layer_ids": list(c.aux_layers)}}
+
+
+def eagle3_tensors(head: Eagle3Head) -> dict[str, Tensor]:
+    sd = {k: v.detach().to(torch.bfloat16) for k, v in head.state_dict().items() if k != "vocab_ids"}
+    ids = head.vocab_ids.long().cpu()
+    sd["d2t"] = ids - torch.arange(len(ids))
+    t2d = torch.zeros(head.cfg.target_vocab, dtype=torch.bool)
+    t2d[ids] = True
+    sd["t2d"] = t2d
+    return sd
+
+
+def export_eagle3(head: Eagle3Head, fmt: str, out: Path, overwrite: bool = False) -> Path:
+    return _write(out, eagle3_config(head, fmt), eagle3_tensors(head), overwrite)
+
+
+def export_medusa(heads: MedusaHeads, fmt: str, out: Path, overwrite: bool = False) -> Path:
+    if fmt != "vllm":
+        raise SpecdecError(f"Medusa heads export to vllm only, not {fmt!r}")
+    t = heads.target[0]
+    K, H = heads.n_heads, t.config.dim
+    lm = heads.lm_weight().detach().to(torch.bfloat16)
+    sd: dict[str, Tensor] = {"token_map": heads.vocab_ids.long().cpu()}
+    for k in range(K):
+        sd[f"blocks.{k}.layers.0.weight"] = heads.w[k].detach().to(torch.bfloat16)
+        sd[f"blocks.{k}.layers.0.bias"] = heads.b[k].detach().to(torch.bfloat16)
+        sd[f"lm_heads.{k}.weight"] = lm.clone()
+    config = {"architectures": [MEDUSA_ARCH], "model_type": "medusa", "hidden_size": H,
+              "vocab_size": t.config.vocab_size, "truncated_vocab_size": len(heads.vocab_ids), "num_heads": K,
+              "num_hidden_layers": 1, "medusa_fc_bias": True, "max_paths": 64, "topk": 10}
+    return _write(out, config, sd, overwrite)
+
+
+def import_eagle3(path: Path, target: Transformer) -> Eagle3Head:
+    """An EAGLE-3 head in vLLM / SGLang layout (a directory with config.json and *.safetensors) on
+    `target`, checked against the target's shapes."""
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    cfg_file = p / "config.json"
+    files = sorted(p.glob("*.safetensors"))
+    if not cfg_file.is_file() or not files:
+        raise SpecdecError(f"{p} is not an EAGLE-3 export (needs config.json and *.safetensors)")
+    raw = json.loads(cfg_file.read_text())
+    tc = target.config
+    L = tc.n_layers
+    aux = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids") or [2, L // 2, L - 3]
+    want = {"hidden_size": tc.dim, "vocab_size": tc.vocab_size, "num_attention_heads": tc.n_heads,
+            "num_key_value_heads": tc.n_kv_heads}
+    bad = {k: (raw.get(k), v) for k, v in want.items() if raw.get(k) != v}
+    if bad:
+        raise SpecdecError(f"{p} was made for another target: " +
+                           ", ".join(f"{k} {a} (target: {b})" for k, (a, b) in bad.items()))
+    if int(raw.get("num_hidden_layers", 1)) != 1 or len(aux) != 3 or not all(1 <= i < L for i in aux):
+        raise SpecdecError(f"{p}: only one-layer heads over three aux layers in 1..{L - 1} load here")
+    sd: dict[str, Tensor] = {}
+    for f in files:
+        sd.update(load_file(str(f)))
+    draft_vocab = int(raw.get("draft_vocab_size") or tc.vocab_size)
+    d2t = sd.pop("d2t", torch.zeros(draft_vocab, dtype=torch.long)).long()
+    sd.pop("t2d", None)
+    sd.pop("embed_tokens.weight", None)
+    sd = {k.removeprefix("model."): v for k, v in sd.items()}
+    cfg = Eagle3Config(tc.dim, tc.n_heads, tc.n_kv_heads, int(raw.get("head_dim", tc.head_dim)),
+                       int(raw["intermediate_size"]), float(raw.get("rms_norm_eps", tc.norm_eps)),
+                       float(raw.get("rope_theta", tc.rope_base)), tc.max_seq_len, tc.vocab_size, draft_vocab,
+                       tuple(int(i) for i in aux))
+    sd["vocab_ids"] = d2t + torch.arange(draft_vocab)
+    return Eagle3Head.from_state(target, cfg, sd, str(p))

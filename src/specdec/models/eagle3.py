@@ -1,0 +1,229 @@
+"""An EAGLE-3 draft head (Li et al. 2025): fused low/middle/high target features, trained as it is used.
+
+At a committed position i the head reads g_i = fc([a_i^low; a_i^mid; a_i^high]) (the target's
+residual stream entering three layers) and the next token x_{i+1}; one decoder layer whose q/k/v
+take [norm(embed(x_{i+1})); norm(g_i)] (2H wide) gives h_i, and the head's own norm and
+reduced-vocabulary LM head turn h_i into draft logits for x_{i+2}. Drafting deeper, h_i stands in
+for the target's feature at the next position (no feature regression: the head learns what its own
+h should be by training-time test, see train/eagle3.py).
+
+Parameter names follow the layout vLLM's `LlamaForCausalLMEagle3` and SGLang load (`fc`,
+`midlayer.*`, `norm`, `lm_head`), so export is a rename-free copy (`specdec export`). The head
+drafts over `vocab_ids` (draft id -> target id; exported as d2t offsets). Token embeddings are the
+target's, frozen.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..cache import KVCache
+from ..errors import SpecdecError
+from .decoder import Transformer, apply_rope, rope_tables
+from .eagle import read_weights, target_fingerprint
+from .kernels import linear, pack, packed_linear_available
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden_dim: int
+    norm_eps: float
+    rope_base: float
+    max_seq_len: int
+    target_vocab: int
+    draft_vocab: int
+    aux_layers: tuple[int, ...]          # the residual stream entering these target layers (vLLM's ids)
+
+    @staticmethod
+    def for_target(target: Transformer, draft_vocab: int) -> "Eagle3Config":
+        c = target.config
+        L = c.n_layers
+        return Eagle3Config(c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.hidden_dim, c.norm_eps, c.rope_base,
+                            c.max_seq_len, c.vocab_size, draft_vocab, (2, L // 2, L - 3))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: Eagle3Config) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(2 * c.dim, c.n_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * c.dim, c.n_kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * c.dim, c.n_kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
+
+
+class MLP(nn.Module):
+    def __init__(self, c: Eagle3Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(c.dim, c.hidden_dim, bias=False)
+        self.up_proj = nn.Linear(c.dim, c.hidden_dim, bias=False)
+        self.down_proj = nn.Linear(c.hidden_dim, c.dim, bias=False)
+
+
+class MidLayer(nn.Module):
+    def __init__(self, c: Eagle3Config) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.dim, c.norm_eps)
+        self.hidden_norm = RMSNorm(c.dim, c.norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.dim, c.norm_eps)
+        self.mlp = MLP(c)
+
+
+class Eagle3Head(nn.Module):
+    def __init__(self, target: Transformer, cfg: Eagle3Config, vocab_ids: Tensor) -> None:
+        super().__init__()
+        if len(vocab_ids) != cfg.draft_vocab:
+            raise ValueError(f"{len(vocab_ids)} vocab ids for a draft vocabulary of {cfg.draft_vocab}")
+        self.cfg = cfg
+        self.fc = nn.Linear(len(cfg.aux_layers) * cfg.dim, cfg.dim, bias=False)
+        self.midlayer = MidLayer(cfg)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.draft_vocab, bias=False)
+        self.register_buffer("vocab_ids", vocab_ids.long().clone())
+        cos, sin = rope_tables(cfg.head_dim, cfg.rope_base, cfg.max_seq_len)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        self.target = [target]                                 # not a submodule: frozen, never saved
+        self.packed: dict[str, object] = {}
+
+    @property
+    def tgt(self) -> Transformer:
+        return self.target[0]
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target layers (0-based) whose outputs are the aux features: the stream entering aux_layers."""
+        return tuple(i - 1 for i in self.cfg.aux_layers)
+
+    def init_from_target(self) -> "Eagle3Head":
+        """Start the LM head from the target's rows of the draft vocabulary, the rest small and random."""
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight") or "layernorm" in name:
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0, 0.02)
+            t = self.tgt
+            w = t.output if t.output.numel() else t.embed
+            self.lm_head.weight.copy_(w[self.vocab_ids].float())
+        return self
+
+    def _lin(self, x: Tensor, module: nn.Linear, name: str) -> Tensor:
+        return linear(x, module.weight, self.packed, name) if self.packed else module(x)
+
+    # ---- the pieces ------------------------------------------------------------------
+    def input_features(self, target_hidden: Tensor) -> Tensor:
+        """Target output with features [.., H*(1+3)] -> the fused feature g [.., H]."""
+        H = self.cfg.dim
+        return self._lin(target_hidden[..., H:].to(self.fc.weight.dtype), self.fc, "fc")
+
+    def qkv(self, tokens: Tensor, hidden: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q [B, nh, T, hd], k, v [B, nkv, T, hd] (float32, rope applied) for tokens/positions [B, T]
+        and input features hidden [B, T, H]."""
+        c, a = self.cfg, self.midlayer.self_attn
+        B, T = tokens.shape
+        e = self.tgt.embed_tokens(tokens).to(hidden.dtype)
+        x = torch.cat([self.midlayer.input_layernorm(e), self.midlayer.hidden_norm(hidden)], -1)   # [B, T, 2H]
+        q = self._lin(x, a.q_proj, "q").float().view(B, T, c.n_heads, c.head_dim).transpose(1, 2)
+        k = self._lin(x, a.k_proj, "k").float().view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        v = self._lin(x, a.v_proj, "v").float().view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]       # [B, 1, T, hd]
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def finish(self, hidden: Tensor, o: Tensor) -> Tensor:
+        """Attention output o [B, nh, T, hd] -> the layer's output h [B, T, H] (before the final norm)."""
+        m = self.midlayer
+        B, _, T, _ = o.shape
+        x = hidden + self._lin(o.transpose(1, 2).reshape(B, T, -1).to(hidden.dtype), m.self_attn.o_proj, "o")
+        h = m.post_attention_layernorm(x)
+        gate, up = self._lin(h, m.mlp.gate_proj, "gate"), self._lin(h, m.mlp.up_proj, "up")
+        return x + self._lin(F.silu(gate) * up, m.mlp.down_proj, "down")
+
+    def logits(self, h: Tensor) -> Tensor:
+        """Draft logits over the reduced vocabulary [.., V'] (float32)."""
+        return self._lin(self.norm(h), self.lm_head, "lm_head").float()
+
+    # ---- inference with a cache ------------------------------------------------------
+    def new_cache(self, rows: int, slots: int) -> KVCache:
+        c = self.cfg
+        return KVCache(1, rows, c.n_kv_heads, min(slots, c.max_seq_len), c.head_dim, torch.float32,
+                       self.fc.weight.device)
+
+    def forward(self, tokens: Tensor, hidden: Tensor, positions: Tensor, cache: KVCache, rows: Tensor,
+                tree_mask: Tensor | None = None) -> Tensor:
+        """tokens/positions [B, T], input features hidden [B, T, H] -> h [B, T, H]; writes T scratch slots
+        after each row's committed ones (tree_mask [B, T, T] among them; None: causal)."""
+        c = self.cfg
+        B, T = tokens.shape
+        cache.check_room(rows, T)
+        q, k, v = self.qkv(tokens, hidden, positions)
+        cache.write(0, rows, k, v)
+        lengths = cache.lengths[rows]
+        kv_len = int(lengths.max()) + T
+        kc, vc = cache.read(0, rows, kv_len, False)                               # [B, nkv, S, hd]
+        if tree_mask is None:
+            tree_mask = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril().expand(B, T, T)
+        j = torch.arange(kv_len, device=tokens.device)
+        vis = (j[None, None, :] < lengths[:, None, None]).expand(B, T, kv_len).clone()
+        scratch = lengths[:, None] + torch.arange(T, device=tokens.device)          # [B, T]
+        vis.scatter_(2, scratch[:, None, :].expand(B, T, T), tree_mask)
+        o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=vis[:, None], scale=c.head_dim ** -0.5,
+                                           enable_gqa=c.n_kv_heads != c.n_heads)
+        return self.finish(hidden, o)
+
+    def prepare(self, dtype: torch.dtype) -> "Eagle3Head":
+        """Inference set-up: cast to the target's dtype and prepack the linears on CPU."""
+        self.to(dtype).eval().requires_grad_(False)
+        self.cos, self.sin = self.cos.float(), self.sin.float()
+        if packed_linear_available(self.fc.weight.device):
+            a, m = self.midlayer.self_attn, self.midlayer.mlp
+            mods = {"fc": self.fc, "q": a.q_proj, "k": a.k_proj, "v": a.v_proj, "o": a.o_proj,
+                    "gate": m.gate_proj, "up": m.up_proj, "down": m.down_proj, "lm_head": self.lm_head}
+            self.packed = {n: pack(mod.weight) for n, mod in mods.items()}
+        return self
+
+    # ---- persistence -------------------------------------------------------------------
+    def save(self, path: Path, meta: dict) -> None:
+        from safetensors.torch import save_file
+
+        sd = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in self.state_dict().items() if k != "vocab_ids"}
+        sd["vocab_ids"] = self.vocab_ids.to(torch.int32)
+        cfg = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self.cfg).items()}
+        info = {"kind": "eagle3", "config": json.dumps(cfg), "target": target_fingerprint(self.tgt),
+                **{k: str(v) for k, v in meta.items()}}
+        save_file(sd, str(path), metadata=info)
+
+    @staticmethod
+    def load(path: Path, target: Transformer) -> "Eagle3Head":
+        sd, meta = read_weights(path, "eagle3", target)
+        raw = json.loads(meta["config"])
+        cfg = Eagle3Config(**{**raw, "aux_layers": tuple(raw["aux_layers"])})
+        return Eagle3Head.from_state(target, cfg, sd, str(path))
+
+    @staticmethod
+    def from_state(target: Transformer, cfg: Eagle3Config, sd: dict[str, Tensor], source: str) -> "Eagle3Head":
+        """A ready head from tensors in our names (vocab_ids among them)."""
+        head = Eagle3Head(target, cfg, sd.pop("vocab_ids").long())
+        missing, unexpected = head.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
+        if unexpected or [m for m in missing if m != "vocab_ids"]:
+            raise SpecdecError(f"{source} does not fit an EAGLE-3 head: missing {missing}, unexpected {unexpected}")
+        return head.prepare(target.dtype)

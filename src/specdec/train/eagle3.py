@@ -1,0 +1,192 @@
+"""`specdec train eagle3`: an EAGLE-3 head trained with training-time test.
+
+Per window of a self-generated conversation, step 0 is teacher-forced: at position j the head reads
+the fused target feature g_j and token x_{j+1} and predicts the target's distribution of x_{j+2}
+(soft cross-entropy over the draft vocabulary; no feature regression). Step s >= 1 feeds the head
+its own output of step s-1 at position j-1 in place of g_{j-1}'s successor, exactly as drafting
+does, and its query attends to what it would see while drafting: step-0 keys up to j-s, then the
+key of step r at position j-s+r for r = 1..s. Loss weights decay 0.8^s. Validation rows (every 20th
+row, by key) are never trained on; acceptance per position per category is reported on them.
+"""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from tqdm import tqdm
+
+from ..errors import SpecdecError
+from ..models.decoder import Transformer
+from ..models.eagle3 import Eagle3Config, Eagle3Head
+from .features import begin, vocab_subset
+from .loop import Checkpoint, train_loop
+from .magpie import Row, read_shards
+
+STEP_DECAY = 0.8
+
+
+@torch.inference_mode()
+def extract_aux(target: Transformer, seqs: list[list[int]], piece: int = 256) -> list[Tensor]:
+    """Per sequence, the target's final-normed hidden states and aux features [T, H*(1+n)] (bfloat16),
+    through the prefill path (one sequence per forward, in pieces of `piece` tokens)."""
+    out: list[Tensor] = []
+    cache = target.new_cache(1, max(len(s) for s in seqs))
+    row = torch.zeros(1, dtype=torch.long)
+    bar = tqdm(total=sum(len(s) for s in seqs), desc="features", unit="tok", unit_scale=True)
+    for s in seqs:
+        cache.truncate(row, torch.zeros(1, dtype=torch.long))
+        parts = []
+        for a in range(0, len(s), piece):
+            toks = torch.tensor(s[a:a + piece])[None]
+            h = target.prefill(toks, torch.arange(a, a + toks.shape[1])[None], cache, row)
+            cache.commit(row, torch.arange(toks.shape[1])[None], torch.tensor([toks.shape[1]]))
+            parts.append(h[0].to(torch.bfloat16))
+        out.append(torch.cat(parts))
+        bar.update(len(s))
+    bar.close()
+    return out
+
+
+def _repeat_kv(x: Tensor, n: int) -> Tensor:
+    return x.repeat_interleave(n, dim=1) if n > 1 else x
+
+
+def _shift(x: Tensor, by: int) -> Tensor:
+    """x [B, h, T, d] moved `by` positions later along T (zeros in front)."""
+    return x if by == 0 else torch.cat([torch.zeros_like(x[:, :, :by]), x[:, :, :-by]], 2)
+
+
+def ttt_unroll(head: Eagle3Head, toks: Tensor, feats: Tensor, steps: int) -> list[Tensor]:
+    """The head's outputs h [B, W-1, H] of each training-time-test step for tokens [B, W] and target
+    features [B, W, H*(1+n)]: entry s, position j is what drafting computes at draft position s+1 when
+    position j-s is the last one with target features and the tokens after it are the given ones."""
+    c = head.cfg
+    B, W = toks.shape[0], toks.shape[1] - 1
+    j = torch.arange(W)
+    tok_in, pos = toks[:, 1:], j.expand(B, W)
+    hidden = head.input_features(feats[:, :-1])                                 # g_j  [B, W, H]
+    rep, scale = c.n_heads // c.n_kv_heads, c.head_dim ** -0.5
+    keys: list[Tensor] = []
+    values: list[Tensor] = []
+    outs: list[Tensor] = []
+    for s in range(steps):
+        q, k, v = head.qkv(tok_in, hidden, pos)                                # [B, nh|nkv, W, hd]
+        keys.append(_repeat_kv(k, rep))
+        values.append(_repeat_kv(v, rep))
+        s0 = (q @ keys[0].transpose(-1, -2)) * scale                           # [B, nh, W, W]
+        s0 = s0.masked_fill(~(j[None, :] <= j[:, None] - s), float("-inf"))    # step-0 keys up to j-s
+        diag = [(q * _shift(keys[r], s - r)).sum(-1, keepdim=True) * scale     # step r's key at j-s+r
+                for r in range(1, s + 1)]
+        att = torch.softmax(torch.cat([s0, *diag], -1), -1)
+        o = att[..., :W] @ values[0]
+        for r in range(1, s + 1):
+            o = o + att[..., W + r - 1:W + r] * _shift(values[r], s - r)
+        h = head.finish(hidden, o)                                             # [B, W, H]
+        outs.append(h)
+        hidden = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1)         # position j reads h_{j-1}
+    return outs
+
+
+def ttt_losses(head: Eagle3Head, toks: Tensor, feats: Tensor, lens: Tensor, w_sub: Tensor,
+               steps: int) -> tuple[Tensor, list[float]]:
+    """toks [B, W], feats [B, W, H*(1+n)] (final hidden, then aux), lens [B] -> (loss, top-1 agreement
+    with the target per step: the greedy acceptance at draft position s+1 given the earlier ones)."""
+    H, W = head.cfg.dim, toks.shape[1] - 1
+    j = torch.arange(W)
+    valid = (j[None] + 1 < lens[:, None])                                     # p_{j+1} exists  [B, W]
+    with torch.no_grad():
+        p = torch.softmax(feats[:, 1:, :H].float() @ w_sub.T, -1)              # [B, W, V'] target of x_{j+2}
+        p_arg = p.argmax(-1)
+    loss, accs = torch.zeros(()), []
+    for s, h in enumerate(ttt_unroll(head, toks, feats, steps)):
+        logq = torch.log_softmax(head.logits(h).float(), -1)
+        m = (valid & (j[None] >= s)).float()
+        n = m.sum().clamp(min=1)
+        loss = loss + STEP_DECAY ** s * (-(p * logq).sum(-1) * m).sum() / n
+        accs.append(float(((logq.argmax(-1) == p_arg).float() * m).sum() / n))
+    return loss, accs
+
+
+def _windows(seqs: list[list[int]], feats: list[Tensor], idx: list[int], window: int,
+             rng: random.Random) -> tuple[Tensor, Tensor, Tensor]:
+    """tokens [B, W], features [B, W, F] (right-padded) and lengths [B] of random windows."""
+    W = min(window, max(len(seqs[i]) for i in idx))
+    toks = torch.zeros(len(idx), W, dtype=torch.long)
+    f = torch.zeros(len(idx), W, feats[idx[0]].shape[-1], dtype=torch.bfloat16)
+    lens = torch.zeros(len(idx), dtype=torch.long)
+    for r, i in enumerate(idx):
+        n = len(seqs[i])
+        a = rng.randrange(0, max(1, n - W + 1))
+        m = min(W, n - a)
+        toks[r, :m] = torch.tensor(seqs[i][a:a + m])
+        f[r, :m] = feats[i][a:a + m]
+        lens[r] = m
+    return toks, f, lens
+
+
+@torch.no_grad()
+def validate(head: Eagle3Head, seqs, feats, by_cat: dict[str, list[int]], window: int, w_sub: Tensor,
+             steps: int, batch: int = 8) -> dict[str, list[float]]:
+    """Top-1 agreement per draft position, per category, on the validation rows."""
+    out = {}
+    for cat, idx in sorted(by_cat.items()):
+        accs = []
+        for i in range(0, len(idx), batch):
+            toks, f, lens = _windows(seqs, feats, idx[i:i + batch], window, random.Random(i))
+            accs.append(ttt_losses(head, toks, f.float(), lens, w_sub, steps)[1])
+        out[cat] = [round(sum(a[k] for a in accs) / len(accs), 4) for k in range(steps)]
+    return out
+
+
+def train_eagle3(model: str, data: Path, out: Path, minutes: float, vocab_size: int, window: int, batch: int,
+                 lr: float, max_seq: int, steps: int, overwrite: bool, max_rows: int = 0, seed: int = 0) -> dict:
+    target, name, rng = begin(model, out, overwrite, seed)
+    if not isinstance(target, Transformer):
+        raise SpecdecError("EAGLE-3 training needs a lean GGUF target")
+    rows: list[Row] = read_shards(data)
+    if not rows:
+        raise SpecdecError(f"no magpie-*.npz shards in {data}; write some with `specdec train magpie`")
+    rows = rows[:max_rows] if max_rows > 0 else rows
+    seqs = [r.tokens[:max_seq] for r in rows]
+    cfg = Eagle3Config.for_target(target, min(vocab_size, target.vocab_size))
+    ids = vocab_subset(seqs, cfg.draft_vocab, target.vocab_size)
+    head = Eagle3Head(target, cfg, ids).init_from_target()
+    target.features(head.feature_layers)
+    cache_file = data / f"features3-{len(seqs)}-{max_seq}-{'-'.join(map(str, cfg.aux_layers))}.pt"
+    if cache_file.exists():
+        feats = torch.load(cache_file, weights_only=True)
+    else:
+        feats = extract_aux(target, seqs)
+        torch.save(feats, cache_file)
+    train_idx = [i for i, r in enumerate(rows) if not r.validation]
+    val_by_cat: dict[str, list[int]] = {}
+    for i, r in enumerate(rows):
+        if r.validation:
+            val_by_cat.setdefault(r.category, []).append(i)
+    w = target.output if target.output.numel() else target.embed
+    w_sub = w[ids].float().detach()
+    head.train()
+
+    def step_fn() -> tuple[Tensor, dict[str, str]]:
+        idx = rng.sample(train_idx, min(batch, len(train_idx)))
+        toks, f, lens = _windows(seqs, feats, idx, window, rng)
+        loss, accs = ttt_losses(head, toks, f.float(), lens, w_sub, steps)
+        return loss, {f"acc{k + 1}": f"{a:.2f}" for k, a in enumerate(accs)}
+
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    ckpt = Checkpoint(out, head, opt)
+    n_steps, spent = train_loop("train eagle3", params, opt, lr, minutes, ckpt, step_fn)
+    head.eval()
+    report = {"target": name, "rows": len(rows), "train_rows": len(train_idx),
+              "tokens": sum(len(s) for s in seqs), "steps": n_steps, "minutes": spent,
+              "draft_vocab": cfg.draft_vocab, "aux_layers": list(cfg.aux_layers), "ttt_steps": steps,
+              "validation_top1_agreement_per_position": validate(head, seqs, feats, val_by_cat, window, w_sub, steps)}
+    head.save(out, {"report": json.dumps(report)})
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    ckpt.done()
+    return report

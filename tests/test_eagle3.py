@@ -1,0 +1,194 @@
+"""EAGLE-3 heads: training-time test computes what drafting computes."""
+from __future__ import annotations
+
+import torch
+
+from helpers import tiny_model
+from specdec.models.eagle3 import Eagle3Config, Eagle3Head
+from specdec.train.eagle3 import ttt_unroll
+
+
+def _head(seed: int = 0, vocab: int = 97, ids: torch.Tensor = torch.arange(0, 80, 2)) -> tuple[object, Eagle3Head]:
+    target = tiny_model(seed=seed, layers=6, vocab=vocab, std=0.5 if vocab < 97 else 0.3)
+    torch.manual_seed(seed)
+    cfg = Eagle3Config.for_target(target, len(ids))
+    head = Eagle3Head(target, cfg, ids).init_from_target()
+    for p in head.parameters():                       # larger weights: attention patterns that matter
+        p.data.normal_(0, 0.2)
+    target.features(head.feature_layers)
+    return target, head.eval()
+
+
+def _target_features(target, toks):
+    cache = target.new_cache(1, 64)
+    T = toks.shape[1]
+    return target(toks, torch.arange(T)[None], cache, torch.tensor([0]))
+
+
+@torch.no_grad()
+def test_training_time_test_matches_drafting_step_by_step():
+    target, head = _head()
+    toks = torch.tensor([[5, 17, 3, 44, 90, 12, 7, 61, 33, 2, 80, 15]])
+    feats = _target_features(target, toks)                                   # [1, T, 4H]
+    outs = ttt_unroll(head, toks, feats, steps=4)
+    W = toks.shape[1] - 1
+    for last in (0, 3, 6):                              # position with target features; drafting from it
+        cache = head.new_cache(1, 32)
+        rows = torch.tensor([0])
+        n = last + 1                                    # committed pairs (g_i, x_{i+1}) for i <= last
+        h = head(toks[:, 1:n + 1], head.input_features(feats[:, :n]), torch.arange(n)[None], cache, rows)
+        cache.commit(rows, torch.arange(n)[None], torch.tensor([n]))
+        assert torch.allclose(h[0, -1], outs[0][0, last], atol=1e-4)
+        prev = h[:, -1:]
+        for s in range(1, 4):                           # draft step s at position last+s
+            j = last + s
+            if j >= W:
+                break
+            prev = head(toks[:, j + 1:j + 2], prev, torch.tensor([[j]]), cache, rows)
+            cache.commit(rows, torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]))
+            assert torch.allclose(prev[0, 0], outs[s][0, j], atol=1e-4), (last, s)
+
+
+@torch.no_grad()
+def test_unrolled_steps_differ_from_teacher_forcing():
+    """Step s >= 1 really reads the head's own outputs (a mutant feeding g again would pass the test above
+    only at step 0)."""
+    target, head = _head(seed=1)
+    toks = torch.tensor([[5, 17, 3, 44, 90, 12, 7, 61]])
+    outs = ttt_unroll(head, toks, _target_features(target, toks), steps=3)
+    assert not torch.allclose(outs[0][0, 3:], outs[1][0, 3:], atol=1e-3)
+
+
+# ---- export / import ---------------------------------------------------------------------
+def test_export_has_the_names_and_shapes_vllm_and_sglang_load(tmp_path):
+    """What vLLM's llama_eagle3.py and SGLang's llama_eagle3.py read: midlayer.* (q/k/v over 2H), fc [H, 3H],
+    norm, lm_head [draft_vocab, H], d2t as target-minus-draft offsets, t2d as a bool mask, a Llama config
+    with draft_vocab_size and eagle_aux_hidden_state_layer_ids."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from specdec.export import export_eagle3
+
+    target, head = _head()
+    H, c = target.config.dim, head.cfg
+    for fmt in ("vllm", "sglang"):
+        out = export_eagle3(head, fmt, tmp_path / fmt)
+        sd = load_file(str(out / "model.safetensors"))
+        cfg = json.loads((out / "config.json").read_text())
+        assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+        assert cfg["num_hidden_layers"] == 1 and cfg["draft_vocab_size"] == 40 and cfg["vocab_size"] == 97
+        assert cfg["eagle_aux_hidden_state_layer_ids"] == list(c.aux_layers) and not cfg["tie_word_embeddings"]
+        assert sd["fc.weight"].shape == (H, 3 * H)
+        q_out = c.n_heads * c.head_dim
+        assert sd["midlayer.self_attn.q_proj.weight"].shape == (q_out, 2 * H)
+        assert sd["midlayer.self_attn.k_proj.weight"].shape == (c.n_kv_heads * c.head_dim, 2 * H)
+        for n in ("midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+                  "midlayer.post_attention_layernorm.weight", "midlayer.mlp.gate_proj.weight",
+                  "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight", "midlayer.self_attn.o_proj.weight",
+                  "norm.weight"):
+            assert n in sd, n
+        assert sd["lm_head.weight"].shape == (40, H)
+        assert torch.equal(sd["d2t"] + torch.arange(40), torch.arange(0, 80, 2))
+        assert sd["t2d"].dtype == torch.bool and int(sd["t2d"].sum()) == 40 and bool(sd["t2d"][78])
+        assert not any("embed" in k for k in sd)
+
+
+@torch.no_grad()
+def test_an_exported_head_imports_onto_the_target_and_drafts_the_same(tmp_path):
+    from specdec.export import export_eagle3, import_eagle3
+
+    target, head = _head(seed=2)
+    out = export_eagle3(head, "vllm", tmp_path / "e3")
+    back = import_eagle3(out, target)
+    head.prepare(target.dtype)
+    toks = torch.tensor([[5, 17, 3, 44, 90, 12]])
+    feats = _target_features(target, toks)
+    a = head.logits(head(toks[:, 1:], head.input_features(feats[:, :-1]), torch.arange(5)[None],
+                         head.new_cache(1, 8), torch.tensor([0])))
+    b = back.logits(back(toks[:, 1:], back.input_features(feats[:, :-1]), torch.arange(5)[None],
+                         back.new_cache(1, 8), torch.tensor([0])))
+    assert torch.equal(back.vocab_ids, head.vocab_ids)
+    assert torch.allclose(a, b, atol=0.05, rtol=0.02)            # bf16 export of float32 weights
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_import_refuses_a_head_of_another_target(tmp_path):
+    import json
+
+    import pytest
+
+    from specdec.errors import SpecdecError
+    from specdec.export import export_eagle3, import_eagle3
+
+    target, head = _head()
+    out = export_eagle3(head, "sglang", tmp_path / "e3")
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["hidden_size"] = 4096
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SpecdecError, match="another target: hidden_size 4096"):
+        import_eagle3(out, target)
+    with pytest.raises(SpecdecError, match="not an EAGLE-3 export"):
+        import_eagle3(tmp_path, target)
+
+
+def test_medusa_export_matches_vllms_medusa_model(tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    from helpers import heads_for
+    from specdec.export import export_medusa
+
+    target = tiny_model(seed=0)
+    heads = heads_for(target, n=3, vocab=torch.arange(0, 60, 3))
+    out = export_medusa(heads, "vllm", tmp_path / "m")
+    sd = load_file(str(out / "model.safetensors"))
+    cfg = json.loads((out / "config.json").read_text())
+    H = target.config.dim
+    assert cfg["architectures"] == ["MedusaModel"] and cfg["num_heads"] == 3 and cfg["truncated_vocab_size"] == 20
+    assert cfg["medusa_fc_bias"] and cfg["num_hidden_layers"] == 1
+    for k in range(3):
+        assert sd[f"blocks.{k}.layers.0.weight"].shape == (H, H) and sd[f"blocks.{k}.layers.0.bias"].shape == (H,)
+        assert sd[f"lm_heads.{k}.weight"].shape == (20, H)
+    assert torch.equal(sd["token_map"], torch.arange(0, 60, 3))
+    # the block computes what our head computes: x + silu(W x + b)
+    f = torch.randn(H)
+    ours = heads.features(f)[1]
+    theirs = f + torch.nn.functional.silu(sd["blocks.1.layers.0.weight"].float() @ f + sd["blocks.1.layers.0.bias"].float())
+    assert torch.allclose(ours.float(), theirs, atol=0.05)
+
+
+# ---- drafting with the engine: lossless whatever the head ------------------------------
+import pytest  # noqa: E402
+
+from helpers import PROMPTS, V, check_joint, exact_joint, sample_engine, tiny_generator  # noqa: E402
+from specdec.proposers.eagle import EagleProposer  # noqa: E402
+from specdec.reference import reference_greedy  # noqa: E402
+from specdec.sampling import SamplingParams  # noqa: E402
+
+
+def _prepared(seed: int = 0, vocab: int = 97, ids: torch.Tensor = torch.arange(0, 80, 2)):
+    target, head = _head(seed, vocab, ids)
+    return target, head.prepare(target.dtype)
+
+
+@pytest.mark.parametrize("topk, depth, budget", [(1, 4, 4), (1, 2, 2), (3, 3, 8)])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_eagle3_greedy_equals_plain(topk, depth, budget, batch):
+    target, head = _prepared()
+    gen = tiny_generator(target, EagleProposer(head, topk, depth, budget, name="eagle3"), "fixed", depth)
+    for p, r in zip(PROMPTS[:batch], gen.generate(PROMPTS[:batch], max_new_tokens=30)):
+        assert r.tokens == reference_greedy(target, p, 30)
+
+
+@pytest.mark.slow        # 20,000 sequences: `make test`
+def test_eagle3_sampling_matches_exact_distribution():
+    """A chain (the tree path is the same proposer code, tested with EAGLE heads in test_eagle.py)."""
+    topk, depth, budget = 1, 3, 3
+    target, head = _prepared(seed=20, vocab=V, ids=torch.arange(0, V - 1))
+    params = SamplingParams(1.0, 6, 0.95)
+    prompt = [1, 2, 3]
+    samples = sample_engine(target, EagleProposer(head, topk, depth, budget, name="eagle3"), params, prompt,
+                            n=20_000, k=depth)
+    assert check_joint(samples, exact_joint(target, prompt, params)) > 1e-3
