@@ -116,12 +116,16 @@ def test_load_rejects_unknown_method_before_loading():
     (["generate"], "exactly one of --prompt"),
     (["generate", "--prompt-file", "/nonexistent/file.txt"], "prompt file not found"),
     (["generate", "--prompt", "hi", "--num-draft-tokens", "0", "--method", "ngram"], "num_draft_tokens"),
-    (["generate", "--prompt", "hi", "--method", "ngram", "--tree", "4x16"], "applies to method 'eagle' only"),
+    (["generate", "--prompt", "hi", "--method", "ngram", "--tree", "4x16"], "applies to methods 'eagle' and 'eagle3' only"),
     (["generate", "--prompt", "hi", "--method", "eagle", "--tree", "4by16"], "TOPKxBUDGET"),
     (["generate", "--prompt", "hi", "--method", "eagle", "--tree", "4x200"], "tree budget must be in"),
-    (["bench", "--methods", "ngram:4x16"], "applies to eagle only"),
+    (["bench", "--methods", "ngram:4x16"], "applies to eagle and eagle3 only"),
     (["train", "medusa", "--out", "/nonexistent-dir/x.safetensors", "--data", "/nonexistent-data"],
      "no training data"),
+    (["train", "eagle3", "--out", "/nonexistent-dir/x.safetensors", "--data", "/nonexistent-data"],
+     "no magpie-"),
+    (["export", "eagle3", "/nonexistent-dir/out", "--weights", "/nonexistent/head.safetensors"], "weights not found"),
+    (["export", "medusa", "/nonexistent-dir/out", "--format", "sglang"], "vllm only"),
 ])
 def test_cli_errors_are_messages_not_tracebacks(argv, msg, capsys):
     assert main(argv) == 2

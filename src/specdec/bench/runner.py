@@ -96,8 +96,8 @@ def parse_methods(specs: str | Sequence[str], draft_model: str | None) -> list[M
         method, _, draft = body.partition("=")
         method, _, shape = method.partition(":")
         tree = TreeShape.parse(shape) if shape else TreeShape()
-        if shape and method != "eagle":
-            raise SpecdecError(f"a tree shape ({item!r}) applies to eagle only")
+        if shape and method not in ("eagle", "eagle3"):
+            raise SpecdecError(f"a tree shape ({item!r}) applies to eagle and eagle3 only")
         if policy and policy not in POLICIES:
             raise SpecdecError(f"unknown draft policy {policy!r} in {item!r}; choose from: {', '.join(POLICIES)}")
         if method not in METHODS:

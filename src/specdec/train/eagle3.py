@@ -180,7 +180,13 @@ def train_eagle3(model: str, data: Path, out: Path, minutes: float, vocab_size: 
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     ckpt = Checkpoint(out, head, opt)
-    n_steps, spent = train_loop("train eagle3", params, opt, lr, minutes, ckpt, step_fn)
+    def progress() -> str:                     # a quick look: up to 16 validation rows per category
+        head.eval()
+        acc = validate(head, seqs, feats, {c: v[:16] for c, v in val_by_cat.items()}, window, w_sub, steps)
+        head.train()
+        return "validation top-1 agreement per position: " + json.dumps(acc)
+
+    n_steps, spent = train_loop("train eagle3", params, opt, lr, minutes, ckpt, step_fn, progress)
     head.eval()
     report = {"target": name, "rows": len(rows), "train_rows": len(train_idx),
               "tokens": sum(len(s) for s in seqs), "steps": n_steps, "minutes": spent,

@@ -49,16 +49,19 @@ class Checkpoint:
 
 
 def train_loop(desc: str, params: list[torch.nn.Parameter], opt: torch.optim.Optimizer, lr: float, minutes: float,
-               ckpt: Checkpoint, step_fn: Callable[[], tuple[torch.Tensor, dict[str, str]]]) -> tuple[int, float]:
+               ckpt: Checkpoint, step_fn: Callable[[], tuple[torch.Tensor, dict[str, str]]],
+               report: Callable[[], str] = lambda: "", report_every_s: float = 600.0) -> tuple[int, float]:
     """AdamW steps under a cosine learning rate (to 10% of `lr`) until the time budget is spent.
 
     `step_fn` draws a batch and returns (loss, progress-bar fields); it runs under bfloat16 autocast
-    (AVX-512 bf16 matmuls, fp32 master weights). Resumes from and writes `ckpt`. -> (steps, minutes).
+    (AVX-512 bf16 matmuls, fp32 master weights). Resumes from and writes `ckpt`. Every `report_every_s`
+    seconds the line `report()` returns (e.g. validation figures) is printed. -> (steps, minutes).
     """
     step, spent = ckpt.resume()
     budget = minutes * 60
     t0 = time.time() - spent
     bar = tqdm(desc=desc, unit="step", initial=step)
+    last_report = time.time()
     try:
         while (elapsed := time.time() - t0) < budget:
             for g in opt.param_groups:
@@ -73,6 +76,12 @@ def train_loop(desc: str, params: list[torch.nn.Parameter], opt: torch.optim.Opt
             bar.update(1)
             bar.set_postfix(loss=f"{float(loss.detach()):.3f}", **fields)
             ckpt.maybe_save(step, time.time() - t0)
+            if time.time() - last_report >= report_every_s:
+                with torch.no_grad():
+                    line = report()
+                if line:
+                    tqdm.write(f"step {step}: {line}")
+                last_report = time.time()
     except KeyboardInterrupt:
         ckpt.save(step, time.time() - t0)
         bar.close()
