@@ -273,12 +273,18 @@ def _draft_proposer(x: ProposerInputs) -> Proposer:
     return DraftModelProposer(draft)
 
 
+def _staged_proposer(x: ProposerInputs) -> Proposer:
+    from .proposers.staged import StagedProposer
+
+    return StagedProposer(_draft_proposer(x))
+
+
 def load_draft(x: ProposerInputs) -> CausalLM:
     """The draft model `x.source` names (or is), or the distilled draft shipped for the target."""
     source = x.source
     if source is None:
         if getattr(x.target, "config", None) is None or (x.target.config.name, "draft") not in SHIPPED:
-            raise SpecdecError("method 'draft' needs a draft model for this target: draft_model=NAME|PATH|"
+            raise SpecdecError("methods 'draft' and 'staged' need a draft model for this target: draft_model=NAME|PATH|"
                                "self:N (--draft-model), or train one with `specdec train draft`")
         source = str(shipped(x.target.config.name, "draft"))
     if not isinstance(source, str):
@@ -323,6 +329,7 @@ PROPOSER_BUILDERS: dict[str, Callable[[ProposerInputs], Proposer]] = {
     "eagle": lambda x: eagle_proposer(x.target, x.source, x.tree),
     "eagle3": lambda x: eagle3_proposer(x.target, x.source, x.tree),
     "medusa": _medusa_proposer,
+    "staged": _staged_proposer,
     "hybrid": _hybrid_proposer,
 }
 METHODS = tuple(PROPOSER_BUILDERS)
