@@ -205,7 +205,7 @@ def test_catches_a_tree_verifier_that_recovers_from_p_with_the_rejected_children
         redo = sample(p[rows, node], torch.rand(p.shape[0], generator=g))
         tokens = v.tokens.clone()
         tokens[rows, v.num_accepted] = torch.where(had_children, redo, tokens[rows, v.num_accepted])
-        return Verdict(v.num_accepted, tokens, v.path)
+        return Verdict(v.num_accepted, tokens, v.path, v.target_tokens)
 
     monkeypatch.setattr(engine_mod, "verify_tree", recover_from_p)
     model = target()

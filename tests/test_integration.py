@@ -11,6 +11,7 @@ from specdec.api import Generator, early_exit_draft, load_model, make_proposer
 from specdec.bench.suites import load_suite
 from specdec.proposers.base import NoProposer
 from specdec.proposers.draft_model import DraftModelProposer
+from specdec.proposers.lookahead import LookaheadProposer
 from specdec.proposers.ngram import NgramProposer
 from specdec.reference import reference_greedy
 from specdec.tree import TreeShape
@@ -54,13 +55,14 @@ def target_auto():
 
 @pytest.mark.exactness
 @pytest.mark.parametrize("dtype", ["float32", "auto"])
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "lookahead"])
 def test_speculation_is_lossless_on_real_prompts(request, method, dtype):
     """Token-identical to plain decoding, in float32 and in the dtype `auto` picks here."""
     model, tok = request.getfixturevalue("target" if dtype == "float32" else "target_auto")
     ps = prompts(12)
     plain = Generator(model, tok, NoProposer()).generate(ps, max_new_tokens=40)
-    proposer = NgramProposer() if method == "ngram" else DraftModelProposer(early_exit_draft(model, "self:10"))
+    proposer = {"ngram": NgramProposer, "lookahead": LookaheadProposer,
+                "draft": lambda: DraftModelProposer(early_exit_draft(model, "self:10"))}[method]()
     spec = Generator(model, tok, proposer, "fixed", 4).generate(ps, max_new_tokens=40)
     for a, b in zip(plain, spec):
         assert b.tokens == a.tokens and b.text == a.text
@@ -70,9 +72,9 @@ def test_speculation_is_lossless_on_real_prompts(request, method, dtype):
 @pytest.mark.exactness
 @pytest.mark.parametrize("method, tree", [("draft", TreeShape()), ("eagle", TreeShape()),
                                           ("eagle", TreeShape(4, 16)), ("medusa", TreeShape()),
-                                          ("hybrid", TreeShape())])
+                                          ("hybrid", TreeShape()), ("staged", TreeShape())])
 def test_shipped_drafts_are_lossless_on_real_prompts(target_auto, method, tree):
-    """The weights we ship (distilled draft, EAGLE chain and dynamic tree, Medusa static tree, hybrid), 12 real
+    """The weights we ship (distilled draft alone and staged, EAGLE chain and dynamic tree, Medusa static tree, hybrid), 12 real
     prompts batched, in the dtype `auto` picks on this machine."""
     model, tok = target_auto
     ps = prompts(12)

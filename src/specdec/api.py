@@ -241,7 +241,8 @@ class Generator:
 DraftSource = str | CausalLM | None
 """What a method drafts with: for `draft` a draft model (loaded, a registered name or GGUF path, `self:N`
 layers of the target, or a distilled `.safetensors`); for `eagle`, `hybrid`, `medusa` a head's weights
-file; None: the one shipped for the target. (The public flag keeps its name: `draft_model`.)"""
+file; for `lookahead` its shape "W,N,G"; None: the one shipped for the target (lookahead: its default shape).
+(The public flag keeps its name: `draft_model`.)"""
 
 
 @dataclass(frozen=True)
@@ -277,6 +278,14 @@ def _staged_proposer(x: ProposerInputs) -> Proposer:
     from .proposers.staged import StagedProposer
 
     return StagedProposer(_draft_proposer(x))
+
+
+def _lookahead_proposer(x: ProposerInputs) -> Proposer:
+    from .proposers.lookahead import LookaheadProposer, LookaheadShape
+
+    if x.source is not None and not isinstance(x.source, str):
+        raise SpecdecError("method 'lookahead' takes its shape W,N,G as draft_model (e.g. '2,3,2'), not a model")
+    return LookaheadProposer(LookaheadShape.parse(x.source) if x.source else LookaheadShape())
 
 
 def load_draft(x: ProposerInputs) -> CausalLM:
@@ -330,6 +339,7 @@ PROPOSER_BUILDERS: dict[str, Callable[[ProposerInputs], Proposer]] = {
     "eagle3": lambda x: eagle3_proposer(x.target, x.source, x.tree),
     "medusa": _medusa_proposer,
     "staged": _staged_proposer,
+    "lookahead": _lookahead_proposer,
     "hybrid": _hybrid_proposer,
 }
 METHODS = tuple(PROPOSER_BUILDERS)

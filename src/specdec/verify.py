@@ -133,6 +133,8 @@ class Verdict:
                                      # D: the deepest draft (a chain's K)
     path: Tensor                     # [B, D+1] the committed scored rows (0: the pending token, i: draft
                                      # i - 1), PAD after; a chain's is its prefix
+    target_tokens: Tensor            # [B, N] the target's own token after every scored row (drawn with that
+                                     # position's uniform; greedy: its argmax), for Jacobi-style proposers
 
     @property
     def num_new(self) -> Tensor:     # [B] tokens committed this step
@@ -154,7 +156,7 @@ def verify_point_masses(x: Tensor, p: Tensor, u_target: Tensor) -> Verdict:
     y = sample(p, u_target)                                                     # [B, K+1] the target's tokens
     follows = (x != PAD) & (x == y[:, :K])                                      # [B, K]
     num_accepted = follows.long().cumprod(-1).sum(-1)                           # [B]
-    return _chain_verdict(y, num_accepted)
+    return _chain_verdict(y, num_accepted, y)
 
 
 def verify_sampled(x: Tensor, q: Tensor, p: Tensor, u_target: Tensor, u_accept: Tensor) -> Verdict:
@@ -180,7 +182,7 @@ def verify_sampled(x: Tensor, q: Tensor, p: Tensor, u_target: Tensor, u_accept: 
     last = sample(final, u_target.gather(1, num_accepted[:, None])[:, 0])      # [B]
     y = torch.cat([x, torch.full((B, 1), PAD, dtype=x.dtype, device=x.device)], 1)
     y[rows, num_accepted] = last
-    return _chain_verdict(y, num_accepted)
+    return _chain_verdict(y, num_accepted, sample(p, u_target))
 
 
 def residual(p: Tensor, q: Tensor) -> Tensor:
@@ -191,12 +193,12 @@ def residual(p: Tensor, q: Tensor) -> Tensor:
     return torch.where(mass > 0, r / mass.clamp(min=1e-30), p)
 
 
-def _chain_verdict(y: Tensor, num_accepted: Tensor) -> Verdict:
+def _chain_verdict(y: Tensor, num_accepted: Tensor, target_tokens: Tensor) -> Verdict:
     """y [B, K+1] accepted drafts then the final token -> tokens and path, PAD after index num_accepted."""
     ar = torch.arange(y.shape[1], device=y.device).expand_as(y)
     kept = ar <= num_accepted[:, None]
     return Verdict(num_accepted, torch.where(kept, y, torch.full_like(y, PAD)),
-                   torch.where(kept, ar, torch.full_like(ar, PAD)))
+                   torch.where(kept, ar, torch.full_like(ar, PAD)), target_tokens)
 
 
 def verify_tree(tree: TokenTree, p: Tensor, u: Tensor) -> Verdict:
@@ -225,7 +227,7 @@ def verify_tree(tree: TokenTree, p: Tensor, u: Tensor) -> Verdict:
         node = torch.where(walking, nxt, node)
         out_path[:, d + 1] = torch.where(walking, node, out_path[:, d + 1])
         num += walking.long()
-    return Verdict(num, out_tok, out_path)
+    return Verdict(num, out_tok, out_path, y)
 
 
 def matching_child(tree: TokenTree, y: Tensor) -> Tensor:
