@@ -29,6 +29,7 @@ WEIGHTS_DIR = Path(__file__).parent / "weights"
 SHIPPED = {("smollm2-135m", "draft"): "draft-smollm2-135m.safetensors",
            ("smollm2-135m", "eagle"): "eagle-smollm2-135m.safetensors",
            ("smollm2-135m", "eagle3"): "eagle3-smollm2-135m.safetensors",
+           ("smollm2-135m", "exit"): "exit-smollm2-135m.safetensors",
            ("smollm2-135m", "medusa"): "medusa-smollm2-135m.safetensors"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DTYPE_CHOICES = ("auto", *DTYPES, "q4")  # auto: the fastest mode this machine computes exactly (see choose_dtype);
@@ -280,6 +281,22 @@ def _staged_proposer(x: ProposerInputs) -> Proposer:
     return StagedProposer(_draft_proposer(x))
 
 
+def _self_proposer(x: ProposerInputs) -> Proposer:
+    """The target's first N layers and a trained exit (`.safetensors` from `specdec train exit`; default: the one
+    shipped); `self:N` gives N layers and an untrained exit (the target's own final norm and head)."""
+    from .models.decoder import Transformer
+    from .models.early_exit import EarlyExitDraft
+
+    if not isinstance(x.target, Transformer):
+        raise SpecdecError("method 'self' needs a lean GGUF target")
+    if isinstance(x.source, str) and x.source.startswith("self:"):
+        return DraftModelProposer(early_exit_draft(x.target, x.source))
+    if x.source is not None and not isinstance(x.source, str):
+        raise SpecdecError("method 'self' takes an exit's weights file or self:N, not a model")
+    path = Path(x.source) if x.source else shipped(x.target.config.name, "exit")
+    return DraftModelProposer(EarlyExitDraft.load(path, x.target))
+
+
 def _lookahead_proposer(x: ProposerInputs) -> Proposer:
     from .proposers.lookahead import LookaheadProposer, LookaheadShape
 
@@ -340,6 +357,7 @@ PROPOSER_BUILDERS: dict[str, Callable[[ProposerInputs], Proposer]] = {
     "medusa": _medusa_proposer,
     "staged": _staged_proposer,
     "lookahead": _lookahead_proposer,
+    "self": _self_proposer,
     "hybrid": _hybrid_proposer,
 }
 METHODS = tuple(PROPOSER_BUILDERS)

@@ -71,6 +71,17 @@ def cmd_eagle3(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_exit(a: argparse.Namespace) -> int:
+    from .train.exit import train_exit
+
+    _check_target(a.model)
+    _check_numbers(a)
+    report = train_exit(a.model, Path(a.data or f"data/{a.model}"), Path(a.out), a.minutes, a.layers, a.vocab_size,
+                        a.batch, a.lr, a.max_seq, a.overwrite, a.max_rows)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
 def cmd_medusa(a: argparse.Namespace) -> int:
     from .train.medusa import train_medusa
 
@@ -98,7 +109,7 @@ def cmd_draft(a: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter]) -> None:
-    p = sub.add_parser("train", help="train drafts for a target (data, magpie, draft, eagle, eagle3, medusa)", formatter_class=fmt)
+    p = sub.add_parser("train", help="train drafts for a target (data, magpie, draft, eagle, eagle3, exit, medusa)", formatter_class=fmt)
     tsub = p.add_subparsers(dest="kind", required=True, metavar="KIND")
 
     d = tsub.add_parser("data", help="the target's own generations for training prompts (resumable shards)",
@@ -154,6 +165,22 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     e3.add_argument("--max-rows", type=int, default=0, help="use at most N conversations (0 = all)")
     e3.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     e3.set_defaults(func=cmd_eagle3)
+
+    x = tsub.add_parser("exit", help="the exit of a self-speculative draft (the target's first N layers; "
+                        "method self)", formatter_class=fmt)
+    x.add_argument("--model", default=DEFAULT_MODEL, help="target to train for")
+    x.add_argument("--data", default=None, help="magpie shard directory (default data/MODEL)")
+    x.add_argument("--out", required=True, help="output .safetensors (a .json report lands beside it; "
+                                                "a .ckpt beside it resumes an interrupted run)")
+    x.add_argument("--layers", type=int, required=True, help="N: the target layers the draft runs")
+    x.add_argument("--minutes", type=float, default=5.0, help="training time budget (after feature extraction)")
+    x.add_argument("--vocab-size", type=int, default=8192, help="reduced draft vocabulary (most frequent tokens)")
+    x.add_argument("--batch", type=int, default=1024, help="positions per step")
+    x.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (cosine to 10%%)")
+    x.add_argument("--max-seq", type=int, default=640, help="keep the first N tokens of each conversation")
+    x.add_argument("--max-rows", type=int, default=0, help="use at most N conversations (0 = all)")
+    x.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    x.set_defaults(func=cmd_exit)
 
     m = tsub.add_parser("medusa", help="Medusa heads (one per future position)", formatter_class=fmt)
     m.add_argument("--model", default=DEFAULT_MODEL, help="target to train for")

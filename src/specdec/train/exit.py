@@ -1,0 +1,84 @@
+"""`specdec train exit`: the exit of a self-speculative draft (the target's first N layers).
+
+Only the exit trains (a per-channel scale and an H x H projection onto the target's LM-head rows of a
+reduced vocabulary): soft cross-entropy to the target's next-token distribution, on the target's
+features of self-generated conversations (layer N's output and the final hidden state, extracted
+once). Validation rows are never trained on; top-1 agreement per category is reported.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ..errors import SpecdecError
+from ..models.decoder import Transformer, rms_norm
+from ..models.early_exit import EarlyExitDraft
+from .eagle3 import extract_aux
+from .features import begin, vocab_subset
+from .loop import Checkpoint, train_loop
+from .magpie import read_shards
+
+
+def exit_losses(draft: EarlyExitDraft, feats: Tensor, w_sub: Tensor) -> tuple[Tensor, float]:
+    """feats [M, 2H] (final hidden, layer N's output) -> (soft CE, top-1 agreement)."""
+    t = draft.target[0]
+    H = t.config.dim
+    with torch.no_grad():
+        p = torch.softmax(feats[:, :H].float() @ w_sub.T, -1)                   # [M, V'] the target
+        x = rms_norm(feats[:, H:].float(), t.norm.float(), t.config.norm_eps)    # the truncated target's output
+    logq = torch.log_softmax(draft.exit(x) @ w_sub.T, -1)
+    return -(p * logq).sum(-1).mean(), float((logq.argmax(-1) == p.argmax(-1)).float().mean())
+
+
+def train_exit(model: str, data: Path, out: Path, minutes: float, n_layers: int, vocab_size: int, batch: int,
+               lr: float, max_seq: int, overwrite: bool, max_rows: int = 0, seed: int = 0) -> dict:
+    target, name, rng = begin(model, out, overwrite, seed)
+    if not isinstance(target, Transformer):
+        raise SpecdecError("exit training needs a lean GGUF target")
+    if not 1 <= n_layers < target.config.n_layers:
+        raise SpecdecError(f"--layers must be in 1..{target.config.n_layers - 1}, got {n_layers}")
+    rows = read_shards(data)
+    if not rows:
+        raise SpecdecError(f"no magpie-*.npz shards in {data}; write some with `specdec train magpie`")
+    rows = rows[:max_rows] if max_rows > 0 else rows
+    seqs = [r.tokens[:max_seq] for r in rows]
+    ids = vocab_subset(seqs, min(vocab_size, target.vocab_size), target.vocab_size)
+    draft = EarlyExitDraft(target, n_layers, ids)
+    target.features((n_layers - 1,))
+    cache_file = data / f"features-exit{n_layers}-{len(seqs)}-{max_seq}.pt"
+    if cache_file.exists():
+        feats = torch.load(cache_file, weights_only=True)
+    else:
+        feats = extract_aux(target, seqs)
+        torch.save(feats, cache_file)
+    target.features(())
+    train = torch.cat([f for f, r in zip(feats, rows) if not r.validation])   # [M, 2H] every position
+    by_cat: dict[str, list[Tensor]] = {}
+    for f, r in zip(feats, rows):
+        if r.validation:
+            by_cat.setdefault(r.category, []).append(f)
+    w_sub = draft.lm_rows().float().detach()
+    draft.train()
+
+    def step_fn() -> tuple[Tensor, dict[str, str]]:
+        idx = torch.randint(0, train.shape[0], (batch,), generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+        loss, agree = exit_losses(draft, train[idx], w_sub)
+        return loss, {"agree": f"{agree:.2f}"}
+
+    params = [draft.scale, draft.proj]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    ckpt = Checkpoint(out, draft, opt)
+    steps, spent = train_loop("train exit", params, opt, lr, minutes, ckpt, step_fn)
+    draft.eval()
+    with torch.no_grad():
+        val = {c: round(exit_losses(draft, torch.cat(fs), w_sub)[1], 4) for c, fs in sorted(by_cat.items())}
+    report = {"target": name, "n_layers": n_layers, "rows": len(rows), "tokens": int(train.shape[0]), "steps": steps,
+              "minutes": spent, "vocab_size": len(ids), "validation_top1_agreement": val}
+    draft.save(out, {"report": json.dumps(report)})
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    ckpt.done()
+    return report
+

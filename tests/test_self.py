@@ -1,0 +1,82 @@
+"""Self-speculation: the target's first N layers with a trained exit draft for it, losslessly."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import PROMPTS, V, check_joint, exact_joint, sample_engine, tiny_generator, tiny_model
+from specdec.errors import SpecdecError
+from specdec.models.early_exit import EarlyExitDraft
+from specdec.proposers.draft_model import DraftModelProposer
+from specdec.reference import reference_greedy
+from specdec.sampling import SamplingParams
+from specdec.train.exit import exit_losses
+
+
+def _exit(target, n: int = 2, seed: int = 0) -> EarlyExitDraft:
+    torch.manual_seed(seed)
+    d = EarlyExitDraft(target, n, torch.arange(0, target.vocab_size, 2))
+    with torch.no_grad():
+        d.proj.add_(0.05 * torch.randn_like(d.proj))
+    return d
+
+
+@pytest.mark.parametrize("k, batch", [(1, 1), (3, 1), (4, 3)])
+def test_self_greedy_equals_plain(k, batch):
+    target = tiny_model(seed=7, layers=4)
+    gen = tiny_generator(target, DraftModelProposer(_exit(target).prepare(target.dtype)), "fixed", k)
+    for p, r in zip(PROMPTS[:batch], gen.generate(PROMPTS[:batch], max_new_tokens=30)):
+        assert r.tokens == reference_greedy(target, p, 30)
+
+
+def test_the_draft_runs_the_targets_own_first_layers():
+    """Its hidden state is the target's layer-N output under the target's final norm, bit for bit."""
+    from specdec.models.decoder import rms_norm
+
+    target = tiny_model(seed=3, layers=4)
+    d = _exit(target, 3).prepare(target.dtype)
+    toks = torch.tensor([[3, 14, 15, 92, 65]])
+    h = d(toks, torch.arange(5)[None], d.new_cache(1, 16), torch.tensor([0]))
+    target.features((2,))
+    wide = target(toks, torch.arange(5)[None], target.new_cache(1, 16), torch.tensor([0]))
+    target.features(())
+    H = target.config.dim
+    assert torch.equal(h, rms_norm(wide[..., H:], target.norm, target.config.norm_eps))
+
+
+def test_exit_training_lowers_its_loss_and_roundtrips(tmp_path):
+    target = tiny_model(seed=5, layers=4)
+    d = _exit(target, 2)
+    target.features((1,))
+    toks = torch.randint(0, target.vocab_size, (4, 24))
+    feats = target(toks, torch.arange(24).expand(4, 24), target.new_cache(4, 32), torch.arange(4)).reshape(-1, 2 * target.config.dim)
+    target.features(())
+    w_sub = d.lm_rows().float()
+    opt = torch.optim.Adam([d.scale, d.proj], lr=1e-2)
+    first = None
+    for _ in range(30):
+        loss, _ = exit_losses(d, feats, w_sub)
+        first = first if first is not None else float(loss.detach())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert float(loss) < 0.9 * first
+    path = tmp_path / "exit.safetensors"
+    d.save(path, {})
+    back = EarlyExitDraft.load(path, target)
+    assert back.n_layers == 2 and torch.equal(back.vocab_ids, d.vocab_ids)
+    assert torch.allclose(back.proj.float(), d.proj.detach(), atol=0.02)
+    with pytest.raises(SpecdecError, match="trained for another target"):
+        EarlyExitDraft.load(path, tiny_model(seed=6, layers=4))
+    with pytest.raises(SpecdecError, match="1 <= N < 4"):
+        EarlyExitDraft(target, 4, torch.arange(4))
+
+
+@pytest.mark.slow        # 20,000 sequences: `make test`
+def test_self_sampling_matches_exact_distribution():
+    target = tiny_model(seed=20, vocab=V, std=0.5, layers=3)
+    d = EarlyExitDraft(target, 1, torch.arange(V - 2)).prepare(target.dtype)
+    params = SamplingParams(1.0, 6, 0.95)
+    prompt = [1, 2, 1]
+    samples = sample_engine(target, DraftModelProposer(d), params, prompt, n=20_000, k=3)
+    assert check_joint(samples, exact_joint(target, prompt, params)) > 1e-3
