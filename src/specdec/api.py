@@ -156,9 +156,30 @@ class Generator:
             raise SpecdecError(f"token ids must be integers in [0, {self.target.vocab_size})")
         return ids
 
+    def prediction_ids(self, prediction: str) -> tuple[int, ...]:
+        """The token ids of a predicted output (checked: a string that fits the context)."""
+        if not isinstance(prediction, str):
+            raise SpecdecError(f"prediction must be a string (the expected output), got {type(prediction).__name__}")
+        ids = tuple(self.tokenizer.backend.encode(prediction, add_special_tokens=False).ids) if prediction else ()
+        if len(ids) > self.target.max_seq_len:
+            raise SpecdecError(f"prediction of {len(ids)} tokens is longer than the context "
+                               f"({self.target.max_seq_len} tokens)")
+        return ids
+
+    @staticmethod
+    def _predictions(prediction: str | Seq[str], n: int) -> list[str]:
+        """One prediction per prompt ("" = none)."""
+        if isinstance(prediction, str):
+            if prediction and n > 1:
+                raise SpecdecError("one prediction for a list of prompts: give a list with one per prompt")
+            return [prediction] * n
+        if len(prediction) != n:
+            raise SpecdecError(f"{len(prediction)} predictions for {n} prompts; give one per prompt")
+        return list(prediction)
+
     def _requests(self, prompts: list[Prompt], max_new_tokens: int, params: list[SamplingParams],
-                  stop: Seq[str], chat: bool, truncate: bool) -> list[Request]:
-        """One request per prompt, prompt i sampled with params[i]."""
+                  stop: Seq[str], chat: bool, truncate: bool, predictions: list[str]) -> list[Request]:
+        """One request per prompt, prompt i sampled with params[i] (and predicted by predictions[i])."""
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
             raise SpecdecError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         if isinstance(stop, str):
@@ -169,7 +190,7 @@ class Generator:
         if limit <= 0:
             raise SpecdecError(f"max_new_tokens={max_new_tokens} leaves no room in the context of {self.target.max_seq_len}")
         reqs = []
-        for p, sampling in zip(prompts, params):
+        for p, sampling, pred in zip(prompts, params, predictions):
             ids = self._encode(p, chat)
             if len(ids) > limit:
                 if not truncate:
@@ -177,7 +198,7 @@ class Generator:
                                        f"({self.target.max_seq_len}) allows with max_new_tokens={max_new_tokens}; "
                                        "shorten it or ask for truncation (truncate=True / --truncate)")
                 ids = ids[-limit:]
-            reqs.append(Request(ids, max_new_tokens, sampling, tuple(stop)))
+            reqs.append(Request(ids, max_new_tokens, sampling, tuple(stop), prediction=self.prediction_ids(pred)))
         return reqs
 
     def engine(self, rows: int, slots: int, prefix_cache: PrefixCache | None = None,
@@ -191,8 +212,9 @@ class Generator:
         return eng
 
     def _run(self, prompts: list[Prompt], max_new_tokens: int, params: list[SamplingParams], stop: Seq[str],
-             chat: bool, truncate: bool) -> Iterator[tuple[int, str, Engine, list]]:
-        reqs = self._requests(prompts, max_new_tokens, params, stop, chat, truncate)
+             chat: bool, truncate: bool, prediction: str | Seq[str]) -> Iterator[tuple[int, str, Engine, list]]:
+        reqs = self._requests(prompts, max_new_tokens, params, stop, chat, truncate,
+                              self._predictions(prediction, len(prompts)))
         slots = max(len(r.prompt) for r in reqs) + max_new_tokens + scratch_slots(self.num_draft_tokens)
         eng = self.engine(len(reqs), slots)
         seqs = [eng.add(r) for r in reqs]
@@ -205,8 +227,11 @@ class Generator:
     # ---- public -----------------------------------------------------------------------
     def generate(self, prompt: Prompt | list[Prompt], max_new_tokens: int = 128, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop: Seq[str] = (),
-                 chat: bool = True, truncate: bool = False) -> Result | list[Result]:
+                 chat: bool = True, truncate: bool = False, prediction: str | Seq[str] = "") -> Result | list[Result]:
         """One prompt (text or token ids) -> Result; a list of prompts -> list of Results.
+
+        `prediction`: the output you expect (e.g. the text being edited; one per prompt for a list), drafted
+        from wherever it matches, for any method; the output is still exactly the target's.
 
         A single prompt is sampled with `seed`; prompt i of a list with derive_seed(seed, i), so
         equal prompts in one list get different samples. The sampled output of a prompt depends on
@@ -219,17 +244,17 @@ class Generator:
         params = SamplingParams(temperature, top_k, top_p, seed)
         per_prompt = [params] if single else [replace(params, seed=derive_seed(seed, i)) for i in range(len(prompts))]
         seqs: list = []
-        for _, _, _, seqs in self._run(prompts, max_new_tokens, per_prompt, stop, chat, truncate):
+        for _, _, _, seqs in self._run(prompts, max_new_tokens, per_prompt, stop, chat, truncate, prediction):
             pass
         results = [self._result(s) for s in seqs]
         return results[0] if single else results
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, seed: int = 0, stop: Seq[str] = (), chat: bool = True,
-               truncate: bool = False) -> Iterator[str]:
+               truncate: bool = False, prediction: str = "") -> Iterator[str]:
         """Yield text pieces as tokens are committed. `last_result` holds the Result afterwards."""
         params = SamplingParams(temperature, top_k, top_p, seed)
-        for _, piece, _, seqs in self._run([prompt], max_new_tokens, [params], stop, chat, truncate):
+        for _, piece, _, seqs in self._run([prompt], max_new_tokens, [params], stop, chat, truncate, prediction):
             if piece:
                 yield piece
             self.last_result = self._result(seqs[0])

@@ -30,6 +30,7 @@ from .metrics import Counters
 from .models.base import CausalLM
 from .prefix_cache import PREFILL_PIECE, Piece, PrefixCache, piece_keys
 from .proposers.base import ActiveBatch, NoProposer, Proposer
+from .proposers.prediction import PredictionProposer
 from .sampling import BatchSampling, SamplingParams, Stream, position_uniforms, sample, seed_tensor, to_probs
 from .text_output import TextOutput
 from .verify import Draft, Verdict, verify, verify_tree
@@ -38,10 +39,13 @@ from .verify import Draft, Verdict, verify, verify_tree
 TREE_SCRATCH = 24          # cache slots for a token tree's nodes past a sequence's last token (default trees: 17)
 
 
+PREDICTION_DRAFT_TOKENS = 8   # drafts per step while a sequence follows its prediction (point masses, mostly accepted)
+
+
 def scratch_slots(num_draft_tokens: int) -> int:
     """Cache slots a sequence needs past its last token for a step's drafts: twice the asked K (the
     `heuristic` and `auto` policies draft more than it) and a token tree's nodes."""
-    return 2 * num_draft_tokens + TREE_SCRATCH
+    return max(2 * num_draft_tokens, PREDICTION_DRAFT_TOKENS) + TREE_SCRATCH
 
 
 @dataclass
@@ -51,6 +55,7 @@ class Request:
     sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
     speculate: bool = True            # False: this sequence gets no drafts (plain decoding inside a speculative batch)
+    prediction: tuple[int, ...] = ()  # the output the client expects (token ids), a draft source for any method
 
 
 @dataclass(eq=False)
@@ -97,7 +102,8 @@ class Engine:
         this engine's own); prefill_budget: prompt tokens prefilled per step (at least one piece)."""
         if prefill_budget < 1:
             raise ValueError("prefill_budget must be >= 1 token")
-        self.target, self.proposer, self.policy = target, proposer, policy
+        self.target, self.policy = target, policy
+        self.proposer = PredictionProposer(proposer)                          # predictions draft for any method
         self.decode, self.eos_ids = decode, eos_ids
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(0)
         self.prefill_budget = prefill_budget
@@ -261,6 +267,8 @@ class Engine:
         first = sample(p[:, 0], u[:, 0])                                       # [B]
         for i, s in enumerate(seqs):
             s.tokens.append(int(first[i]))
+        self.proposer.start_predictions([s.row for s in seqs], [s.request.prediction for s in seqs],
+                                        [len(s.request.prompt) for s in seqs])
         self.proposer.start(batch.rows, [list(s.tokens) for s in seqs], hidden)
         dt = time.perf_counter() - t0
         for s in seqs:
@@ -293,6 +301,8 @@ class Engine:
         B, dev = len(seqs), self.target.device
         room = min(self.slots - len(s.tokens) - 1 for s in seqs)
         k = max(0, min(self.policy.choose(B), room)) if self.speculative else 0
+        if any(s.request.prediction for s in seqs):
+            k = max(k, min(PREDICTION_DRAFT_TOKENS, room))
         if k == 0:
             return Draft.empty(B, dev)
         keep = torch.tensor([s.request.max_new_tokens - s.num_generated - 1 if s.request.speculate else 0
@@ -343,8 +353,11 @@ class Engine:
                 target_s: float) -> None:
         """Each sequence's counters and the draft-length policy learn the step's outcome."""
         offered = draft.offered()                                                          # [B]
-        for s, valid, n in zip(seqs, offered.tolist(), verdict.num_new.tolist()):
+        predicted = self.proposer.from_prediction.tolist() if draft.length else [False] * len(seqs)
+        for s, valid, n, pred in zip(seqs, offered.tolist(), verdict.num_new.tolist(), predicted):
             s.counters.record_step(valid, n - 1, n)
+            if pred:
+                s.counters.record_prediction(valid, n - 1)
             s.counters.draft_seconds += draft_s
             s.counters.target_seconds += target_s
         self.policy.observe(len(seqs), draft.length, offered, verdict.num_accepted, draft_s, target_s)

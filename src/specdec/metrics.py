@@ -15,6 +15,8 @@ class Counters:
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
     wall_seconds: float = 0.0
+    accepted_prediction: int = 0                       # drafts taken from the request's prediction: accepted
+    rejected_prediction: int = 0                       # ... and rejected
 
     def record_step(self, valid: int, accepted: int, committed: int) -> None:
         """One target forward that proposed `valid` drafts, accepted `accepted`, committed `committed` tokens."""
@@ -32,11 +34,16 @@ class Counters:
 
     def merge(self, other: "Counters") -> None:
         for name in ("new_tokens", "target_forwards", "drafted", "accepted",
-                     "draft_seconds", "target_seconds", "wall_seconds"):
+                     "draft_seconds", "target_seconds", "wall_seconds", "accepted_prediction", "rejected_prediction"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         n = max(len(self.drafted_at), len(other.drafted_at))
         self.drafted_at = [a + b for a, b in zip(self.drafted_at + [0] * n, other.drafted_at + [0] * n)][:n]
         self.accepted_at = [a + b for a, b in zip(self.accepted_at + [0] * n, other.accepted_at + [0] * n)][:n]
+
+    def record_prediction(self, valid: int, accepted: int) -> None:
+        """Of this step's `valid` drafts (all from the request's prediction), `accepted` were accepted."""
+        self.accepted_prediction += accepted
+        self.rejected_prediction += valid - accepted
 
     def as_dict(self, speculative: bool) -> dict:
         """The public metrics object (keys fixed by the CLI's --json contract)."""
@@ -50,4 +57,6 @@ class Counters:
             "wall_seconds": self.wall_seconds,
             "draft_seconds": self.draft_seconds,
             "target_seconds": self.target_seconds,
+            "accepted_prediction_tokens": self.accepted_prediction,
+            "rejected_prediction_tokens": self.rejected_prediction,
         }

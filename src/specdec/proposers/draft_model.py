@@ -16,6 +16,15 @@ from ..verify import Draft, Verdict
 from .base import ActiveBatch
 
 
+def same_prefix(drafts: Tensor, committed: Tensor, n: int) -> Tensor:
+    """[B] how many of the first n drafts [B, k] equal the committed tokens [B, D] (a wrapper, e.g.
+    predicted outputs, may have scored other drafts than these)."""
+    n = min(n, drafts.shape[1], committed.shape[1])
+    if n == 0:
+        return torch.zeros(committed.shape[0], dtype=torch.long, device=committed.device)
+    return (drafts[:, :n].to(committed.device) == committed[:, :n]).long().cumprod(-1).sum(-1)
+
+
 class DraftModelProposer:
     name = "draft"
 
@@ -25,6 +34,7 @@ class DraftModelProposer:
         self.min_confidence = min_confidence        # a sequence stops drafting below this top probability
         self.fed: dict[int, int] = {}               # row -> history tokens in the draft cache
         self.drafted = 0                            # provisional tokens committed in the last propose
+        self.last = torch.zeros(0, 0, dtype=torch.long)   # [B, k] the drafts of the last propose
 
     def allocate(self, rows: int, slots: int) -> None:
         self.cache = self.model.new_cache(rows, slots)
@@ -87,6 +97,7 @@ class DraftModelProposer:
                 break
             logits = self._step(x[:, None], rows, torch.ones(B, dtype=torch.long, device=dev))
             self.drafted += 1
+        self.last = tokens
         if not sampled:
             return Draft(tokens)
         probs = torch.stack(qs, 1)                                              # [B, <=k, V]
@@ -109,6 +120,7 @@ class DraftModelProposer:
     def commit(self, batch: ActiveBatch, verdict: Verdict, hidden: Tensor) -> None:
         rows = batch.rows.to(self.model.device)
         keep = verdict.num_accepted.to(rows.device).clamp(max=self.drafted)   # drafted tokens that stay in the cache
+        keep = torch.minimum(keep, same_prefix(self.last, verdict.tokens, self.drafted))
         base = self.cache.lengths[rows] - self.drafted
         self.cache.truncate(rows, base + keep)
         for r, n in zip(rows.tolist(), (base + keep).tolist()):

@@ -14,7 +14,7 @@ from torch import Tensor
 from ..tree import PAD
 from ..verify import Draft, Verdict
 from .base import ActiveBatch
-from .draft_model import DraftModelProposer
+from .draft_model import DraftModelProposer, same_prefix
 from .ngram import NgramIndex
 
 
@@ -26,6 +26,7 @@ class StagedProposer:
         self.index: dict[int, NgramIndex] = {}
         self.fed_drafts = torch.zeros(0, dtype=torch.long)      # [B] provisional drafts in the draft's cache
         self.draft_forwards = 0                                 # draft-model forwards of the last propose
+        self.last = torch.zeros(0, 0, dtype=torch.long)         # [B, k] the drafts of the last propose
 
     def allocate(self, rows: int, slots: int) -> None:
         self.draft.allocate(rows, slots)
@@ -98,6 +99,7 @@ class StagedProposer:
         tokens = torch.full((B, k), PAD, dtype=torch.long, device=dev)
         for i, x in enumerate(drafts):
             tokens[i, :len(x)] = torch.tensor(x[:k], dtype=torch.long)
+        self.last = tokens
         return Draft(tokens)
 
     def commit(self, batch: ActiveBatch, verdict: Verdict, hidden: Tensor) -> None:
@@ -106,6 +108,7 @@ class StagedProposer:
         if self.fed_drafts.numel() != rows.numel():             # a step without propose (K = 0)
             self.fed_drafts = torch.zeros(rows.numel(), dtype=torch.long, device=rows.device)
         keep = torch.minimum(verdict.num_accepted.to(rows.device), self.fed_drafts)
+        keep = torch.minimum(keep, same_prefix(self.last, verdict.tokens, int(self.fed_drafts.max())))
         base = d.cache.lengths[rows] - self.fed_drafts
         d.cache.truncate(rows, base + keep)
         for r, n in zip(rows.tolist(), (base + keep).tolist()):
