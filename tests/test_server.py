@@ -201,6 +201,32 @@ def test_per_request_speculation(gen, client):
             assert report["num_draft_tokens"] == spec["num_draft_tokens"] and report["draft_tokens"] > 0
 
 
+def test_predicted_outputs(gen, client):
+    """A prediction (the offline answer with one word changed) drafts for both endpoints, streaming or not; the
+    text is the offline text and usage reports accepted and rejected prediction tokens."""
+    want = offline(gen, QUESTION, 30, chat=True, method="none")
+    words = want.text.split(" ")
+    words[len(words) // 2] = "banana"
+    pred = " ".join(words)
+    got = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=30,
+                                         temperature=0, prediction={"type": "content", "content": pred},
+                                         extra_body={"speculative": {"method": "none"}})
+    assert got.choices[0].message.content == want.text
+    details = got.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens >= len(want.tokens) // 2 and details.rejected_prediction_tokens >= 1
+    assert got.speculative["target_forwards"] < len(want.tokens) // 2
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=30, temperature=0, stream=True,
+        prediction={"type": "content", "content": [{"type": "text", "text": pred}]},
+        stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+    assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens >= len(want.tokens) // 2
+    plain = offline(gen, PROMPT, 16, chat=False)
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0,
+                                    extra_body={"prediction": {"type": "content", "content": plain.text}})
+    assert got.choices[0].text == plain.text and got.speculative["accepted_prediction_tokens"] >= 8
+
+
 def test_eight_concurrent_streams(gen, server, client):
     wants = gen.generate(CHAT_PROMPTS, max_new_tokens=24, chat=True)
 
@@ -324,6 +350,15 @@ BAD = [  # (what, path, body, status, param)
     ("K out of range", "/v1/completions", {"prompt": "hi", "speculative": {"method": "ngram", "num_draft_tokens": 99}},
      400, "speculative"),
     ("body too large", "/v1/completions", {"prompt": "x" * 70_000}, 413, None),
+    ("prediction not content", "/v1/completions", {"prompt": "hi", "prediction": {"type": "text", "content": "a"}},
+     400, "prediction"),
+    ("prediction not a string", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                         "prediction": {"type": "content", "content": 5}}, 400,
+     "prediction"),
+    ("prediction with n > 1", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2,
+                                                       "prediction": {"type": "content", "content": "a"}}, 400, "n"),
+    ("prediction beyond the context", "/v1/completions",
+     {"prompt": "hi", "prediction": {"type": "content", "content": "word " * 9000}}, 400, "prediction"),
     ("unknown route", "/v1/embeddings", {"input": "hi"}, 404, None),
 ]
 

@@ -83,11 +83,17 @@ def cmd_generate(a: argparse.Namespace) -> int:
         prompt = f.read_text(encoding="utf-8")
     else:
         prompt = a.prompt
+    prediction = ""
+    if a.prediction_file is not None:
+        f = Path(a.prediction_file)
+        if not f.is_file():
+            raise SpecdecError(f"prediction file not found: {f}")
+        prediction = f.read_text(encoding="utf-8")
     gen = specdec.load(a.model, method=a.method, dtype=a.dtype, device=a.device, draft_model=a.draft_model,
                        num_draft_tokens=a.num_draft_tokens, draft_policy=a.draft_policy, tree=a.tree)
     chat = gen.tokenizer.has_chat_template if a.chat is None else a.chat
     kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-              seed=a.seed, stop=tuple(a.stop), chat=chat, truncate=a.truncate)
+              seed=a.seed, stop=tuple(a.stop), chat=chat, truncate=a.truncate, prediction=prediction)
     if a.json:
         res = gen.generate(prompt, **kw)
         from .api import runtime_info
@@ -121,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(g)
     g.add_argument("--prompt", default=None, help="prompt text")
     g.add_argument("--prompt-file", default=None, help="read the prompt from this file")
+    g.add_argument("--prediction-file", default=None,
+                   help="the output you expect (e.g. the text being edited): drafted wherever it matches, for any "
+                        "method; the output stays exactly the model's")
     g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap the prompt in the model's chat template (default: on when the model has one)")
     g.add_argument("--max-new-tokens", type=int, default=128)

@@ -305,8 +305,8 @@ class Engine:
             k = max(k, min(PREDICTION_DRAFT_TOKENS, room))
         if k == 0:
             return Draft.empty(B, dev)
-        keep = torch.tensor([s.request.max_new_tokens - s.num_generated - 1 if s.request.speculate else 0
-                             for s in seqs], device=dev)                                  # [B]
+        keep = torch.tensor([s.request.max_new_tokens - s.num_generated - 1
+                             if s.request.speculate or s.request.prediction else 0 for s in seqs], device=dev)  # [B]
         return self.proposer.propose(batch, k).cut(keep).trimmed()
 
     def _score(self, batch: ActiveBatch, draft: Draft, pending: Tensor) -> Scored:

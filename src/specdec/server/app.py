@@ -181,6 +181,24 @@ class Parsed:
     spec: SpecChoice
     stream: bool
     include_usage: bool
+    prediction: tuple[int, ...]
+
+
+def parse_prediction(value: Any, state: ServerState) -> tuple[int, ...]:
+    """OpenAI's `prediction`: {"type": "content", "content": str | [text parts]} -> token ids (() if absent)."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or value.get("type") != "content" or set(value) - {"type", "content"}:
+        raise bad('prediction must be {"type": "content", "content": "..."}', "prediction")
+    content = value.get("content")
+    if isinstance(content, list):
+        content = message_text(content, 0) if content else ""
+    if not isinstance(content, str):
+        raise bad("prediction.content must be a string or a list of text parts", "prediction")
+    try:
+        return state.generator.prediction_ids(content)
+    except SpecdecError as e:
+        raise bad(str(e), "prediction", "context_length_exceeded") from None
 
 
 def check_model(value: Any, state: ServerState) -> None:
@@ -271,8 +289,11 @@ def parse_common(f: Fields, state: ServerState, default_max_tokens: int, max_tok
     temperature = f.number("temperature", 1.0, 0.0, 2.0)
     top_p = f.number("top_p", 1.0, 0.0, 1.0, lo_open=True)
     top_k = f.integer("top_k", 0, 0, 1 << 20)
-    if f.integer("n", 1, 1, 1 << 30) != 1:
-        raise bad("only n=1 is supported", "n", "unsupported_parameter")
+    n = f.integer("n", 1, 1, 1 << 30)
+    prediction = parse_prediction(f.pop("prediction"), state)
+    if n != 1:
+        raise bad("only n=1 is supported" + (" (and a prediction needs n=1)" if prediction else ""), "n",
+                  "unsupported_parameter")
     try:
         sampling = SamplingParams(temperature, top_k, top_p, parse_seed(f.pop("seed")))
     except SpecdecError as e:
@@ -284,7 +305,7 @@ def parse_common(f: Fields, state: ServerState, default_max_tokens: int, max_tok
     f.neutral("logit_bias", ({},))
     return {"max_tokens": max_tokens or default_max_tokens, "sampling": sampling, "stream": stream,
             "stop": parse_stop(f.pop("stop")), "spec": parse_speculative(f.pop("speculative"), state),
-            "include_usage": parse_stream_options(f.pop("stream_options"), stream)}
+            "include_usage": parse_stream_options(f.pop("stream_options"), stream), "prediction": prediction}
 
 
 def prompt_ids(value: Any, state: ServerState) -> list[int]:
@@ -413,7 +434,10 @@ class Responder:
     @staticmethod
     def usage(done: Done) -> dict:
         return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-                "total_tokens": done.prompt_tokens + done.completion_tokens}
+                "total_tokens": done.prompt_tokens + done.completion_tokens,
+                "completion_tokens_details": {
+                    "accepted_prediction_tokens": done.speculative["accepted_prediction_tokens"],
+                    "rejected_prediction_tokens": done.speculative["rejected_prediction_tokens"]}}
 
     def _obj(self, kind: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
@@ -499,7 +523,8 @@ class Routes:
     async def run(self, request: HttpRequest, parsed: Parsed, chat: bool) -> Response:
         """Submit to the scheduler; answer with JSON or an SSE stream."""
         scheduler = self.state.scheduler
-        job = Job.create(Request(parsed.prompt, parsed.max_tokens, parsed.sampling, parsed.stop), parsed.spec)
+        job = Job.create(Request(parsed.prompt, parsed.max_tokens, parsed.sampling, parsed.stop,
+                                 prediction=parsed.prediction), parsed.spec)
         try:
             scheduler.submit(job)
         except QueueFull as e:

@@ -181,7 +181,8 @@ def speculation_report(seq: SequenceState, spec: SpecChoice) -> dict:
     return {"method": spec.method, "num_draft_tokens": spec.num_draft_tokens, "tau": m["tau"],
             "acceptance_rate": m["acceptance_rate"], "accepted_per_position": m["acceptance_per_position"],
             "draft_tokens": seq.counters.drafted, "accepted_tokens": seq.counters.accepted,
-            "target_forwards": m["target_forwards"]}
+            "target_forwards": m["target_forwards"], "accepted_prediction_tokens": m["accepted_prediction_tokens"],
+            "rejected_prediction_tokens": m["rejected_prediction_tokens"]}
 
 
 class EnginePool:
@@ -361,7 +362,8 @@ class Scheduler:
                     skipped.append(job)
                     continue
                 req = job.request
-                job.seq = eng.add(Request(req.prompt, req.max_new_tokens, req.sampling, req.stop, speculate))
+                job.seq = eng.add(Request(req.prompt, req.max_new_tokens, req.sampling, req.stop, speculate,
+                                          req.prediction))
             except SpecdecError as e:
                 self._fail(job, str(e), 400)
                 continue
