@@ -51,7 +51,7 @@ PROMPTS = [
 class Corrupted(runner.MethodSystem):
     """A deliberately broken method: its last token is changed."""
 
-    def generate(self, ids, max_new_tokens, params):
+    def generate(self, ids, max_new_tokens, params, prediction=""):
         out = super().generate(ids, max_new_tokens, params)
         out.tokens[-1] = (out.tokens[-1] + 1) % self.generator.target.vocab_size
         return out
@@ -66,7 +66,7 @@ class FakePeer:
     def __init__(self, system: runner.MethodSystem) -> None:
         self.name, self.system = "fake-peer", system
 
-    def generate(self, ids, max_new_tokens, params):
+    def generate(self, ids, max_new_tokens, params, prediction=""):
         return self.system.generate(ids, max_new_tokens, params)
 
 

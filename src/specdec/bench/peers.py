@@ -72,7 +72,9 @@ class TransformersPeer:
             return {"assistant_model": self.assistant}
         return {}
 
-    def generate(self, ids: list[int], max_new_tokens: int, params: SamplingParams) -> Generation:
+    def generate(self, ids: list[int], max_new_tokens: int, params: SamplingParams,
+                 prediction: str = "") -> Generation:
+        """Plain greedy decoding (a prediction is not used)."""
         _check_greedy(params)
         inp = torch.tensor([ids])
         start = time.perf_counter()
@@ -169,7 +171,9 @@ class LlamaCppPeer:
         self.llm = Llama(model_path=str(path), n_ctx=LLAMACPP_CTX, n_threads=threads, draft_model=draft,
                          logits_all=draft is not None, verbose=False)
 
-    def generate(self, ids: list[int], max_new_tokens: int, params: SamplingParams) -> Generation:
+    def generate(self, ids: list[int], max_new_tokens: int, params: SamplingParams,
+                 prediction: str = "") -> Generation:
+        """Plain greedy decoding (a prediction is not used)."""
         _check_greedy(params)
         self.llm.reset()                                          # no KV reuse across calls
         tokens: list[int] = []

@@ -37,7 +37,7 @@ from typing import Protocol
 import torch
 
 from ..api import METHODS, Generator, make_proposer
-from ..engine import Request
+from ..engine import Request, scratch_slots
 from ..errors import SpecdecError
 from ..machine import cpu_model
 from ..metrics import Counters
@@ -129,7 +129,8 @@ class System(Protocol):
     name: str
     kind: str
 
-    def generate(self, ids: list[int], max_new_tokens: int, params: SamplingParams) -> Generation: ...
+    def generate(self, ids: list[int], max_new_tokens: int, params: SamplingParams,
+                 prediction: str = "") -> Generation: ...
 
 
 class MethodSystem:
@@ -140,12 +141,15 @@ class MethodSystem:
     def __init__(self, name: str, generator: Generator) -> None:
         self.name, self.generator = name, generator
 
-    def generate(self, ids: list[int], max_new_tokens: int, params: SamplingParams) -> Generation:
+    def generate(self, ids: list[int], max_new_tokens: int, params: SamplingParams,
+                 prediction: str = "") -> Generation:
+        """`prediction` (the edit category's) drafts for every method but `none`, the plain baseline."""
         gen = self.generator
-        slots = len(ids) + max_new_tokens + 2 * gen.num_draft_tokens + 10
+        slots = len(ids) + max_new_tokens + scratch_slots(gen.num_draft_tokens)
+        predicted = gen.prediction_ids(prediction) if gen.method != "none" else ()
         start = time.perf_counter()
         eng = gen.engine(1, slots)
-        seq = eng.add(Request(list(ids), max_new_tokens, params))
+        seq = eng.add(Request(list(ids), max_new_tokens, params, prediction=predicted))
         with torch.inference_mode():
             while eng.busy:
                 eng.step()
@@ -197,7 +201,7 @@ def run_prompt(system: System, prompt: Prompt, tokenizer: ChatTokenizer, params:
     out: list[Generation] = []
     for index in range(len(prompt.turns)):
         ids = turn_ids(tokenizer, prompt.turns[: index + 1], answers)
-        result = system.generate(ids, prompt.max_new_tokens, params)
+        result = system.generate(ids, prompt.max_new_tokens, params, prompt.prediction)
         answers.append(tokenizer.decode(_strip_eos(result.tokens, tokenizer.eos_ids)))
         out.append(result)
     return out

