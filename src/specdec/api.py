@@ -19,6 +19,7 @@ from .prefix_cache import PrefixCache
 from .proposers.base import NoProposer, Proposer
 from .proposers.draft_model import DraftModelProposer
 from .proposers.ngram import NgramProposer
+from .proposers.suffix import SuffixProposer
 from .sampling import SamplingParams, derive_seed
 from .tree import TreeShape
 
@@ -383,6 +384,7 @@ PROPOSER_BUILDERS: dict[str, Callable[[ProposerInputs], Proposer]] = {
     "staged": _staged_proposer,
     "lookahead": _lookahead_proposer,
     "self": _self_proposer,
+    "suffix": lambda x: SuffixProposer(),
     "hybrid": _hybrid_proposer,
 }
 METHODS = tuple(PROPOSER_BUILDERS)

@@ -1,0 +1,133 @@
+"""Suffix decoding (Oliaro et al., NeurIPS 2025): frequent continuations of the output's suffix, no model.
+
+Two indexes of continuation counts: one per sequence over its prompt and output, and one global over
+the outputs of every request this proposer has served (bounded: the least recently used contexts
+are dropped past `max_contexts`). Each maps a context (the last m tokens, m = 1..max_match) to how
+often each token followed it. A step matches the longest suffix of the sequence seen before, then
+grows a token tree best-first by estimated probability (counts of the longest matching context;
+the sequence's own counts weigh `local_weight` times the global ones), keeping nodes whose
+probability stays above `min_prob`, up to `budget` nodes and depth K. A pattern seen often and
+matched long yields a big tree; a weak match a small one. Drafts are point masses: lossless.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import Counter, OrderedDict
+
+import torch
+from torch import Tensor
+
+from ..errors import SpecdecError
+from ..tree import PAD
+from ..verify import ROOT, Draft, Verdict
+from .base import ActiveBatch
+
+
+class ContinuationIndex:
+    """context tuple (1..max_match tokens) -> Counter of the next token; optionally LRU-bounded."""
+
+    def __init__(self, max_match: int, max_contexts: int = 0) -> None:
+        self.max_match, self.max_contexts = max_match, max_contexts
+        self.counts: OrderedDict[tuple[int, ...], Counter] = OrderedDict()
+
+    def add(self, tokens: list[int], start: int) -> None:
+        """Count every next token at positions start..len-1 after each of its contexts."""
+        for i in range(max(start, 1), len(tokens)):
+            for m in range(1, min(self.max_match, i) + 1):
+                ctx = tuple(tokens[i - m:i])
+                c = self.counts.get(ctx)
+                if c is None:
+                    c = self.counts[ctx] = Counter()
+                elif self.max_contexts:
+                    self.counts.move_to_end(ctx)
+                c[tokens[i]] += 1
+        while self.max_contexts and len(self.counts) > self.max_contexts:
+            self.counts.popitem(last=False)
+
+    def get(self, ctx: tuple[int, ...]) -> Counter | None:
+        return self.counts.get(ctx)
+
+
+class SuffixProposer:
+    name = "suffix"
+
+    def __init__(self, max_match: int = 8, budget: int = 8, min_prob: float = 0.1, local_weight: float = 4.0,
+                 max_contexts: int = 400_000) -> None:
+        if max_match < 1 or budget < 1 or not 0 < min_prob < 1 or local_weight < 0 or max_contexts < 1:
+            raise SpecdecError("suffix decoding needs max_match >= 1, budget >= 1, 0 < min_prob < 1, "
+                               "local_weight >= 0, max_contexts >= 1")
+        self.max_match, self.budget, self.min_prob, self.local_weight = max_match, budget, min_prob, local_weight
+        self.global_index = ContinuationIndex(max_match, max_contexts)      # outlives requests
+        self.local: dict[int, ContinuationIndex] = {}
+        self.seen: dict[int, int] = {}                                        # row -> tokens indexed
+        self.prompt_len: dict[int, int] = {}
+
+    def allocate(self, rows: int, slots: int) -> None:
+        self.local, self.seen = {}, {}
+
+    def start(self, rows: Tensor, prompts: list[list[int]], hidden: Tensor) -> None:
+        for r, p in zip(rows.tolist(), prompts):
+            self.local[r] = ContinuationIndex(self.max_match)
+            self.local[r].add(p, 1)
+            self.seen[r] = len(p)
+            self.prompt_len[r] = len(p) - 1                                   # the first token is output
+
+    def _catch_up(self, r: int, tokens: list[int]) -> None:
+        if len(tokens) > self.seen[r]:
+            self.local[r].add(tokens, self.seen[r])
+            self.global_index.add(tokens, max(self.seen[r], self.prompt_len[r]))   # outputs only
+            self.seen[r] = len(tokens)
+
+    def _next(self, r: int, context: list[int]) -> list[tuple[float, int]]:
+        """(probability, token) of what follows the longest matching suffix of `context`."""
+        for m in range(min(self.max_match, len(context)), 0, -1):
+            ctx = tuple(context[-m:])
+            local, glob = self.local[r].get(ctx), self.global_index.get(ctx)
+            if not local and not glob:
+                continue
+            mixed: Counter = Counter()
+            for t, c in (local or {}).items():
+                mixed[t] += self.local_weight * c
+            for t, c in (glob or {}).items():
+                mixed[t] += c
+            total = sum(mixed.values())
+            return [(c / total, t) for t, c in mixed.most_common(4)]
+        return []
+
+    def _tree(self, r: int, history: list[int], k: int) -> tuple[list[int], list[int]]:
+        """Best-first: the most probable continuation paths, up to budget nodes and depth k."""
+        toks: list[int] = []
+        pars: list[int] = []
+        heap: list[tuple[float, int, int, tuple[int, ...]]] = []      # (-prob, tiebreak, parent, path so far)
+        for p, t in self._next(r, history):
+            heapq.heappush(heap, (-p, len(heap), ROOT, (t,)))
+        n = 0
+        while heap and len(toks) < self.budget:
+            neg, _, parent, path = heapq.heappop(heap)
+            if -neg < self.min_prob:
+                break
+            toks.append(path[-1])
+            pars.append(parent)
+            me = len(toks) - 1
+            if len(path) < k:
+                for p, t in self._next(r, history + list(path)):
+                    n += 1
+                    heapq.heappush(heap, (neg * p, 10_000 + n, me, path + (t,)))
+        return toks, pars
+
+    def propose(self, batch: ActiveBatch, k: int) -> Draft:
+        trees = []
+        for r, hist in zip(batch.rows.tolist(), batch.tokens):
+            self._catch_up(r, hist)
+            trees.append(self._tree(r, hist, k))
+        n = max(1, max(len(t) for t, _ in trees))
+        tokens = torch.full((len(trees), n), PAD, dtype=torch.long)
+        parents = torch.full((len(trees), n), ROOT, dtype=torch.long)
+        for b, (t, p) in enumerate(trees):
+            tokens[b, :len(t)] = torch.tensor(t, dtype=torch.long)
+            parents[b, :len(p)] = torch.tensor(p, dtype=torch.long)
+        dev = batch.rows.device
+        return Draft(tokens.to(dev), parents=parents.to(dev))
+
+    def commit(self, batch: ActiveBatch, verdict: Verdict, hidden: Tensor) -> None:
+        pass                          # the indexes catch up lazily in propose

@@ -1,0 +1,51 @@
+"""Suffix decoding: continuation counts of this sequence and of earlier requests, drafted as a tree."""
+from __future__ import annotations
+
+import pytest
+
+from helpers import PROMPTS, V, check_joint, exact_joint, run_engine, sample_engine, tiny_generator, tiny_model
+from specdec.engine import Request
+from specdec.errors import SpecdecError
+from specdec.proposers.suffix import ContinuationIndex, SuffixProposer
+from specdec.reference import reference_greedy
+from specdec.sampling import SamplingParams
+
+REPETITIVE = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [9, 9, 9, 9, 9, 9]]
+
+
+@pytest.mark.parametrize("k, batch", [(1, 1), (4, 1), (4, 3), (6, 5)])
+def test_suffix_greedy_equals_plain(k, batch):
+    target = tiny_model(seed=7)
+    prompts = (PROMPTS + REPETITIVE)[:batch]
+    gen = tiny_generator(target, SuffixProposer(), "fixed", k)
+    for p, r in zip(prompts, gen.generate(prompts, max_new_tokens=30)):
+        assert r.tokens == reference_greedy(target, p, 30)
+
+
+def test_earlier_requests_teach_later_ones():
+    """The same task again: the global index (earlier outputs) makes the second run draft and accept more."""
+    target = tiny_model(seed=7)
+    prop = SuffixProposer()
+    first = run_engine(target, prop, [Request(list(PROMPTS[1]), 40)], "fixed", 4)[0]
+    again = run_engine(target, prop, [Request(list(PROMPTS[1]), 40)], "fixed", 4)[0]
+    assert again.generated == first.generated == reference_greedy(target, PROMPTS[1], 40)
+    assert again.counters.accepted > first.counters.accepted
+    assert again.counters.target_forwards < first.counters.target_forwards
+
+
+def test_counts_and_bounded_memory():
+    idx = ContinuationIndex(max_match=2, max_contexts=3)
+    idx.add([1, 2, 1, 2, 3], 1)
+    assert len(idx.counts) == 3 and idx.get((1,)) is None       # the least recently used context was dropped
+    assert idx.get((1, 2)) == {1: 1, 3: 1} and idx.get((2,)) == {1: 1, 3: 1} and idx.get((2, 1)) == {2: 1}
+    with pytest.raises(SpecdecError):
+        SuffixProposer(budget=0)
+
+
+@pytest.mark.slow        # 20,000 sequences: `make test`
+def test_suffix_sampling_matches_exact_distribution():
+    target = tiny_model(seed=20, vocab=V, std=0.5)
+    params = SamplingParams(1.0, 6, 0.95)
+    prompt = [1, 2, 1, 2, 1]
+    samples = sample_engine(target, SuffixProposer(), params, prompt, n=20_000, k=3)
+    assert check_joint(samples, exact_joint(target, prompt, params)) > 1e-3
