@@ -76,7 +76,11 @@ def cmd_exit(a: argparse.Namespace) -> int:
 
     _check_target(a.model)
     _check_numbers(a)
-    report = train_exit(a.model, Path(a.data or f"data/{a.model}"), Path(a.out), a.minutes, a.layers, a.vocab_size,
+    try:
+        layers = [int(x) for x in a.layers.split(",")]
+    except ValueError:
+        raise SpecdecError(f"--layers takes comma-separated layer counts, got {a.layers!r}") from None
+    report = train_exit(a.model, Path(a.data or f"data/{a.model}"), Path(a.out), a.minutes, layers, a.vocab_size,
                         a.batch, a.lr, a.max_seq, a.overwrite, a.max_rows)
     print(json.dumps(report, indent=2))
     return 0
@@ -172,8 +176,9 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     x.add_argument("--data", default=None, help="magpie shard directory (default data/MODEL)")
     x.add_argument("--out", required=True, help="output .safetensors (a .json report lands beside it; "
                                                 "a .ckpt beside it resumes an interrupted run)")
-    x.add_argument("--layers", type=int, required=True, help="N: the target layers the draft runs")
-    x.add_argument("--minutes", type=float, default=5.0, help="training time budget (after feature extraction)")
+    x.add_argument("--layers", required=True, help="N, the target layers the draft runs; several (e.g. 6,12) "
+                                                   "train one exit each, written as OUT-N.safetensors")
+    x.add_argument("--minutes", type=float, default=5.0, help="training time per exit (after feature extraction)")
     x.add_argument("--vocab-size", type=int, default=8192, help="reduced draft vocabulary (most frequent tokens)")
     x.add_argument("--batch", type=int, default=1024, help="positions per step")
     x.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (cosine to 10%%)")

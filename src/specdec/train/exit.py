@@ -33,28 +33,42 @@ def exit_losses(draft: EarlyExitDraft, feats: Tensor, w_sub: Tensor) -> tuple[Te
     return -(p * logq).sum(-1).mean(), float((logq.argmax(-1) == p.argmax(-1)).float().mean())
 
 
-def train_exit(model: str, data: Path, out: Path, minutes: float, n_layers: int, vocab_size: int, batch: int,
+def train_exit(model: str, data: Path, out: Path, minutes: float, layers: list[int], vocab_size: int, batch: int,
                lr: float, max_seq: int, overwrite: bool, max_rows: int = 0, seed: int = 0) -> dict:
+    """One exit per N in `layers` (features extracted once for all), each trained for `minutes`; written
+    to `out` (one N) or OUT-N.safetensors (several). -> the reports by N."""
     target, name, rng = begin(model, out, overwrite, seed)
     if not isinstance(target, Transformer):
         raise SpecdecError("exit training needs a lean GGUF target")
-    if not 1 <= n_layers < target.config.n_layers:
-        raise SpecdecError(f"--layers must be in 1..{target.config.n_layers - 1}, got {n_layers}")
+    L = target.config.n_layers
+    if not layers or any(not 1 <= n < L for n in layers):
+        raise SpecdecError(f"--layers must be in 1..{L - 1}, got {layers}")
     rows = read_shards(data)
     if not rows:
         raise SpecdecError(f"no magpie-*.npz shards in {data}; write some with `specdec train magpie`")
     rows = rows[:max_rows] if max_rows > 0 else rows
     seqs = [r.tokens[:max_seq] for r in rows]
     ids = vocab_subset(seqs, min(vocab_size, target.vocab_size), target.vocab_size)
-    draft = EarlyExitDraft(target, n_layers, ids)
-    target.features((n_layers - 1,))
-    cache_file = data / f"features-exit{n_layers}-{len(seqs)}-{max_seq}.pt"
+    target.features(tuple(n - 1 for n in layers))
+    cache_file = data / f"features-exit{'-'.join(map(str, layers))}-{len(seqs)}-{max_seq}.pt"
     if cache_file.exists():
         feats = torch.load(cache_file, weights_only=True)
     else:
         feats = extract_aux(target, seqs)
         torch.save(feats, cache_file)
     target.features(())
+    H = target.config.dim
+    reports = {}
+    for j, n in enumerate(layers):
+        cols = torch.cat([torch.arange(H), torch.arange(H * (1 + j), H * (2 + j))])      # final, layer n's output
+        path = out if len(layers) == 1 else out.with_name(f"{out.stem}-{n}{out.suffix}")
+        reports[n] = _train_one(target, name, n, ids, rows, [f[:, cols] for f in feats], path, minutes, batch, lr, rng)
+    return reports
+
+
+def _train_one(target: Transformer, name: str, n_layers: int, ids: Tensor, rows, feats: list[Tensor], out: Path,
+               minutes: float, batch: int, lr: float, rng) -> dict:
+    draft = EarlyExitDraft(target, n_layers, ids)
     train = torch.cat([f for f, r in zip(feats, rows) if not r.validation])   # [M, 2H] every position
     by_cat: dict[str, list[Tensor]] = {}
     for f, r in zip(feats, rows):
@@ -71,14 +85,16 @@ def train_exit(model: str, data: Path, out: Path, minutes: float, n_layers: int,
     params = [draft.scale, draft.proj]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     ckpt = Checkpoint(out, draft, opt)
-    steps, spent = train_loop("train exit", params, opt, lr, minutes, ckpt, step_fn)
+    steps, spent = train_loop(f"train exit N={n_layers}", params, opt, lr, minutes, ckpt, step_fn)
     draft.eval()
     with torch.no_grad():
         val = {c: round(exit_losses(draft, torch.cat(fs), w_sub)[1], 4) for c, fs in sorted(by_cat.items())}
+        untrained = EarlyExitDraft(target, n_layers, ids)
+        base = {c: round(exit_losses(untrained, torch.cat(fs), w_sub)[1], 4) for c, fs in sorted(by_cat.items())}
     report = {"target": name, "n_layers": n_layers, "rows": len(rows), "tokens": int(train.shape[0]), "steps": steps,
-              "minutes": spent, "vocab_size": len(ids), "validation_top1_agreement": val}
+              "minutes": spent, "vocab_size": len(ids), "validation_top1_agreement": val,
+              "validation_top1_agreement_untrained_exit": base}
     draft.save(out, {"report": json.dumps(report)})
     out.with_suffix(".json").write_text(json.dumps(report, indent=2))
     ckpt.done()
     return report
-
