@@ -40,7 +40,7 @@ info: install
 # the mini suite with every method, llama.cpp (compiled once, a few minutes) and transformers side by side
 bench: install
 	$(BIN)/pip install -q -e ".[llamacpp]"
-	$(BIN)/specdec bench --suite mini --methods none,ngram,ngram@auto,draft,draft@auto,eagle,eagle@auto,eagle:2x8,eagle:4x16,medusa,hybrid,hybrid@auto --peers llamacpp,transformers --repeats 1 --out docs/benchmarks/mini
+	$(BIN)/specdec bench --suite mini --methods none,ngram,ngram@auto,suffix,lookahead,lookahead@auto,draft,draft@auto,staged,self,self@auto,eagle,eagle@auto,eagle3,eagle3@auto,eagle:4x16,medusa,hybrid,hybrid@auto --peers llamacpp,transformers --repeats 1 --out docs/benchmarks/mini
 
 serve: install
 	$(BIN)/specdec serve
