@@ -100,7 +100,7 @@ def test_bad_draft_settings():
         make_proposer("draft", target, None, tiny_model(layers=4), "float32", "cpu")
     with pytest.raises(SpecdecError, match="choose one of: none, ngram, draft"):
         make_proposer("medusa-x", target, None, None, "float32", "cpu")
-    with pytest.raises(SpecdecError, match="needs a draft model"):
+    with pytest.raises(SpecdecError, match="need a draft model"):
         make_proposer("draft", target, None, None, "float32", "cpu")
     assert isinstance(make_proposer("draft", target, None, tiny_model(layers=1), "float32", "cpu"), DraftModelProposer)
 
