@@ -1,6 +1,8 @@
 """Public API: `load()` a target with a speculative method, then `generate` / `stream`."""
 from __future__ import annotations
 
+import logging
+
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -293,6 +295,15 @@ def make_proposer(method: str, target: CausalLM, target_tok: Tokenizer, source: 
 
 
 def _draft_proposer(x: ProposerInputs) -> Proposer:
+    if isinstance(x.source, str) and not x.source.endswith(".safetensors") and not x.source.startswith("self:"):
+        draft, draft_tok, _ = load_model(x.source, x.dtype, x.device)
+        if draft_tok.vocab != x.tokenizer.vocab:                # another tokenizer: token-level intersection
+            from .proposers.cross_vocab import CrossVocabProposer
+
+            prop = CrossVocabProposer(draft, draft_tok, x.tokenizer, x.target.vocab_size)
+            logging.getLogger("specdec").info("draft %s with another tokenizer: %s", x.source, prop.map.describe())
+            return prop
+        return DraftModelProposer(draft)
     draft = load_draft(x)
     if draft.vocab_size != x.target.vocab_size:
         raise SpecdecError(f"draft vocabulary ({draft.vocab_size}) differs from the target's ({x.target.vocab_size})")

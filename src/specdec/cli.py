@@ -162,6 +162,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import logging
+
+    log = logging.getLogger("specdec")
+    if not log.handlers:                                     # notes such as a cross-vocabulary draft's overlap
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("specdec: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
     ap = build_parser()
     a = ap.parse_args(argv)
     try:

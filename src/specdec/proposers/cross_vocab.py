@@ -1,0 +1,162 @@
+"""A draft model with another tokenizer, by token-level intersection (TLI): exact under sampling too.
+
+The draft may only propose tokens whose text is also one token of the target's vocabulary (the
+intersection, found by decoding every token string through each tokenizer's own decoder); its
+distribution, restricted to them and renormalised, is a distribution q over target tokens, so the
+rejection rule and the residual max(0, p - q) keep the output exactly the target's. The draft reads
+the committed text re-tokenized with its own tokenizer: each step, the longest common prefix of that
+re-tokenization and what its cache holds stays, the rest is fed.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..errors import SpecdecError
+from ..models.base import CausalLM
+from ..models.tokenizer import Tokenizer
+from ..sampling import Stream, position_uniforms, sample, step_seeds, to_probs
+from ..tree import PAD
+from ..verify import Draft, Verdict
+from .base import ActiveBatch
+from .draft_model import same_prefix
+
+MIN_OVERLAP = 0.1            # below this share of the draft's vocabulary in common, drafting is pointless
+
+
+def token_texts(tok: Tokenizer) -> list[str]:
+    """The text of every token id ("" for special tokens and pieces of a character)."""
+    backend = tok.backend
+    special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+    out = [""] * backend.get_vocab_size()
+    for s, i in backend.get_vocab().items():
+        if i in special or i >= len(out):
+            continue
+        text = backend.decoder.decode(["a", s])[1:] if backend.decoder is not None else s
+        if text and "\ufffd" not in text:
+            out[i] = text
+    return out
+
+
+class VocabMap:
+    """Draft id -> target id for the tokens both vocabularies spell the same (-1 elsewhere)."""
+
+    def __init__(self, draft_tok: Tokenizer, target_tok: Tokenizer, target_vocab: int) -> None:
+        target = {}
+        for i, t in enumerate(token_texts(target_tok)):
+            if t and i < target_vocab:
+                target.setdefault(t, i)
+        d = token_texts(draft_tok)
+        self.d2t = torch.tensor([target.get(t, -1) if t else -1 for t in d], dtype=torch.long)   # [V_draft]
+        self.shared = int((self.d2t >= 0).sum())
+        self.draft_vocab, self.target_vocab = len(d), target_vocab
+
+    @property
+    def overlap(self) -> float:
+        """The share of the draft's vocabulary it can propose."""
+        return self.shared / self.draft_vocab
+
+    def describe(self) -> str:
+        return (f"{self.shared} tokens in common: {100 * self.overlap:.1f}% of the draft's {self.draft_vocab}, "
+                f"{100 * self.shared / self.target_vocab:.1f}% of the target's {self.target_vocab}")
+
+
+class CrossVocabProposer:
+    name = "draft"
+
+    def __init__(self, draft: CausalLM, draft_tok: Tokenizer, target_tok: Tokenizer, target_vocab: int) -> None:
+        self.draft, self.draft_tok, self.target_tok = draft, draft_tok, target_tok
+        self.map = VocabMap(draft_tok, target_tok, target_vocab)
+        if self.map.overlap < MIN_OVERLAP:
+            raise SpecdecError(f"the draft shares too little of its vocabulary with the target ({self.map.describe()}); "
+                               f"token-level intersection needs at least {100 * MIN_OVERLAP:.0f}%")
+        dev = draft.device
+        self.d2t = self.map.d2t.to(dev)
+        self.allowed = self.d2t >= 0                                           # [V_draft]
+        self.fed: dict[int, list[int]] = {}                                    # row -> draft tokens in the cache
+        self.drafted = torch.zeros(0, dtype=torch.long)                        # [B] provisional drafts fed
+        self.last = torch.zeros(0, 0, dtype=torch.long)                        # [B, k] last drafts (target ids)
+
+    def allocate(self, rows: int, slots: int) -> None:
+        self.cache = self.draft.new_cache(rows, 2 * slots)                    # draft tokens may outnumber target's
+        self.fed = {}
+
+    def start(self, rows: Tensor, prompts: list[list[int]], hidden: Tensor) -> None:
+        self.cache.truncate(rows, torch.zeros_like(rows))
+        for r in rows.tolist():
+            self.fed[r] = []
+
+    def _retokenize(self, target_ids: list[int]) -> list[int]:
+        text = self.target_tok.decode(target_ids)
+        return self.draft_tok.backend.encode(text, add_special_tokens=False).ids or [0]
+
+    def _sync(self, rows: Tensor, histories: list[list[int]]) -> Tensor:
+        """Bring every row's cache to its committed text; the draft's logits [B, V_draft] after it."""
+        dev = self.draft.device
+        feeds = []
+        for i, (r, h) in enumerate(zip(rows.tolist(), histories)):
+            want, have = self._retokenize(h), self.fed[r]
+            n = 0
+            while n < min(len(want), len(have)) and want[n] == have[n]:
+                n += 1
+            n = min(n, len(want) - 1)                                          # always feed at least one token
+            self.cache.truncate(rows[i:i + 1], torch.tensor([n], device=dev))
+            self.fed[r] = want
+            feeds.append(want[n:])
+        take = torch.tensor([len(f) for f in feeds], device=dev)
+        inp = torch.zeros(len(feeds), int(take.max()), dtype=torch.long, device=dev)
+        for i, f in enumerate(feeds):
+            inp[i, :len(f)] = torch.tensor(f)
+        return self._step(inp, rows, take)
+
+    def _step(self, tokens: Tensor, rows: Tensor, take: Tensor) -> Tensor:
+        dev = self.draft.device
+        start = self.cache.lengths[rows]
+        pos = (start[:, None] + torch.arange(tokens.shape[1], device=dev)).clamp(max=self.draft.max_seq_len - 1)
+        h = self.draft(tokens, pos, self.cache, rows)
+        self.cache.commit(rows, torch.arange(tokens.shape[1], device=dev).expand_as(tokens), take)
+        logits = self.draft.lm_head(h[torch.arange(h.shape[0], device=dev), take - 1])
+        return logits.masked_fill(~self.allowed, float("-inf"))              # only shared tokens
+
+    def propose(self, batch: ActiveBatch, k: int) -> Draft:
+        dev = self.draft.device
+        rows = batch.rows.to(dev)
+        B = rows.numel()
+        logits = self._sync(rows, batch.tokens)                                # [B, V_draft]
+        sampled = bool((batch.sampling.temperature > 0).any())
+        first = torch.tensor([len(t) for t in batch.tokens], device=dev)
+        u = position_uniforms(step_seeds(batch.seeds.to(dev), first), first[:, None] + torch.arange(k, device=dev),
+                              Stream.DRAFT)
+        tokens = torch.full((B, k), PAD, dtype=torch.long, device=dev)
+        qs: list[Tensor] = []
+        for i in range(k):
+            if sampled:
+                q = to_probs(logits[:, None], batch.sampling)[:, 0]            # [B, V_draft]; greedy rows one-hot
+                x = sample(q, u[:, i])
+                qt = torch.zeros(B, self.map.target_vocab, device=dev)
+                qt[:, self.d2t[self.allowed]] = q[:, self.allowed]            # the same q over target ids
+                qs.append(qt)
+            else:
+                x = logits.argmax(-1)
+            tokens[:, i] = self.d2t[x]
+            if i < k - 1:
+                logits = self._step(x[:, None], rows, torch.ones(B, dtype=torch.long, device=dev))
+                for j, r in enumerate(rows.tolist()):
+                    self.fed[r] = self.fed[r] + [int(x[j])]
+        self.drafted = torch.full((B,), k - 1, dtype=torch.long, device=dev)
+        self.last = tokens
+        return Draft(tokens, torch.stack(qs, 1) if sampled else None)
+
+    def commit(self, batch: ActiveBatch, verdict: Verdict, hidden: Tensor) -> None:
+        """Keep the fed drafts that were committed; the rest (and the final token) come with the next sync."""
+        rows = batch.rows.to(self.draft.device)
+        if self.drafted.numel() != rows.numel():
+            return                                                             # a step without drafts
+        keep = torch.minimum(torch.minimum(verdict.num_accepted.to(rows.device), self.drafted),
+                             same_prefix(self.last, verdict.tokens, int(self.drafted.max())))
+        for j, r in enumerate(rows.tolist()):
+            drop = int(self.drafted[j] - keep[j])
+            if drop:
+                self.fed[r] = self.fed[r][:-drop]
+        self.cache.truncate(rows, self.cache.lengths[rows] - (self.drafted - keep))
+        self.drafted = torch.zeros(0, dtype=torch.long)
