@@ -117,10 +117,6 @@ def user_turn_prefix(tok, messages: list[dict]) -> list[int]:
     return tok.backend.encode(text[:text.index(mark)], add_special_tokens=False).ids
 
 
-def _clean(text: str) -> str:
-    return text.strip()
-
-
 class MagpieWriter:
     """Writes shards of conversations with generator `gen` (method none)."""
 
@@ -138,7 +134,7 @@ class MagpieWriter:
     def _questions(self, prefixes: list[list[int]], rng: random.Random) -> list[str]:
         res = self.gen.generate(prefixes, max_new_tokens=MAX_QUESTION, temperature=1.0, top_p=0.95,
                                 seed=rng.randrange(1 << 30), chat=False)
-        return [_clean(r.text) if r.finish_reason == "stop" else "" for r in res]
+        return [r.text.strip() if r.finish_reason == "stop" else "" for r in res]
 
     def _answer(self, convs: list[Conversation], rng: random.Random) -> None:
         temp = 0.0 if rng.random() < 0.7 else 0.7
