@@ -72,9 +72,11 @@ def test_speculation_is_lossless_on_real_prompts(request, method, dtype):
 @pytest.mark.exactness
 @pytest.mark.parametrize("method, tree", [("draft", TreeShape()), ("eagle", TreeShape()),
                                           ("eagle", TreeShape(4, 16)), ("medusa", TreeShape()),
-                                          ("hybrid", TreeShape()), ("staged", TreeShape())])
+                                          ("hybrid", TreeShape()), ("staged", TreeShape()),
+                                          ("eagle3", TreeShape()), ("self", TreeShape())])
 def test_shipped_drafts_are_lossless_on_real_prompts(target_auto, method, tree):
-    """The weights we ship (distilled draft alone and staged, EAGLE chain and dynamic tree, Medusa static tree, hybrid), 12 real
+    """The weights we ship (distilled draft alone and staged, EAGLE chain and dynamic tree, EAGLE-3, the self-speculation
+    exit, Medusa static tree, hybrid), 12 real
     prompts batched, in the dtype `auto` picks on this machine."""
     model, tok = target_auto
     ps = prompts(12)
@@ -102,6 +104,34 @@ def test_gemma3_cached_greedy_equals_reference():
     ids = tok.encode("The three primary colors are", chat=False)
     gen = Generator(model, tok, NoProposer())
     assert gen.generate(ids, max_new_tokens=12).tokens == reference_greedy(model, ids, 12, tok.eos_ids)
+
+
+def test_a_draft_with_another_tokenizer_is_lossless():
+    """gemma3-270m drafted by smollm2-135m (token-level intersection), greedy, token-identical to plain."""
+    model, tok, _ = load_model("gemma3-270m", "auto")
+    ps = ["The three primary colors are", "def add(a, b):\n    \"\"\"Return the sum of a and b.\"\"\"\n"]
+    plain = Generator(model, tok, NoProposer()).generate(ps, max_new_tokens=24, chat=False)
+    proposer = make_proposer("draft", model, tok, "smollm2-135m", "auto", "cpu")
+    assert proposer.map.overlap > 0.9
+    spec = Generator(model, tok, proposer, "fixed", 3).generate(ps, max_new_tokens=24, chat=False)
+    assert [r.tokens for r in spec] == [r.tokens for r in plain]
+    assert sum(r.metrics["accepted_prediction_tokens"] for r in spec) == 0 and sum(r.metrics["acceptance_rate"] for r in spec) > 0
+
+
+def test_predicted_outputs_on_the_cli(tmp_path):
+    """--prediction-file: the plain answer with one word changed as the prediction; the output is the plain one,
+    drafted mostly from the prediction."""
+    run = lambda *extra: json.loads(subprocess.run(
+        [sys.executable, "-m", "specdec.cli", "generate", "--prompt", "Describe a sunny day at the beach.",
+         "--max-new-tokens", "40", "--json", *extra], capture_output=True, text=True, timeout=300, check=True).stdout)
+    plain = run()
+    words = plain["text"].split(" ")
+    words[len(words) // 2] = "zebra"
+    (tmp_path / "p.txt").write_text(" ".join(words))
+    predicted = run("--prediction-file", str(tmp_path / "p.txt"))
+    assert predicted["tokens"] == plain["tokens"]
+    assert predicted["metrics"]["accepted_prediction_tokens"] >= 20
+    assert predicted["metrics"]["target_forwards"] < plain["metrics"]["target_forwards"] // 2
 
 
 def test_cli_json_contract():
