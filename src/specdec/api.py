@@ -318,6 +318,9 @@ def _staged_proposer(x: ProposerInputs) -> Proposer:
     return StagedProposer(_draft_proposer(x))
 
 
+SELF_MIN_CONFIDENCE = 0.1   # the exit stops drafting below this top probability (as the EAGLE chain does)
+
+
 def _self_proposer(x: ProposerInputs) -> Proposer:
     """The target's first N layers and a trained exit (`.safetensors` from `specdec train exit`; default: the one
     shipped); `self:N` gives N layers and an untrained exit (the target's own final norm and head)."""
@@ -330,8 +333,10 @@ def _self_proposer(x: ProposerInputs) -> Proposer:
         return DraftModelProposer(early_exit_draft(x.target, x.source))
     if x.source is not None and not isinstance(x.source, str):
         raise SpecdecError("method 'self' takes an exit's weights file or self:N, not a model")
+    from .proposers.self_spec import SelfProposer
+
     path = Path(x.source) if x.source else shipped(x.target.config.name, "exit")
-    return DraftModelProposer(EarlyExitDraft.load(path, x.target))
+    return SelfProposer(EarlyExitDraft.load(path, x.target), SELF_MIN_CONFIDENCE)
 
 
 def _lookahead_proposer(x: ProposerInputs) -> Proposer:

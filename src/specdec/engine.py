@@ -321,7 +321,10 @@ class Engine:
             tree = draft.tree(pending)
             nodes, depth, mask = tree.tokens, tree.depth(), tree.mask()                  # [B, N], [B, N], [B, N, N]
         positions = self.cache.lengths[batch.rows][:, None] + depth                      # [B, N]
-        hidden = self.target(nodes.clamp(min=0), positions, self.cache, batch.rows, mask)  # [B, N, H]
+        if draft.reuse is not None:                       # the proposer ran the target's first layers already
+            hidden = self.target.forward_reusing(draft.reuse, positions, self.cache, batch.rows)
+        else:
+            hidden = self.target(nodes.clamp(min=0), positions, self.cache, batch.rows, mask)  # [B, N, H]
         return Scored(hidden, to_probs(self.target.lm_head(hidden), batch.sampling), positions)
 
     def _verify(self, batch: ActiveBatch, draft: Draft, pending: Tensor, scored: Scored) -> Verdict:

@@ -53,6 +53,20 @@ def chain_parents(batch: int, k: int, device: torch.device | str) -> Tensor:
 
 
 @dataclass(frozen=True)
+class Reuse:
+    """A self-speculative proposer's own computation of the first `layers` target layers for the rows a chain
+    step scores (the pending token, then each draft), for the verification forward to reuse."""
+    layers: int                        # N: the scored rows' first N layers are done
+    hidden: Tensor                     # [B, K+1, H] the residual stream entering layer N
+    k: Tensor                          # [N, B, n_kv, K+1, head_dim] their keys in layers 0..N-1
+    v: Tensor                          # [N, B, n_kv, K+1, head_dim] and values
+
+    def first(self, n: int) -> "Reuse":
+        """The same for the first n scored rows."""
+        return Reuse(self.layers, self.hidden[:, :n], self.k[..., :n, :], self.v[..., :n, :])
+
+
+@dataclass(frozen=True)
 class Draft:
     """A step's drafts for a batch: a chain or a token tree over each sequence's pending token.
 
@@ -63,6 +77,7 @@ class Draft:
     tokens: Tensor                     # [B, K] long draft tokens; PAD = no draft here
     probs: Tensor | None = None        # [B, K, V] the proposer's q; None: point masses (deterministic proposer)
     parents: Tensor | None = None      # [B, K] long: ROOT or an earlier draft's index; not given: a chain
+    reuse: Reuse | None = None         # a chain's first layers, computed by the proposer (self-speculation)
     is_chain: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -73,6 +88,8 @@ class Draft:
         object.__setattr__(self, "is_chain", torch.equal(self.parents, chain))
         if self.probs is not None and not self.is_chain:
             raise ValueError("sampled drafts (with the proposer's q) must be a chain")
+        if self.reuse is not None and (not self.is_chain or self.reuse.hidden.shape[1] != K + 1):
+            raise ValueError("a draft's reused layers must cover a chain's K + 1 scored rows")
 
     @staticmethod
     def empty(batch: int, device: torch.device | str) -> "Draft":
@@ -108,7 +125,7 @@ class Draft:
         deeper = self.depth > keep[:, None]                     # [B, K]
         if not bool(deeper.any()):
             return self
-        return Draft(self.tokens.masked_fill(deeper, PAD), self.probs, self.parents)
+        return Draft(self.tokens.masked_fill(deeper, PAD), self.probs, self.parents, self.reuse)
 
     def trimmed(self) -> "Draft":
         """Without trailing columns that hold no draft in any row (nothing hangs from them)."""
@@ -116,7 +133,8 @@ class Draft:
         k = int(real.amax()) + 1 if real.numel() else 0
         if k == self.tokens.shape[1]:
             return self
-        return Draft(self.tokens[:, :k], None if self.probs is None else self.probs[:, :k], self.parents[:, :k])
+        return Draft(self.tokens[:, :k], None if self.probs is None else self.probs[:, :k], self.parents[:, :k],
+                     None if self.reuse is None else self.reuse.first(k + 1))
 
     def tree(self, pending: Tensor) -> TokenTree:
         """The token tree rooted at pending [B]: node 0 the pending token, node i + 1 draft i."""

@@ -7,6 +7,8 @@ these positions under this mask".
 from __future__ import annotations
 
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -15,6 +17,9 @@ from ..cache import KVCache
 from .attention import INVARIANT_MAX_T, KV_BLOCK, AttentionMask, attention
 from .config import ModelConfig
 from .kernels import DenseLinear, Kernel, linear, pack, packed_linear_available
+
+if TYPE_CHECKING:
+    from ..verify import Reuse
 
 
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
@@ -237,6 +242,19 @@ class Transformer(nn.Module):
         causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril().expand(B, T, T)
         return self._forward(self.embed_tokens(tokens), positions, cache, rows, causal, tree=False, prefill=True)
 
+    def forward_reusing(self, reuse: "Reuse", positions: Tensor, cache: KVCache, rows: Tensor) -> Tensor:
+        """Like forward over a causal chain whose first `reuse.layers` layers were computed already (by a
+        self-speculative draft running this model's own layers): their keys and values go into the scratch
+        slots, and layers N.. run from the given residual stream. Row-invariant kernels make the result the
+        bits forward would give (tests/test_self.py)."""
+        B, T = positions.shape
+        cache.check_room(rows, T)
+        for i in range(reuse.layers):
+            cache.write(i, rows, reuse.k[i], reuse.v[i])
+        causal = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril().expand(B, T, T)
+        return self._forward(reuse.hidden, positions, cache, rows, causal, tree=False, prefill=False,
+                             first_layer=reuse.layers)
+
     def forward_embeds(self, x: Tensor, positions: Tensor, cache: KVCache, rows: Tensor,
                        tree_mask: Tensor | None = None, exact_tree: bool = True) -> Tensor:
         """Like forward, from input vectors x [B, T, H] (EAGLE feeds fused token + feature vectors).
@@ -251,7 +269,7 @@ class Transformer(nn.Module):
                              prefill=False)
 
     def _forward(self, x: Tensor, positions: Tensor, cache: KVCache, rows: Tensor, tree_mask: Tensor,
-                 *, tree: bool, prefill: bool) -> Tensor:
+                 *, tree: bool, prefill: bool, first_layer: int = 0) -> Tensor:
         """tree: scratch slots are not positions (a token tree), so tails are gathered by position;
         prefill: a prompt piece (through the prefill kernels: float32 copies, or dense weights in q4)."""
         B, T = positions.shape
@@ -276,6 +294,8 @@ class Transformer(nn.Module):
             local = AttentionMask(visible & window, nkv, nh, slots, tvis)
         taken: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
+            if i < first_layer:                                                # done by the caller (forward_reusing)
+                continue
             if self.config.is_local(i):
                 x = layer(x, lcos, lsin, local, cache, rows, kv_len, contiguous, prefill)
             else:

@@ -31,7 +31,8 @@ class EarlyExitDraft(nn.Module):
         self.proj = nn.Parameter(torch.eye(H))
         self.register_buffer("vocab_ids", vocab_ids.long().clone())
         self.target = [target]                                   # frozen, never saved
-        self.body = [truncated(target, n_layers)]                # shares the target's weights
+        self.body = [truncated(target, n_layers).features((n_layers - 1,))]   # shares the target's weights
+        self.last_stream = torch.empty(0)                        # [B, T, H] residual stream after layer N, last forward
         self.packed: dict[str, object] = {}
 
     # ---- the CausalLM contract ------------------------------------------------------------
@@ -60,11 +61,17 @@ class EarlyExitDraft(nn.Module):
 
     def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache, rows: Tensor,
                 tree_mask: Tensor | None = None) -> Tensor:
-        """tokens, positions [B, T] -> the target's final norm of layer N's output [B, T, H]."""
-        return self.body[0](tokens, positions, cache, rows, tree_mask)
+        """tokens, positions [B, T] -> the target's final norm of layer N's output [B, T, H]; that output
+        itself (the residual stream entering layer N) is kept in `last_stream`."""
+        return self._split(self.body[0](tokens, positions, cache, rows, tree_mask))
 
     def prefill(self, tokens: Tensor, positions: Tensor, cache: KVCache, rows: Tensor) -> Tensor:
-        return self.body[0].prefill(tokens, positions, cache, rows)
+        return self._split(self.body[0].prefill(tokens, positions, cache, rows))
+
+    def _split(self, out: Tensor) -> Tensor:
+        H = self.target[0].config.dim
+        self.last_stream = out[..., H:]
+        return out[..., :H]
 
     def exit(self, hidden: Tensor) -> Tensor:
         """hidden [..., H] -> the exit's feature [..., H] (float32 in training, the model's dtype after prepare)."""

@@ -1,0 +1,52 @@
+"""Self-speculation: the target's first N layers and a trained exit draft, and their work is reused.
+
+Drafting runs the target's own layers 0..N-1 on the pending token and every draft (one more
+single-token forward than a separate draft needs, for the last draft), so the rows the target scores
+already have those layers' keys, values and residual stream. The draft hands them over (`Draft.reuse`)
+and the verification forward runs only layers N..L-1 (`Transformer.forward_reusing`). With
+row-invariant kernels those bits equal what the full forward would compute, so greedy output stays
+plain decoding's (tests/test_self.py checks the target's cache bit for bit).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..models.early_exit import EarlyExitDraft
+from ..verify import Draft, Reuse
+from .base import ActiveBatch
+from .draft_model import DraftModelProposer
+
+
+class SelfProposer(DraftModelProposer):
+    name = "self"
+
+    def __init__(self, draft: EarlyExitDraft, min_confidence: float = 0.0) -> None:
+        super().__init__(draft, sample_drafts=True, min_confidence=min_confidence)
+        self.streams: list[Tensor] = []                         # [B, H] per draft forward: the fed token's stream
+
+    def _step(self, tokens: Tensor, rows: Tensor, take: Tensor) -> Tensor:
+        logits = super()._step(tokens, rows, take)
+        s = self.model.last_stream                              # [B, T, H]
+        self.streams.append(s[torch.arange(s.shape[0], device=s.device), take - 1])
+        return logits
+
+    @torch.inference_mode()
+    def propose(self, batch: ActiveBatch, k: int) -> Draft:
+        self.streams = []
+        draft = super().propose(batch, k)
+        B, K = draft.tokens.shape
+        rows = batch.rows.to(self.model.device)
+        if len(self.streams) == K:                              # the last draft's layers too (logits unused)
+            self._step(draft.tokens[:, K - 1:].clamp(min=0), rows, torch.ones(B, dtype=torch.long, device=rows.device))
+            self.drafted += 1
+        hidden = torch.stack(self.streams, 1)                   # [B, m, H] pending, then fed drafts
+        if hidden.shape[1] < K + 1:                             # drafting stopped early: rows past it are PAD
+            hidden = torch.cat([hidden, hidden.new_zeros(B, K + 1 - hidden.shape[1], hidden.shape[2])], 1)
+        start = self.cache.lengths[rows] - 1 - self.drafted                       # [B] the pending token's slot
+        slots = (start[:, None] + torch.arange(K + 1, device=rows.device)).clamp(max=self.cache.slots - 1)
+        N = self.cache.k.shape[0]
+        idx = slots[None, :, None, :, None].expand(N, B, self.cache.k.shape[2], K + 1, self.cache.k.shape[4])
+        k = self.cache.k[:, rows].gather(3, idx)                # [N, B, n_kv, K+1, hd]
+        v = self.cache.v[:, rows].gather(3, idx)
+        return Draft(draft.tokens, draft.probs, reuse=Reuse(N, hidden, k, v))
