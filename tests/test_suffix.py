@@ -49,3 +49,17 @@ def test_suffix_sampling_matches_exact_distribution():
     prompt = [1, 2, 1, 2, 1]
     samples = sample_engine(target, SuffixProposer(), params, prompt, n=20_000, k=3)
     assert check_joint(samples, exact_joint(target, prompt, params)) > 1e-3
+
+
+def test_hybrid_can_use_suffix_decoding_in_place_of_prompt_lookup():
+    from helpers import head_for
+    from specdec.proposers.eagle import EagleProposer
+    from specdec.proposers.hybrid import HybridProposer
+
+    target = tiny_model(seed=7)
+    prop = HybridProposer(EagleProposer(head_for(target), 1, 4, 4), SuffixProposer())
+    gen = tiny_generator(target, prop, "fixed", 4)
+    prompts = PROMPTS + REPETITIVE
+    for p, r in zip(prompts, gen.generate(prompts, max_new_tokens=30)):
+        assert r.tokens == reference_greedy(target, p, 30)
+    assert prop.steps_ngram > 0 and prop.steps_eagle > 0

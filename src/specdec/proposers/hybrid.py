@@ -19,12 +19,14 @@ from ..verify import Draft, Verdict
 from .base import ActiveBatch
 from .eagle import EagleProposer
 from .ngram import NgramProposer
+from .suffix import SuffixProposer
 
 
 class HybridProposer:
     name = "hybrid"
 
-    def __init__(self, eagle: EagleProposer, ngram: NgramProposer, min_match: int = 2) -> None:
+    def __init__(self, eagle: EagleProposer, ngram: NgramProposer | SuffixProposer, min_match: int = 2) -> None:
+        """ngram: prompt lookup, or suffix decoding in its place (anything with NgramProposer's `match`)."""
         if eagle.topk != 1:
             raise SpecdecError("the hybrid proposer drafts chains: its EAGLE proposer needs topk = 1")
         self.eagle, self.ngram, self.min_match = eagle, ngram, min_match

@@ -78,6 +78,32 @@ class SuffixProposer:
             self.global_index.add(tokens, max(self.seen[r], self.prompt_len[r]))   # outputs only
             self.seen[r] = len(tokens)
 
+    def _longest(self, r: int, context: list[int]) -> int:
+        """The length of the longest suffix of `context` seen before (0: none)."""
+        for m in range(min(self.max_match, len(context)), 0, -1):
+            ctx = tuple(context[-m:])
+            if self.local[r].get(ctx) or self.global_index.get(ctx):
+                return m
+        return 0
+
+    def match(self, batch: ActiveBatch, k: int) -> tuple[Tensor, Tensor]:
+        """Like NgramProposer.match, so `hybrid` can use suffix decoding in place of prompt lookup: per
+        sequence the matched suffix length [B] and the most probable continuation chain [B, k] (PAD = none)."""
+        n = torch.zeros(len(batch.tokens), dtype=torch.long)
+        out = torch.full((len(batch.tokens), k), PAD, dtype=torch.long)
+        for i, (r, hist) in enumerate(zip(batch.rows.tolist(), batch.tokens)):
+            self._catch_up(r, hist)
+            n[i] = self._longest(r, hist)
+            path, prob = list(hist), 1.0
+            for j in range(k if n[i] else 0):
+                nxt = self._next(r, path)
+                if not nxt or prob * nxt[0][0] < self.min_prob:
+                    break
+                prob *= nxt[0][0]
+                out[i, j] = nxt[0][1]
+                path.append(nxt[0][1])
+        return n, out
+
     def _next(self, r: int, context: list[int]) -> list[tuple[float, int]]:
         """(probability, token) of what follows the longest matching suffix of `context`."""
         for m in range(min(self.max_match, len(context)), 0, -1):
