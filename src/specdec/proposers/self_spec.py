@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ..models.early_exit import EarlyExitDraft
+from ..prefix_cache import PREFILL_PIECE
 from ..verify import Draft, Reuse
 from .base import ActiveBatch
 from .draft_model import DraftModelProposer
@@ -24,6 +25,22 @@ class SelfProposer(DraftModelProposer):
     def __init__(self, draft: EarlyExitDraft, min_confidence: float = 0.0) -> None:
         super().__init__(draft, sample_drafts=True, min_confidence=min_confidence)
         self.streams: list[Tensor] = []                         # [B, H] per draft forward: the fed token's stream
+
+    def start(self, rows: Tensor, prompts: list[list[int]], hidden: Tensor) -> None:
+        """Prefill the draft's N layers in the pieces the engine prefills the target in (ending at multiples of
+        PREFILL_PIECE): a position's bits depend on its piece's shape where prefill kernels are not
+        row-invariant (the 4-bit mode's dense prefill), and the reused layers must see the target's own."""
+        self.cache.truncate(rows, torch.zeros_like(rows))
+        dev = self.model.device
+        for r, tokens in zip(rows.tolist(), prompts):
+            n = len(tokens) - 1                                  # the prompt; its first token comes with propose
+            row = torch.tensor([r], device=dev)
+            for a in range(0, n, PREFILL_PIECE):
+                b = min(n, a + PREFILL_PIECE)
+                self.model.prefill(torch.tensor([tokens[a:b]], device=dev), torch.arange(a, b, device=dev)[None],
+                                   self.cache, row)
+                self.cache.commit(row, torch.arange(b - a, device=dev)[None], torch.tensor([b - a], device=dev))
+            self.fed[r] = n
 
     def _step(self, tokens: Tensor, rows: Tensor, take: Tensor) -> Tensor:
         logits = super()._step(tokens, rows, take)
