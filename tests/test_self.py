@@ -115,3 +115,14 @@ def test_self_sampling_matches_exact_distribution():
     prompt = [1, 2, 1]
     samples = sample_engine(target, SelfProposer(d), params, prompt, n=20_000, k=3)
     assert check_joint(samples, exact_joint(target, prompt, params)) > 1e-3
+
+
+def test_reuse_on_a_target_that_also_returns_features():
+    """A target shared with an EAGLE-3 proposer returns features; reusing the first layers still works."""
+    target = tiny_model(seed=7, layers=4)
+    target.features((0, 3))
+    gen = tiny_generator(target, SelfProposer(_exit(target, 2).prepare(target.dtype)), "fixed", 3)
+    try:
+        assert gen.generate(PROMPTS[1], max_new_tokens=20).tokens == reference_greedy(target, PROMPTS[1], 20)
+    finally:
+        target.features(())

@@ -303,7 +303,11 @@ class Transformer(nn.Module):
             if i in self.feature_layers:
                 taken[i] = x
         out = rms_norm(x, self.norm, self.config.norm_eps)
-        return torch.cat([out, *(taken[i] for i in self.feature_layers)], -1) if self.feature_layers else out
+        if not self.feature_layers:
+            return out
+        # layers a caller ran itself (forward_reusing) have no output here: zeros (no proposer reads features of
+        # a forward that reused another proposer's layers: a target shared by several methods may have them on)
+        return torch.cat([out, *(taken[i] if i in taken else torch.zeros_like(out) for i in self.feature_layers)], -1)
 
     @staticmethod
     def _tree_tails(lengths: Tensor, positions: Tensor, tree_mask: Tensor, n_slots: int) -> tuple[Tensor, Tensor, Tensor]:
