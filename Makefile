@@ -27,12 +27,12 @@ demo: install
 
 # the whole suite, then the exactness tests again on the portable AVX2 kernels (SPECDEC_ISA=avx2)
 test: install
-	$(BIN)/python -m pytest -q --durations=15
-	SPECDEC_ISA=avx2 $(BIN)/python -m pytest -q -m exactness --durations=5
+	$(BIN)/python -m pytest -q -n 2 --durations=15
+	SPECDEC_ISA=avx2 $(BIN)/python -m pytest -q -n 2 -m exactness --durations=5
 
 # the developer loop: unit tests on tiny models, no real GGUF models, no long statistical tests
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow and not integration" --durations=5
+	$(BIN)/python -m pytest -q -n 2 -m "not slow and not integration" --durations=5
 
 info: install
 	$(BIN)/specdec info

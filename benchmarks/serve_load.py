@@ -8,7 +8,12 @@ Starts its own server subprocess on a free port, then:
    against a second server started with --max-batch 1 (one at a time);
 4. two-turn chats (MT-bench's 80 two-turn questions, the first --conversations): each
    conversation's second turn resends the first turn and its answer, against a server with
-   the prefix cache (default) and one with --prefix-cache-mb 0.
+   the prefix cache (default) and one with --prefix-cache-mb 0;
+5. a repeated task (an agent's or a pipeline's workload: the same instruction with different
+   inputs, benchmarks/repeated_task.py), one request at a time, against one server per method of
+   --repeated-methods (default none,ngram,suffix) running side by side, each request sent to every
+   server in turn; the first --repeated-warmup requests are not timed (they fill suffix decoding's
+   index of earlier outputs).
 Reports requests/s, output tokens/s, p50/p99 time to first token and inter-token
 latency (client side, per streamed chunk), errors, RSS samples and the batching speed-up.
 
@@ -35,6 +40,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from repeated_task import prompts as repeated_prompts
 from specdec.bench.suites import load_suite
 
 HOST = "127.0.0.1"
@@ -50,14 +56,14 @@ def free_port() -> int:
 class ServerProcess:
     """`specdec serve` in a subprocess on a free loopback port."""
 
-    def __init__(self, args: argparse.Namespace, max_batch: int, prefix_cache_mb: int = 512) -> None:
+    def __init__(self, args: argparse.Namespace, max_batch: int, prefix_cache_mb: int = 512, method: str = "") -> None:
         self.port = free_port()
-        cmd = [sys.executable, "-m", "specdec.cli", "serve", "--model", args.model, "--method", args.method,
+        cmd = [sys.executable, "-m", "specdec.cli", "serve", "--model", args.model, "--method", method or args.method,
                "--dtype", args.dtype, "--port", str(self.port), "--max-batch", str(max_batch),
                "--max-waiting", str(max(256, args.requests)), "--max-tokens", str(args.max_tokens),
                "--num-draft-tokens", str(args.num_draft_tokens), "--draft-policy", args.draft_policy,
                "--prefix-cache-mb", str(prefix_cache_mb)]
-        if args.draft_model:
+        if args.draft_model and not method:
             cmd += ["--draft-model", args.draft_model]
         if args.threads:
             cmd += ["--threads", str(args.threads)]
@@ -332,6 +338,40 @@ def rss_summary(samples: list[tuple[float, float]]) -> dict:
             "series": [(round(t, 1), round(m, 1)) for t, m in samples]}
 
 
+def repeated_task(args: argparse.Namespace) -> dict:
+    """Phase 5: the repeated task, one request at a time, every request to each method's server in turn."""
+    methods = args.repeated_methods.split(",")
+    prompts = repeated_prompts(args.repeated_requests)
+    servers = {m: ServerProcess(args, 1, args.prefix_cache_mb, method=m) for m in methods}
+    runs: dict[str, list[Outcome]] = {m: [] for m in methods}
+    walls: dict[str, list[float]] = {m: [] for m in methods}
+    try:
+        for srv in servers.values():
+            asyncio.run(burst(srv.port, ["Say hello."], 8, 1))                  # warm-up (not the task)
+        for p in prompts:
+            for m, srv in servers.items():
+                t0 = time.perf_counter()
+                runs[m].append(asyncio.run(stream_chat(srv.port, p, args.max_tokens)))
+                walls[m].append(time.perf_counter() - t0)
+    finally:
+        for srv in servers.values():
+            srv.stop()
+    base, w = methods[0], args.repeated_warmup
+    out: dict = {"requests": len(prompts), "warmup": w, "methods": {}}
+    for m in methods:
+        timed = list(zip(runs[m][w:], walls[m][w:], walls[base][w:], runs[base][w:]))
+        tokens = sum(o.tokens for o, *_ in timed)
+        row = {"errors": sum(not o.ok for o in runs[m]),
+               "output_tokens_per_s": tokens / max(1e-9, sum(s for _, s, _, _ in timed)),
+               "median_speedup": statistics.median(b / s * o.tokens / max(1, ob.tokens) for o, s, b, ob in timed),
+               "texts_equal_to_baseline": sum(o.text == ob.text for o, ob in zip(runs[m], runs[base]))}
+        out["methods"][m] = row
+        print(f"repeated task {m:<10} {row['output_tokens_per_s']:7.1f} tok/s  {row['median_speedup']:.2f}x vs {base} "
+              f"(median per request)  {row['texts_equal_to_baseline']}/{len(prompts)} texts = {base}  "
+              f"{row['errors']} err", flush=True)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -339,7 +379,7 @@ def main() -> int:
     ap.add_argument("--draft-model", default=None)
     ap.add_argument("--num-draft-tokens", type=int, default=4)
     ap.add_argument("--draft-policy", default="auto")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=0, help="server torch threads (0 = default)")
     ap.add_argument("--prefill-threads", type=int, default=0, help="server torch threads while prefilling (0 = default)")
     ap.add_argument("--omp-passive", action=argparse.BooleanOptionalAction, default=False,
@@ -349,7 +389,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request")
     ap.add_argument("--soak-seconds", type=float, default=600.0)
     ap.add_argument("--soak-concurrency", type=int, default=16)
-    ap.add_argument("--compare-requests", type=int, default=32, help="requests in the batched vs one-at-a-time run")
+    ap.add_argument("--compare-requests", type=int, default=32, help="requests in the batched vs one-at-a-time run (0 = skip)")
     ap.add_argument("--compare-concurrency", type=int, default=8)
     ap.add_argument("--prefix-cache-mb", type=int, default=512,
                     help="the servers' prefix cache for the burst, soak and batching phases (0 = off; the burst and "
@@ -357,6 +397,9 @@ def main() -> int:
     ap.add_argument("--conversations", type=int, default=16,
                     help="two-turn MT-bench chats, with and without the prefix cache (0 = skip)")
     ap.add_argument("--conversation-concurrency", type=int, default=8)
+    ap.add_argument("--repeated-requests", type=int, default=24, help="requests of the repeated task (0 = skip)")
+    ap.add_argument("--repeated-warmup", type=int, default=4, help="first repeated-task requests not timed")
+    ap.add_argument("--repeated-methods", default="none,ngram,suffix", help="one server each; the first is the baseline")
     ap.add_argument("--rss-every", type=float, default=5.0, help="seconds between RSS samples")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     args = ap.parse_args()
@@ -378,21 +421,22 @@ def main() -> int:
         if args.soak_seconds > 0:
             rows.append(measured(server, f"soak c={args.soak_concurrency}", lambda: asyncio.run(
                 soak(server.port, suite, args.max_tokens, args.soak_concurrency, args.soak_seconds))))
-        rows.append(measured(server, f"batched c={args.compare_concurrency}", lambda: asyncio.run(
-            burst(server.port, compare, args.max_tokens, args.compare_concurrency))))
+        if compare:
+            rows.append(measured(server, f"batched c={args.compare_concurrency}", lambda: asyncio.run(
+                burst(server.port, compare, args.max_tokens, args.compare_concurrency))))
     finally:
         result["rss"] = rss_summary(sampler.stop())
         server.stop()
 
-    one = ServerProcess(args, 1, args.prefix_cache_mb)
-    try:
-        asyncio.run(burst(one.port, suite[:1], 8, 1))
-        rows.append(measured(one, f"one-at-a-time c={args.compare_concurrency}", lambda: asyncio.run(
-            burst(one.port, compare, args.max_tokens, args.compare_concurrency))))
-    finally:
-        one.stop()
-
-    result["batching_speedup"] = rows[-2]["output_tokens_per_s"] / rows[-1]["output_tokens_per_s"]
+    if compare:
+        one = ServerProcess(args, 1, args.prefix_cache_mb)
+        try:
+            asyncio.run(burst(one.port, suite[:1], 8, 1))
+            rows.append(measured(one, f"one-at-a-time c={args.compare_concurrency}", lambda: asyncio.run(
+                burst(one.port, compare, args.max_tokens, args.compare_concurrency))))
+        finally:
+            one.stop()
+        result["batching_speedup"] = rows[-2]["output_tokens_per_s"] / rows[-1]["output_tokens_per_s"]
     if args.conversations > 0:
         two = [(p.turns[0], p.turns[1]) for p in load_suite("full", ["mt_bench"]) if len(p.turns) == 2]
         pairs = two[:args.conversations]
@@ -416,16 +460,20 @@ def main() -> int:
                 srv.stop()
         result["turn2_ttft_p50_without_over_with_prefix_cache"] = ttft2[0] / ttft2[512]
         print(f"second-turn TTFT p50: {ttft2[512] * 1e3:.0f} ms with the prefix cache, {ttft2[0] * 1e3:.0f} ms without")
+    if args.repeated_requests > 0:
+        result["repeated_task"] = repeated_task(args)
     result["phases"] = rows
     rss = result["rss"]
-    print(f"batching speed-up at concurrency {args.compare_concurrency}: {result['batching_speedup']:.2f}x "
-          f"(output tokens/s, batched vs --max-batch 1)")
+    if compare:
+        print(f"batching speed-up at concurrency {args.compare_concurrency}: {result['batching_speedup']:.2f}x "
+              f"(output tokens/s, batched vs --max-batch 1)")
     print(f"server RSS: first {rss['first_mb']:.0f} MB, min {rss['min_mb']:.0f}, max {rss['max_mb']:.0f}, "
           f"last {rss['last_mb']:.0f}; mean of first fifth {rss['mean_first_fifth_mb']:.0f} MB, "
           f"last fifth {rss['mean_last_fifth_mb']:.0f} MB ({rss['samples']} samples every {args.rss_every:g} s)")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
-    return 1 if any(r["errors"] for r in rows) else 0
+    errors = any(r["errors"] for r in rows) or any(r["errors"] for r in result.get("repeated_task", {}).get("methods", {}).values())
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":

@@ -10,7 +10,10 @@ import pytest
 import torch
 
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# under pytest-xdist (`make test` runs one worker per core) each worker computes on one thread: two
+# workers with two threads each would oversubscribe the cores, and most tests are single-threaded Python
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // WORKERS))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

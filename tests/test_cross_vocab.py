@@ -40,6 +40,21 @@ def test_cross_vocab_greedy_equals_plain(k, batch):
         assert r.tokens == reference_greedy(target, p, 20)
 
 
+def test_the_draft_reads_a_bounded_context():
+    """A prompt longer than the draft's context: the first sync feeds only its last `context` tokens (the cache
+    holds no more), and the output is still the plain one."""
+    target, draft = tiny_model(seed=7, vocab=len(TARGET_WORDS)), tiny_model(seed=8, vocab=len(DRAFT_WORDS))
+    prop = CrossVocabProposer(draft, word_tokenizer(DRAFT_WORDS), word_tokenizer(TARGET_WORDS), len(TARGET_WORDS),
+                              context=5)
+    prompt = [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2]
+    seqs = run_engine(target, prop, [Request(list(prompt), 16)], "fixed", 3)
+    assert seqs[0].generated == reference_greedy(target, prompt, 16)
+    assert prop.skip[seqs[0].row] == len(prompt) + 1 - 5           # prompt + first token, all single words
+    assert int(prop.cache.lengths[seqs[0].row]) <= 5 + 16
+    with pytest.raises(SpecdecError, match="context"):
+        CrossVocabProposer(draft, word_tokenizer(DRAFT_WORDS), word_tokenizer(TARGET_WORDS), 8, context=0)
+
+
 def test_too_little_overlap_is_a_clear_error():
     with pytest.raises(SpecdecError, match="shares too little"):
         CrossVocabProposer(tiny_model(vocab=33), word_tokenizer(["cat", "tree", "flew"] + [f"w{i}" for i in range(30)]),

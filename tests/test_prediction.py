@@ -12,6 +12,7 @@ from specdec.proposers.ngram import NgramProposer
 from specdec.proposers.prediction import PredictionIndex
 from specdec.reference import reference_greedy
 from specdec.sampling import SamplingParams
+from specdec.verify import Draft
 
 
 def _edited(tokens: list[int], at: int, by: int) -> tuple[int, ...]:
@@ -48,12 +49,59 @@ def test_a_wrong_prediction_costs_nothing_but_rows():
 def test_alignment_follows_and_refinds():
     idx = PredictionIndex((1, 2, 3, 4, 5, 6, 7, 8))
     assert idx.continuation(3) == [1, 2, 3]
-    idx.advance([1, 2], [1, 2])
+    idx.advance([1, 2], [1, 2], 0)
     assert idx.continuation(2) == [3, 4]
-    idx.advance([9], [1, 2, 9])                       # a changed token: no 1..8-gram suffix matches
+    idx.advance([9], [1, 2, 9], 0)                    # a changed token: no 1..8-gram suffix matches
     assert idx.continuation(2) == []
-    idx.advance([5], [1, 2, 9, 5])                    # re-found after "5"
+    idx.advance([5], [1, 2, 9, 5], 0)                 # re-found after "5"
     assert idx.continuation(2) == [6, 7]
+
+
+def test_prediction_draft_length_adapts():
+    idx = PredictionIndex(tuple(range(1, 40)))
+    assert len(idx.continuation(8)) == 8
+    idx.advance([1, 2, 3, 4, 5, 6, 7, 8, 9], list(range(1, 10)), 8)          # all 8 accepted + bonus
+    assert idx.continuation(8) == list(range(10, 18))
+    idx.advance([10, 99], [*range(1, 11), 99], 8)                            # rejected at the second draft
+    assert idx.continuation(8) == []                                          # no suffix ending in 99 is in it
+    idx.advance([12], [*range(1, 11), 99, 12], 0)                            # re-found, not a prediction step
+    assert idx.continuation(8) == [13, 14, 15]
+    idx.advance([13, 14, 15, 16], [*range(1, 11), 99, *range(12, 17)], 3)   # all accepted: back to k
+    assert idx.continuation(8) == list(range(17, 25))
+
+
+class CountingProposer:
+    """A method that speculates but drafts nothing, counting how often it is asked."""
+    name = "counting"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def allocate(self, rows, slots):
+        pass
+
+    def start(self, rows, prompts, hidden):
+        pass
+
+    def propose(self, batch, k):
+        self.calls += 1
+        return Draft.empty(len(batch.tokens), batch.rows.device)
+
+    def commit(self, batch, verdict, hidden):
+        pass
+
+
+def test_the_method_does_not_draft_while_the_prediction_does():
+    """A sequence that follows its prediction needs no drafts of the method: its proposer is not run."""
+    target = tiny_model(seed=7)
+    ref = reference_greedy(target, PROMPTS[0], 24)
+    inner = CountingProposer()
+    seqs = run_engine(target, inner, [Request(list(PROMPTS[0]), 24, prediction=tuple(ref))], "fixed", 3)
+    assert seqs[0].generated == ref and seqs[0].counters.accepted_prediction >= 20
+    assert inner.calls == 0
+    inner = CountingProposer()
+    run_engine(target, inner, [Request(list(PROMPTS[0]), 24, prediction=tuple(range(40, 44)))], "fixed", 3)
+    assert inner.calls > 0                             # where the prediction has nothing, the method drafts
 
 
 @pytest.mark.slow        # 20,000 sequences: `make test`

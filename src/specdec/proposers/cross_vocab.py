@@ -5,7 +5,10 @@ intersection, found by decoding every token string through each tokenizer's own 
 distribution, restricted to them and renormalised, is a distribution q over target tokens, so the
 rejection rule and the residual max(0, p - q) keep the output exactly the target's. The draft reads
 the committed text re-tokenized with its own tokenizer: each step, the longest common prefix of that
-re-tokenization and what its cache holds stays, the rest is fed.
+re-tokenization and what its cache holds stays, the rest is fed. The draft reads at most the last
+`context` tokens of the prompt (its first sync feeds no more), so a long prompt costs a bounded
+catch-up, paid only when the method first drafts (the `auto` policy may never do so); what the draft
+does not read changes its guesses, never the output.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from .base import ActiveBatch
 from .draft_model import same_prefix
 
 MIN_OVERLAP = 0.1            # below this share of the draft's vocabulary in common, drafting is pointless
+DRAFT_CONTEXT = 256          # draft tokens of the prompt the draft reads (the most recent ones)
 
 
 def token_texts(tok: Tokenizer) -> list[str]:
@@ -64,8 +68,11 @@ class VocabMap:
 class CrossVocabProposer:
     name = "draft"
 
-    def __init__(self, draft: CausalLM, draft_tok: Tokenizer, target_tok: Tokenizer, target_vocab: int) -> None:
-        self.draft, self.draft_tok, self.target_tok = draft, draft_tok, target_tok
+    def __init__(self, draft: CausalLM, draft_tok: Tokenizer, target_tok: Tokenizer, target_vocab: int,
+                 context: int = DRAFT_CONTEXT) -> None:
+        if context < 1:
+            raise SpecdecError(f"the draft's context must be at least one token, got {context}")
+        self.draft, self.draft_tok, self.target_tok, self.context = draft, draft_tok, target_tok, context
         self.map = VocabMap(draft_tok, target_tok, target_vocab)
         if self.map.overlap < MIN_OVERLAP:
             raise SpecdecError(f"the draft shares too little of its vocabulary with the target ({self.map.describe()}); "
@@ -74,6 +81,7 @@ class CrossVocabProposer:
         self.d2t = self.map.d2t.to(dev)
         self.allowed = self.d2t >= 0                                           # [V_draft]
         self.fed: dict[int, list[int]] = {}                                    # row -> draft tokens in the cache
+        self.skip: dict[int, int] = {}                                         # row -> leading draft tokens not read
         self.drafted = torch.zeros(0, dtype=torch.long)                        # [B] provisional drafts fed
         self.last = torch.zeros(0, 0, dtype=torch.long)                        # [B, k] last drafts (target ids)
 
@@ -85,6 +93,7 @@ class CrossVocabProposer:
         self.cache.truncate(rows, torch.zeros_like(rows))
         for r in rows.tolist():
             self.fed[r] = []
+            self.skip[r] = -1                                                  # set by the first sync
 
     def _retokenize(self, target_ids: list[int]) -> list[int]:
         text = self.target_tok.decode(target_ids)
@@ -95,7 +104,10 @@ class CrossVocabProposer:
         dev = self.draft.device
         feeds = []
         for i, (r, h) in enumerate(zip(rows.tolist(), histories)):
-            want, have = self._retokenize(h), self.fed[r]
+            want = self._retokenize(h)
+            if self.skip[r] < 0:
+                self.skip[r] = max(0, len(want) - self.context)
+            want, have = want[self.skip[r]:] or want[-1:], self.fed[r]
             n = 0
             while n < min(len(want), len(have)) and want[n] == have[n]:
                 n += 1

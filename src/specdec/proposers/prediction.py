@@ -4,9 +4,12 @@ Wraps the method's own proposer. A sequence with a prediction drafts the predict
 at its alignment point (after the tokens committed so far); after a mismatch it re-aligns on the
 prediction the way prompt lookup re-finds an n-gram (the longest suffix of its output, up to 8
 tokens, seen in the prediction), so one changed line does not end the speculation. Where the
-prediction has nothing to offer, the row keeps the wrapped proposer's draft. Prediction drafts are
-point masses (one-hot q where the wrapped proposer samples its drafts), so verification keeps the
-output exactly the target's.
+prediction has nothing to offer, the row keeps the wrapped proposer's draft (the wrapped proposer is
+not run at all in a step where every row follows its prediction). How far a row drafts ahead adapts
+like the well-known heuristic: up to `k_prediction` while the prediction keeps being accepted, two past
+the accepted ones after a rejection (a changed passage costs few rows). Prediction drafts are point
+masses (one-hot q where the wrapped proposer samples its drafts), so verification keeps the output
+exactly the target's.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from ..verify import ROOT, Draft, Verdict
 from .base import ActiveBatch, Proposer
 
 ALIGN_NGRAM = 8              # longest output suffix matched against the prediction when re-aligning
+MAX_AHEAD = 64               # cap of the adaptive prediction draft length (the engine's k_prediction bounds it too)
 
 
 class PredictionIndex:
@@ -30,6 +34,7 @@ class PredictionIndex:
             for n in range(1, min(ALIGN_NGRAM, end) + 1):
                 self.first.setdefault(tokens[end - n:end], end)
         self.at = 0                                           # where the next output token should be
+        self.ahead = MAX_AHEAD                                # how many tokens to draft next step
 
     def align(self, output: list[int]) -> None:
         """Re-find the point after the longest suffix of `output` seen in the prediction (-1: none)."""
@@ -40,15 +45,19 @@ class PredictionIndex:
                 return
         self.at = -1
 
-    def advance(self, new: list[int], output: list[int]) -> None:
-        """The step committed `new` (output ends with them): follow the prediction, or re-align."""
+    def advance(self, new: list[int], output: list[int], drafted: int) -> None:
+        """The step committed `new` (output ends with them) after `drafted` prediction drafts (0: the
+        row did not draft from the prediction): follow the prediction, or re-align."""
+        if drafted:
+            accepted = len(new) - 1
+            self.ahead = MAX_AHEAD if accepted >= drafted else min(MAX_AHEAD, accepted + 2)
         if self.at >= 0 and list(self.tokens[self.at:self.at + len(new)]) == new:
             self.at += len(new)
         else:
             self.align(output)
 
     def continuation(self, k: int) -> list[int]:
-        return list(self.tokens[self.at:self.at + k]) if self.at >= 0 else []
+        return list(self.tokens[self.at:self.at + min(k, self.ahead)]) if self.at >= 0 else []
 
 
 class PredictionProposer:
@@ -60,6 +69,7 @@ class PredictionProposer:
         self.index: dict[int, PredictionIndex] = {}
         self.prompt_len: dict[int, int] = {}
         self.from_prediction = torch.zeros(0, dtype=torch.bool)   # [B] rows drafted from a prediction, last step
+        self.drafted: list[int] = []                              # [B] prediction drafts per row, last step
 
     def allocate(self, rows: int, slots: int) -> None:
         self.inner.allocate(rows, slots)
@@ -77,16 +87,21 @@ class PredictionProposer:
         self.inner.start(rows, prompts, hidden)
         for r, toks in zip(rows.tolist(), prompts):
             if r in self.index:                                # the first token came with the prefill
-                self.index[r].advance(toks[self.prompt_len[r]:], toks[self.prompt_len[r]:])
+                self.index[r].advance(toks[self.prompt_len[r]:], toks[self.prompt_len[r]:], 0)
 
-    def propose(self, batch: ActiveBatch, k: int) -> Draft:
+    def propose(self, batch: ActiveBatch, k: int, k_prediction: int) -> Draft:
+        """Up to k drafts of the wrapped proposer per row, or up to k_prediction from the row's prediction."""
         rows = batch.rows.tolist()
-        conts = [self.index[r].continuation(k) if r in self.index else [] for r in rows]
+        B, dev = len(rows), batch.rows.device
+        conts = [self.index[r].continuation(k_prediction) if r in self.index and k_prediction else [] for r in rows]
+        self.drafted = [len(c) for c in conts]
         self.from_prediction = torch.tensor([bool(c) for c in conts], dtype=torch.bool)
-        draft = self.inner.propose(batch, k)
+        if k and not all(conts):
+            draft = self.inner.propose(batch, k)
+        else:
+            draft = Draft.empty(B, dev)
         if not bool(self.from_prediction.any()):
             return draft
-        B, dev = len(rows), batch.rows.device
         width = max(draft.tokens.shape[1], max(len(c) for c in conts))
         tokens = torch.full((B, width), PAD, dtype=torch.long, device=dev)
         tokens[:, :draft.tokens.shape[1]] = draft.tokens
@@ -118,4 +133,5 @@ class PredictionProposer:
         for i, r in enumerate(batch.rows.tolist()):
             if r in self.index:
                 out = batch.tokens[i][self.prompt_len[r]:]
-                self.index[r].advance(out[len(out) - n[i]:], out)
+                self.index[r].advance(out[len(out) - n[i]:], out, self.drafted[i] if self.drafted else 0)
+        self.drafted = []

@@ -6,8 +6,10 @@ are dropped past `max_contexts`). Each maps a context (the last m tokens, m = 1.
 often each token followed it. A step matches the longest suffix of the sequence seen before, then
 grows a token tree best-first by estimated probability (counts of the longest matching context;
 the sequence's own counts weigh `local_weight` times the global ones), keeping nodes whose
-probability stays above `min_prob`, up to `budget` nodes and depth K. A pattern seen often and
-matched long yields a big tree; a weak match a small one. Drafts are point masses: lossless.
+probability stays above `min_prob`, up to min(`budget`, K) nodes (a step scores no more rows than a
+chain of K would: on a CPU every scored row costs) and depth K. A pattern seen often and matched long
+yields a deep chain, an ambiguous one a bushy tree, a weak match a small one. Drafts are point masses:
+lossless.
 """
 from __future__ import annotations
 
@@ -121,14 +123,14 @@ class SuffixProposer:
         return []
 
     def _tree(self, r: int, history: list[int], k: int) -> tuple[list[int], list[int]]:
-        """Best-first: the most probable continuation paths, up to budget nodes and depth k."""
+        """Best-first: the most probable continuation paths, up to min(budget, k) nodes and depth k."""
         toks: list[int] = []
         pars: list[int] = []
         heap: list[tuple[float, int, int, tuple[int, ...]]] = []      # (-prob, tiebreak, parent, path so far)
         for p, t in self._next(r, history):
             heapq.heappush(heap, (-p, len(heap), ROOT, (t,)))
         n = 0
-        while heap and len(toks) < self.budget:
+        while heap and len(toks) < min(self.budget, k):
             neg, _, parent, path = heapq.heappop(heap)
             if -neg < self.min_prob:
                 break
