@@ -28,7 +28,7 @@ demo: install
 # the whole suite, then the exactness tests again on the portable AVX2 kernels (SPECDEC_ISA=avx2)
 test: install
 	$(BIN)/python -m pytest -q -n 2 --durations=15
-	SPECDEC_ISA=avx2 $(BIN)/python -m pytest -q -n 2 -m exactness --durations=5
+	SPECDEC_ISA=avx2 $(BIN)/python -m pytest -q -m exactness --durations=5
 
 # the developer loop: unit tests on tiny models, no real GGUF models, no long statistical tests
 test-fast: install
