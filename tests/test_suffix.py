@@ -74,11 +74,31 @@ def test_a_step_scores_no_more_rows_than_a_chain_of_k():
 
     hist = [7, 1, 2, 7, 1, 3, 7, 1, 4, 7, 1]                   # after 7 1: 2, 3 or 4
     for k, budget in [(2, 8), (4, 8), (6, 3)]:
-        prop = SuffixProposer(budget=budget, min_prob=0.01)
+        prop = SuffixProposer(budget=budget, min_prob=0.01, tree_cost=1.0)
         rows = torch.tensor([0])
         prop.allocate(1, 64)
         prop.start(rows, [hist], torch.zeros(1, len(hist), 4))
         batch = ActiveBatch(rows, [hist], BatchSampling.of([SamplingParams()]), torch.zeros(1, dtype=torch.long))
         draft = prop.propose(batch, k)
         nodes = int((draft.tokens != -1).sum())
-        assert nodes == min(k, budget) and not draft.is_chain
+        assert nodes == min(k, budget) and not draft.is_chain           # tree_cost 1.0: the tree whenever it gains
+
+
+def test_a_costly_tree_gives_way_to_its_best_chain():
+    """Where a tree's expected gain does not pay for its extra forward cost, the most probable chain drafts."""
+    import torch
+
+    from specdec.proposers.base import ActiveBatch
+    from specdec.sampling import BatchSampling
+
+    hist = [7, 1, 2, 7, 1, 3, 7, 1, 4, 7, 1]                   # after 7 1: 2, 3 or 4, each 1/3
+    for cost, chain in [(1.0, False), (3.0, True)]:
+        prop = SuffixProposer(min_prob=0.01, tree_cost=cost)
+        rows = torch.tensor([0])
+        prop.allocate(1, 64)
+        prop.start(rows, [hist], torch.zeros(1, len(hist), 4))
+        batch = ActiveBatch(rows, [hist], BatchSampling.of([SamplingParams()]), torch.zeros(1, dtype=torch.long))
+        draft = prop.propose(batch, 4)
+        assert draft.is_chain == chain
+        if chain:
+            assert draft.tokens[0, 0].item() in (2, 3, 4) and draft.tokens[0, 1].item() == 7

@@ -8,8 +8,10 @@ grows a token tree best-first by estimated probability (counts of the longest ma
 the sequence's own counts weigh `local_weight` times the global ones), keeping nodes whose
 probability stays above `min_prob`, up to min(`budget`, K) nodes (a step scores no more rows than a
 chain of K would: on a CPU every scored row costs) and depth K. A pattern seen often and matched long
-yields a deep chain, an ambiguous one a bushy tree, a weak match a small one. Drafts are point masses:
-lossless.
+yields a deep chain, an ambiguous one a bushy tree, a weak match a small one. A tree forward costs
+more than a chain's of as many rows, so a step drafts the tree only where its expected accepted tokens
+(the sum of its nodes' estimated probabilities) beat the most probable chain's by that factor. Drafts
+are point masses: lossless.
 """
 from __future__ import annotations
 
@@ -23,6 +25,10 @@ from ..errors import SpecdecError
 from ..tree import PAD
 from ..verify import ROOT, Draft, Verdict
 from .base import ActiveBatch
+
+
+TREE_COST = 1.3      # a tree forward over n nodes / a chain forward over n tokens (benchmarks/forward_cost.py,
+                     # smollm2-135m q4: 1.29-1.35x for 3-9 rows: the exact tree's per-node tail key blocks)
 
 
 class ContinuationIndex:
@@ -54,11 +60,13 @@ class SuffixProposer:
     name = "suffix"
 
     def __init__(self, max_match: int = 8, budget: int = 8, min_prob: float = 0.1, local_weight: float = 4.0,
-                 max_contexts: int = 400_000) -> None:
-        if max_match < 1 or budget < 1 or not 0 < min_prob < 1 or local_weight < 0 or max_contexts < 1:
+                 max_contexts: int = 400_000, tree_cost: float = TREE_COST) -> None:
+        if (max_match < 1 or budget < 1 or not 0 < min_prob < 1 or local_weight < 0 or max_contexts < 1
+                or tree_cost < 1):
             raise SpecdecError("suffix decoding needs max_match >= 1, budget >= 1, 0 < min_prob < 1, "
-                               "local_weight >= 0, max_contexts >= 1")
+                               "local_weight >= 0, max_contexts >= 1, tree_cost >= 1")
         self.max_match, self.budget, self.min_prob, self.local_weight = max_match, budget, min_prob, local_weight
+        self.tree_cost = tree_cost
         self.global_index = ContinuationIndex(max_match, max_contexts)      # outlives requests
         self.local: dict[int, ContinuationIndex] = {}
         self.seen: dict[int, int] = {}                                        # row -> tokens indexed
@@ -122,10 +130,38 @@ class SuffixProposer:
             return [(c / total, t) for t, c in mixed.most_common(4)]
         return []
 
-    def _tree(self, r: int, history: list[int], k: int) -> tuple[list[int], list[int]]:
-        """Best-first: the most probable continuation paths, up to min(budget, k) nodes and depth k."""
+    def _draft(self, r: int, history: list[int], k: int) -> tuple[list[int], list[int]]:
+        """The best-first tree, or its most probable chain where the tree's expected accepted tokens do not
+        pay for a tree forward's extra cost (`tree_cost` times a chain's)."""
+        toks, pars, probs = self._tree(r, history, k)
+        if all(p == i - 1 for i, p in enumerate(pars)):
+            return toks, pars                                                   # already a chain
+        chain, chain_probs = self._chain(r, history, k)
+        if 1 + sum(probs) >= self.tree_cost * (1 + sum(chain_probs)):
+            return toks, pars
+        return chain, list(range(-1, len(chain) - 1))
+
+    def _chain(self, r: int, history: list[int], k: int) -> tuple[list[int], list[float]]:
+        """The most probable continuation, token by token, while its probability stays above min_prob (at
+        most min(budget, k) tokens, as the tree)."""
+        toks: list[int] = []
+        probs: list[float] = []
+        prob = 1.0
+        for _ in range(min(self.budget, k)):
+            nxt = self._next(r, history + toks)
+            if not nxt or prob * nxt[0][0] < self.min_prob:
+                break
+            prob *= nxt[0][0]
+            toks.append(nxt[0][1])
+            probs.append(prob)
+        return toks, probs
+
+    def _tree(self, r: int, history: list[int], k: int) -> tuple[list[int], list[int], list[float]]:
+        """Best-first: the most probable continuation paths, up to min(budget, k) nodes and depth k
+        (tokens, parents, each node's estimated probability of being reached and accepted)."""
         toks: list[int] = []
         pars: list[int] = []
+        probs: list[float] = []
         heap: list[tuple[float, int, int, tuple[int, ...]]] = []      # (-prob, tiebreak, parent, path so far)
         for p, t in self._next(r, history):
             heapq.heappush(heap, (-p, len(heap), ROOT, (t,)))
@@ -136,18 +172,19 @@ class SuffixProposer:
                 break
             toks.append(path[-1])
             pars.append(parent)
+            probs.append(-neg)
             me = len(toks) - 1
             if len(path) < k:
                 for p, t in self._next(r, history + list(path)):
                     n += 1
                     heapq.heappush(heap, (neg * p, 10_000 + n, me, path + (t,)))
-        return toks, pars
+        return toks, pars, probs
 
     def propose(self, batch: ActiveBatch, k: int) -> Draft:
         trees = []
         for r, hist in zip(batch.rows.tolist(), batch.tokens):
             self._catch_up(r, hist)
-            trees.append(self._tree(r, hist, k))
+            trees.append(self._draft(r, hist, k))
         n = max(1, max(len(t) for t, _ in trees))
         tokens = torch.full((len(trees), n), PAD, dtype=torch.long)
         parents = torch.full((len(trees), n), ROOT, dtype=torch.long)
