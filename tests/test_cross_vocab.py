@@ -40,17 +40,22 @@ def test_cross_vocab_greedy_equals_plain(k, batch):
         assert r.tokens == reference_greedy(target, p, 20)
 
 
-def test_the_draft_reads_a_bounded_context():
-    """A prompt longer than the draft's context: the first sync feeds only its last `context` tokens (the cache
-    holds no more), and the output is still the plain one."""
+@pytest.mark.parametrize("context", [5, 64])
+def test_the_draft_reads_a_bounded_context(context):
+    """The first sync feeds at most the prompt's last `context` tokens (the cache holds no more; a long feed
+    takes the prefill path), and the output is still the plain one."""
     target, draft = tiny_model(seed=7, vocab=len(TARGET_WORDS)), tiny_model(seed=8, vocab=len(DRAFT_WORDS))
     prop = CrossVocabProposer(draft, word_tokenizer(DRAFT_WORDS), word_tokenizer(TARGET_WORDS), len(TARGET_WORDS),
-                              context=5)
+                              context=context)
     prompt = [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2]
     seqs = run_engine(target, prop, [Request(list(prompt), 16)], "fixed", 3)
     assert seqs[0].generated == reference_greedy(target, prompt, 16)
-    assert prop.skip[seqs[0].row] == len(prompt) + 1 - 5           # prompt + first token, all single words
-    assert int(prop.cache.lengths[seqs[0].row]) <= 5 + 16
+    assert prop.skip[seqs[0].row] == max(0, len(prompt) + 1 - context)   # prompt + first token, all single words
+    assert int(prop.cache.lengths[seqs[0].row]) <= min(context, len(prompt) + 1) + 16
+
+
+def test_a_context_of_no_tokens_is_an_error():
+    draft = tiny_model(seed=8, vocab=len(DRAFT_WORDS))
     with pytest.raises(SpecdecError, match="context"):
         CrossVocabProposer(draft, word_tokenizer(DRAFT_WORDS), word_tokenizer(TARGET_WORDS), 8, context=0)
 

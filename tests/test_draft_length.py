@@ -51,10 +51,15 @@ def test_cost_aware_stops_drafting_when_the_batch_is_compute_bound():
     assert q.choose(1) > 0 and q.choose(64) == 0                               # same machine, bigger batch
 
 
-def test_cost_aware_prior_before_any_measurement_drafts():
+def test_cost_aware_prior_before_any_measurement_probes_with_one_draft():
     p = Auto(4, 8)
-    assert 1 <= p.choose(1) <= 8
+    assert p.choose(1) == 1
     assert p.target_cost(40) > p.target_cost(8) > 0
+    p.observe(1, 1, torch.ones(1, dtype=torch.long), torch.ones(1, dtype=torch.long), 1e-5, 0.02)          # cheap drafts, accepted
+    assert p.choose(1) > 1
+    q = Auto(4, 8)
+    q.observe(1, 1, torch.ones(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 0.05, 0.02)          # a draft costs 2.5 target forwards
+    assert q.choose(1) == 0
 
 
 class Alternating:

@@ -8,7 +8,9 @@
   a linear fit of the target forward's cost against the rows it scores. K = 0 (a plain step)
   is a candidate: when a large batch makes the target compute-bound, speculation stops paying
   and `auto` stops drafting (vLLM's "disable by batch size", but measured, not configured).
-  It adapts to the proposer, the prompt, the batch and the machine.
+  It adapts to the proposer, the prompt, the batch and the machine. Until it has measured what
+  drafting costs, it probes with one draft (a draft model that reads the prompt first and turns out
+  too slow to pay then costs one step, not K drafts).
 """
 from __future__ import annotations
 
@@ -73,6 +75,7 @@ class Auto:
         self.hit = [2.0 * prior] * k_max
         self.c_draft = 0.0                          # seconds per drafted position (whole batch)
         self.c_target: dict[int, float] = {}        # rows scored -> seconds per target forward
+        self.drafted = False                        # a drafting step was observed (c_draft is measured)
 
     def target_cost(self, rows: int) -> float:
         """Predicted seconds of a target forward over `rows` token rows (relative units before any data)."""
@@ -101,6 +104,8 @@ class Auto:
         rates = [batch * self.expected_tokens(k) / (k * self.c_draft + self.target_cost(batch * (k + 1)))
                  for k in range(self.k_max + 1)]
         self.k = max(range(self.k_max + 1), key=lambda k: (rates[k], -k))
+        if not self.drafted:
+            self.k = min(self.k, 1)                 # the cost of drafting is unknown: probe with one draft
         return self.k
 
     def observe(self, batch: int, k: int, valid: Tensor, accepted: Tensor, draft_s: float, target_s: float) -> None:
@@ -113,7 +118,8 @@ class Auto:
             for i in range(min(v, a + 1)):           # positions reached
                 self.tried[i] = self.tried[i] * self.decay + 1.0
                 self.hit[i] = self.hit[i] * self.decay + (1.0 if i < a else 0.0)
-        self.c_draft = 0.8 * self.c_draft + 0.2 * (draft_s / k) if self.c_draft else draft_s / k
+        self.c_draft = 0.8 * self.c_draft + 0.2 * (draft_s / k) if self.drafted else draft_s / k
+        self.drafted = True
 
 
 POLICY_BUILDERS: dict[str, Callable[[int], DraftPolicy]] = {

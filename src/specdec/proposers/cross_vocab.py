@@ -25,7 +25,8 @@ from .base import ActiveBatch
 from .draft_model import same_prefix
 
 MIN_OVERLAP = 0.1            # below this share of the draft's vocabulary in common, drafting is pointless
-DRAFT_CONTEXT = 256          # draft tokens of the prompt the draft reads (the most recent ones)
+DRAFT_CONTEXT = 128          # draft tokens of the prompt the draft reads (the most recent ones)
+PREFILL_FEED = 8             # a row feeding more tokens than this at once (a prompt) takes the prefill path
 
 
 def token_texts(tok: Tokenizer) -> list[str]:
@@ -115,11 +116,23 @@ class CrossVocabProposer:
             self.cache.truncate(rows[i:i + 1], torch.tensor([n], device=dev))
             self.fed[r] = want
             feeds.append(want[n:])
-        take = torch.tensor([len(f) for f in feeds], device=dev)
-        inp = torch.zeros(len(feeds), int(take.max()), dtype=torch.long, device=dev)
-        for i, f in enumerate(feeds):
-            inp[i, :len(f)] = torch.tensor(f)
-        return self._step(inp, rows, take)
+        logits = torch.empty(len(feeds), self.map.draft_vocab, device=dev)
+        long = [i for i, f in enumerate(feeds) if len(f) > PREFILL_FEED]
+        for i in long:                                  # a prompt: the prefill path (fast for many tokens)
+            row, f = rows[i:i + 1], feeds[i]
+            pos = (self.cache.lengths[row][:, None] + torch.arange(len(f), device=dev)).clamp(max=self.draft.max_seq_len - 1)
+            h = self.draft.prefill(torch.tensor([f], device=dev), pos, self.cache, row)   # [1, T, H]
+            self.cache.commit(row, torch.arange(len(f), device=dev)[None], torch.tensor([len(f)], device=dev))
+            logits[i] = self._masked(self.draft.lm_head(h[:, -1]))[0]
+        short = [i for i in range(len(feeds)) if i not in long]
+        if short:
+            idx = torch.tensor(short, device=dev)
+            take = torch.tensor([len(feeds[i]) for i in short], device=dev)
+            inp = torch.zeros(len(short), int(take.max()), dtype=torch.long, device=dev)
+            for j, i in enumerate(short):
+                inp[j, :len(feeds[i])] = torch.tensor(feeds[i])
+            logits[idx] = self._step(inp, rows[idx], take).to(logits.dtype)
+        return logits
 
     def _step(self, tokens: Tensor, rows: Tensor, take: Tensor) -> Tensor:
         dev = self.draft.device
@@ -127,7 +140,9 @@ class CrossVocabProposer:
         pos = (start[:, None] + torch.arange(tokens.shape[1], device=dev)).clamp(max=self.draft.max_seq_len - 1)
         h = self.draft(tokens, pos, self.cache, rows)
         self.cache.commit(rows, torch.arange(tokens.shape[1], device=dev).expand_as(tokens), take)
-        logits = self.draft.lm_head(h[torch.arange(h.shape[0], device=dev), take - 1])
+        return self._masked(self.draft.lm_head(h[torch.arange(h.shape[0], device=dev), take - 1]))
+
+    def _masked(self, logits: Tensor) -> Tensor:
         return logits.masked_fill(~self.allowed, float("-inf"))              # only shared tokens
 
     def propose(self, batch: ActiveBatch, k: int) -> Draft:
