@@ -69,6 +69,9 @@ class FakePeer:
     def generate(self, ids, max_new_tokens, params, prediction=""):
         return self.system.generate(ids, max_new_tokens, params)
 
+    def forget(self):
+        pass
+
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
@@ -135,6 +138,16 @@ def test_results_schema_and_report_files(target, tmp_path):
     assert "fake-peer" in text and "specdec bench (test)" in text
     for png in paths[2:]:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_repeats_do_not_draft_from_earlier_runs(target):
+    """Suffix decoding's global index outlives requests; a repeat of a prompt must not draft from the previous
+    repeat's output (nor from the warm-up), so every repeat drafts and accepts exactly as the first."""
+    results = bench(target, systems(target, "none,suffix"), repeats=3)
+    runs = [r for r in results["runs"] if r["system"] == "suffix"]
+    for prompt in PROMPTS:
+        counts = [(r["drafted_at"], r["accepted_at"]) for r in runs if r["prompt_id"] == prompt.id]
+        assert len(counts) == 3 and counts[1] == counts[0] and counts[2] == counts[0]
 
 
 def test_equality_check_really_fails(target, tmp_path):

@@ -102,3 +102,33 @@ def test_a_costly_tree_gives_way_to_its_best_chain():
         assert draft.is_chain == chain
         if chain:
             assert draft.tokens[0, 0].item() in (2, 3, 4) and draft.tokens[0, 1].item() == 7
+
+
+def test_a_short_match_drafts_few_tokens():
+    """A match of m tokens drafts at most match_factor * m: one token of context is weak evidence, however
+    often its continuation was seen."""
+    import torch
+
+    from specdec.proposers.base import ActiveBatch
+    from specdec.sampling import BatchSampling
+
+    hist = [3, 4, 5, 6, 9, 3, 4, 5, 6, 9, 8, 8, 3]            # ends in a 1-token match of "3" (then 4 5 6 9)
+    for factor, drafted in [(1.0, 1), (2.0, 2), (8.0, 4)]:
+        prop = SuffixProposer(match_factor=factor)
+        rows = torch.tensor([0])
+        prop.allocate(1, 64)
+        prop.start(rows, [hist], torch.zeros(1, len(hist), 4))
+        batch = ActiveBatch(rows, [hist], BatchSampling.of([SamplingParams()]), torch.zeros(1, dtype=torch.long))
+        draft = prop.propose(batch, 4)
+        assert draft.tokens[0].tolist()[:drafted] == [4, 5, 6, 9][:drafted]
+        assert int((draft.tokens != -1).sum()) == drafted
+
+
+def test_forget_drops_what_earlier_requests_taught():
+    target = tiny_model(seed=7)
+    prop = SuffixProposer()
+    first = run_engine(target, prop, [Request(list(PROMPTS[1]), 40)], "fixed", 4)[0]
+    prop.forget()
+    again = run_engine(target, prop, [Request(list(PROMPTS[1]), 40)], "fixed", 4)[0]
+    assert again.generated == first.generated
+    assert (again.counters.drafted, again.counters.accepted) == (first.counters.drafted, first.counters.accepted)

@@ -72,6 +72,9 @@ class TransformersPeer:
             return {"assistant_model": self.assistant}
         return {}
 
+    def forget(self) -> None:
+        pass                                                      # every call starts afresh
+
     def generate(self, ids: list[int], max_new_tokens: int, params: SamplingParams,
                  prediction: str = "") -> Generation:
         """Plain greedy decoding (a prediction is not used)."""
@@ -170,6 +173,9 @@ class LlamaCppPeer:
         # without it, a verification of 11 tokens overflows its score buffer
         self.llm = Llama(model_path=str(path), n_ctx=LLAMACPP_CTX, n_threads=threads, draft_model=draft,
                          logits_all=draft is not None, verbose=False)
+
+    def forget(self) -> None:
+        pass                                                      # every call starts afresh
 
     def generate(self, ids: list[int], max_new_tokens: int, params: SamplingParams,
                  prediction: str = "") -> Generation:

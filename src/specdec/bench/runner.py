@@ -132,6 +132,10 @@ class System(Protocol):
     def generate(self, ids: list[int], max_new_tokens: int, params: SamplingParams,
                  prediction: str = "") -> Generation: ...
 
+    def forget(self) -> None:
+        """Drop what earlier generations taught it (nothing of one run may help a later run of the same prompt)."""
+        ...
+
 
 class MethodSystem:
     """One of our methods: a Generator run through its engine for exactly one prompt."""
@@ -154,6 +158,9 @@ class MethodSystem:
             while eng.busy:
                 eng.step()
         return Generation(list(seq.generated), time.perf_counter() - start, seq.counters)
+
+    def forget(self) -> None:
+        self.generator.proposer.forget()
 
 
 def build_systems(target: CausalLM, tokenizer, specs: Sequence[MethodSpec], dtype: str, device: str,
@@ -265,6 +272,8 @@ def run(systems: Sequence[System], prompts: Sequence[Prompt], tokenizer: ChatTok
     with tqdm(total=total, desc="bench", unit="gen", disable=not progress, file=sys.stderr,
               dynamic_ncols=True) as bar:
         for repeat in range(repeats):
+            for system in systems:
+                system.forget()                  # the warm-up's and earlier repeats' outputs draft nothing
             for index, prompt in enumerate(prompts):
                 params = sampling_params(temperature, seed, repeat, index)
                 for system in systems:

@@ -41,6 +41,11 @@ class Proposer(Protocol):
         the new tokens; hidden [B, N, H] are the target's features of the scored rows (`verdict.path` indexes them)."""
         ...
 
+    def forget(self) -> None:
+        """Drop whatever outlives a request (suffix decoding's global index), as if no request had been served:
+        a benchmark calls it before each repeat so that no run drafts from an earlier run of the same prompt."""
+        ...
+
 
 class NoProposer:
     """Plain decoding: no drafts (K = 0), one token per target forward."""
@@ -54,6 +59,9 @@ class NoProposer:
 
     def propose(self, batch: ActiveBatch, k: int) -> Draft:
         return Draft.empty(len(batch.tokens), batch.rows.device)
+
+    def forget(self) -> None:
+        pass                          # nothing outlives a request
 
     def commit(self, batch: ActiveBatch, verdict: Verdict, hidden: Tensor) -> None:
         pass

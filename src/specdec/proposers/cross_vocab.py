@@ -174,6 +174,9 @@ class CrossVocabProposer:
         self.last = tokens
         return Draft(tokens, torch.stack(qs, 1) if sampled else None)
 
+    def forget(self) -> None:
+        pass                          # nothing outlives a request
+
     def commit(self, batch: ActiveBatch, verdict: Verdict, hidden: Tensor) -> None:
         """Keep the fed drafts that were committed; the rest (and the final token) come with the next sync."""
         rows = batch.rows.to(self.draft.device)

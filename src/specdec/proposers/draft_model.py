@@ -117,6 +117,9 @@ class DraftModelProposer:
             self.fed[r] = len(t)
         return self._step(inp, rows, take)
 
+    def forget(self) -> None:
+        pass                          # nothing outlives a request
+
     def commit(self, batch: ActiveBatch, verdict: Verdict, hidden: Tensor) -> None:
         rows = batch.rows.to(self.model.device)
         keep = verdict.num_accepted.to(rows.device).clamp(max=self.drafted)   # drafted tokens that stay in the cache

@@ -67,6 +67,9 @@ class EagleProposer:
         toks = [p[1:] for p in prompts]                           # x_{i+1} for i = 0 .. P-1
         self._feed(rows, toks, [hidden[i, :len(t)] for i, t in enumerate(toks)])
 
+    def forget(self) -> None:
+        pass                          # nothing outlives a request
+
     def commit(self, batch: ActiveBatch, verdict: Verdict, hidden: Tensor) -> None:
         rows = batch.rows
         n = verdict.num_new.tolist()

@@ -56,6 +56,10 @@ class HybridProposer:
             tokens[idx, :e.shape[1]] = e
         return Draft(tokens)
 
+    def forget(self) -> None:
+        self.eagle.forget()
+        self.ngram.forget()
+
     def commit(self, batch: ActiveBatch, verdict: Verdict, hidden: torch.Tensor) -> None:
         self.eagle.commit(batch, verdict, hidden)
         self.ngram.commit(batch, verdict, hidden)

@@ -132,6 +132,9 @@ class LookaheadProposer:
             parents[b, :len(p)] = torch.tensor(p, dtype=torch.long)
         return Draft(tokens.to(dev), parents=parents.to(dev))
 
+    def forget(self) -> None:
+        pass                          # nothing outlives a request
+
     def commit(self, batch: ActiveBatch, verdict: Verdict, hidden: Tensor) -> None:
         """The target's tokens after the top level become the next level; each column's levels plus that
         token are an N-gram for the pool."""

@@ -34,6 +34,9 @@ class MedusaProposer:
         for i, (r, p) in enumerate(zip(rows.tolist(), prompts)):
             self.feat[r] = hidden[i, len(p) - 2, :self.dim]         # the last prompt token's final hidden state
 
+    def forget(self) -> None:
+        pass                          # nothing outlives a request
+
     def commit(self, batch: ActiveBatch, verdict: Verdict, hidden: Tensor) -> None:
         last = verdict.path.gather(1, verdict.num_accepted[:, None])[:, 0]
         for i, r in enumerate(batch.rows.tolist()):

@@ -75,5 +75,8 @@ class NgramProposer:
                 out[i, :len(cont)] = torch.tensor(cont)
         return n, out
 
+    def forget(self) -> None:
+        pass                          # nothing outlives a request
+
     def commit(self, batch: ActiveBatch, verdict: Verdict, hidden: Tensor) -> None:
         pass                          # the index catches up lazily in propose

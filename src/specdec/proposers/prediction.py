@@ -127,6 +127,9 @@ class PredictionProposer:
             probs = q
         return Draft(tokens, probs, parents)
 
+    def forget(self) -> None:
+        self.inner.forget()
+
     def commit(self, batch: ActiveBatch, verdict: Verdict, hidden: Tensor) -> None:
         self.inner.commit(batch, verdict, hidden)
         n = verdict.num_new.tolist()

@@ -102,6 +102,9 @@ class StagedProposer:
         self.last = tokens
         return Draft(tokens)
 
+    def forget(self) -> None:
+        self.draft.forget()
+
     def commit(self, batch: ActiveBatch, verdict: Verdict, hidden: Tensor) -> None:
         d = self.draft
         rows = batch.rows.to(d.model.device)

@@ -7,7 +7,9 @@ often each token followed it. A step matches the longest suffix of the sequence 
 grows a token tree best-first by estimated probability (counts of the longest matching context;
 the sequence's own counts weigh `local_weight` times the global ones), keeping nodes whose
 probability stays above `min_prob`, up to min(`budget`, K) nodes (a step scores no more rows than a
-chain of K would: on a CPU every scored row costs) and depth K. A pattern seen often and matched long
+chain of K would: on a CPU every scored row costs) and depth K; a match of m tokens drafts at most
+`match_factor` * m of them (as SuffixDecoding's `max_spec_factor`: one token of context is weak evidence
+whatever its counts, and a rejected draft still costs its row). A pattern seen often and matched long
 yields a deep chain, an ambiguous one a bushy tree, a weak match a small one. A tree forward costs
 more than a chain's of as many rows, so a step drafts the tree only where its expected accepted tokens
 (the sum of its nodes' estimated probabilities) beat the most probable chain's by that factor. Drafts
@@ -29,6 +31,8 @@ from .base import ActiveBatch
 
 TREE_COST = 1.3      # a tree forward over n nodes / a chain forward over n tokens (benchmarks/forward_cost.py,
                      # smollm2-135m q4: 1.29-1.35x for 3-9 rows: the exact tree's per-node tail key blocks)
+MATCH_FACTOR = 2.0   # drafts per matched token (benchmarks/replay_drafts.py over the mini suite's greedy outputs:
+                     # 1.0 drafts too little on translation, 8.0 (no cap) wastes rows on weak one-token matches)
 
 
 class ContinuationIndex:
@@ -60,13 +64,13 @@ class SuffixProposer:
     name = "suffix"
 
     def __init__(self, max_match: int = 8, budget: int = 8, min_prob: float = 0.1, local_weight: float = 4.0,
-                 max_contexts: int = 400_000, tree_cost: float = TREE_COST) -> None:
+                 max_contexts: int = 400_000, tree_cost: float = TREE_COST, match_factor: float = MATCH_FACTOR) -> None:
         if (max_match < 1 or budget < 1 or not 0 < min_prob < 1 or local_weight < 0 or max_contexts < 1
-                or tree_cost < 1):
+                or tree_cost < 1 or match_factor <= 0):
             raise SpecdecError("suffix decoding needs max_match >= 1, budget >= 1, 0 < min_prob < 1, "
-                               "local_weight >= 0, max_contexts >= 1, tree_cost >= 1")
+                               "local_weight >= 0, max_contexts >= 1, tree_cost >= 1, match_factor > 0")
         self.max_match, self.budget, self.min_prob, self.local_weight = max_match, budget, min_prob, local_weight
-        self.tree_cost = tree_cost
+        self.tree_cost, self.match_factor = tree_cost, match_factor
         self.global_index = ContinuationIndex(max_match, max_contexts)      # outlives requests
         self.local: dict[int, ContinuationIndex] = {}
         self.seen: dict[int, int] = {}                                        # row -> tokens indexed
@@ -105,7 +109,7 @@ class SuffixProposer:
             self._catch_up(r, hist)
             n[i] = self._longest(r, hist)
             path, prob = list(hist), 1.0
-            for j in range(k if n[i] else 0):
+            for j in range(min(k, int(self.match_factor * n[i]))):
                 nxt = self._next(r, path)
                 if not nxt or prob * nxt[0][0] < self.min_prob:
                     break
@@ -132,7 +136,9 @@ class SuffixProposer:
 
     def _draft(self, r: int, history: list[int], k: int) -> tuple[list[int], list[int]]:
         """The best-first tree, or its most probable chain where the tree's expected accepted tokens do not
-        pay for a tree forward's extra cost (`tree_cost` times a chain's)."""
+        pay for a tree forward's extra cost (`tree_cost` times a chain's). A match of m tokens drafts at
+        most match_factor * m tokens (a short match is weak evidence, whatever its counts say)."""
+        k = min(k, max(1, int(self.match_factor * self._longest(r, history))))
         toks, pars, probs = self._tree(r, history, k)
         if all(p == i - 1 for i, p in enumerate(pars)):
             return toks, pars                                                   # already a chain
@@ -193,6 +199,10 @@ class SuffixProposer:
             parents[b, :len(p)] = torch.tensor(p, dtype=torch.long)
         dev = batch.rows.device
         return Draft(tokens.to(dev), parents=parents.to(dev))
+
+    def forget(self) -> None:
+        """Drop the global index (what earlier requests' outputs taught)."""
+        self.global_index = ContinuationIndex(self.max_match, self.global_index.max_contexts)
 
     def commit(self, batch: ActiveBatch, verdict: Verdict, hidden: Tensor) -> None:
         pass                          # the indexes catch up lazily in propose
