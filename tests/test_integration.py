@@ -118,6 +118,22 @@ def test_a_draft_with_another_tokenizer_is_lossless():
     assert sum(r.metrics["accepted_prediction_tokens"] for r in spec) == 0 and sum(r.metrics["acceptance_rate"] for r in spec) > 0
 
 
+def test_the_vocabulary_map_names_the_tokens_the_target_writes():
+    """Gemma spells "." both as its token "." and as the byte-fallback token <0x2E>; a draft mapped onto the one
+    the target never writes is never accepted. Every common piece maps onto the id Gemma's tokenizer gives it."""
+    from pathlib import Path
+
+    from specdec.api import resolve
+    from specdec.models.tokenizer import Tokenizer
+    from specdec.proposers.cross_vocab import VocabMap
+
+    draft, target = (Tokenizer.from_gguf(Path(resolve(name)[1])) for name in ("smollm2-135m", "gemma3-270m"))
+    m = VocabMap(draft, target, 262_144)
+    for text in [".", ",", "1", "7", "I", ":", "?", "-", "'", " the", "\n", " ("]:
+        d, t = (tok.backend.encode(text, add_special_tokens=False).ids for tok in (draft, target))
+        assert len(d) == len(t) == 1 and m.d2t[d[0]].item() == t[0], text
+
+
 def test_predicted_outputs_on_the_cli(tmp_path):
     """--prediction-file: the plain answer with one word changed as the prediction; the output is the plain one,
     drafted mostly from the prediction."""

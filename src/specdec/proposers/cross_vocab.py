@@ -43,14 +43,22 @@ def token_texts(tok: Tokenizer) -> list[str]:
     return out
 
 
+def canonical(tok: Tokenizer, text: str, ids: list[int]) -> int:
+    """Of several ids spelled `text` (a byte-fallback token <0x2E> and the token "."), the one `tok` writes
+    for it: a draft proposing the other would never be accepted."""
+    enc = tok.backend.encode(text, add_special_tokens=False).ids
+    return enc[0] if len(enc) == 1 and enc[0] in ids else ids[0]
+
+
 class VocabMap:
     """Draft id -> target id for the tokens both vocabularies spell the same (-1 elsewhere)."""
 
     def __init__(self, draft_tok: Tokenizer, target_tok: Tokenizer, target_vocab: int) -> None:
-        target = {}
+        ids_of: dict[str, list[int]] = {}
         for i, t in enumerate(token_texts(target_tok)):
             if t and i < target_vocab:
-                target.setdefault(t, i)
+                ids_of.setdefault(t, []).append(i)
+        target = {t: ids[0] if len(ids) == 1 else canonical(target_tok, t, ids) for t, ids in ids_of.items()}
         d = token_texts(draft_tok)
         self.d2t = torch.tensor([target.get(t, -1) if t else -1 for t in d], dtype=torch.long)   # [V_draft]
         self.shared = int((self.d2t >= 0).sum())
