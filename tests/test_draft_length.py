@@ -52,14 +52,48 @@ def test_cost_aware_stops_drafting_when_the_batch_is_compute_bound():
 
 
 def test_cost_aware_prior_before_any_measurement_probes_with_one_draft():
+    one = torch.ones(1, dtype=torch.long)
     p = Auto(4, 8)
     assert p.choose(1) == 1
     assert p.target_cost(40) > p.target_cost(8) > 0
-    p.observe(1, 1, torch.ones(1, dtype=torch.long), torch.ones(1, dtype=torch.long), 1e-5, 0.02)          # cheap drafts, accepted
-    assert p.choose(1) > 1
+    p.observe(1, 1, one, one, 0.5, 0.02)            # the first drafting step: one-off costs (a draft's catch-up)
+    assert p.choose(1) == 2                         # ... are not the cost of drafting: probe again
+    p.observe(1, 2, 2 * one, 2 * one, 2e-5, 0.02)   # cheap drafts, accepted
+    assert p.choose(1) > 2
     q = Auto(4, 8)
-    q.observe(1, 1, torch.ones(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 0.05, 0.02)          # a draft costs 2.5 target forwards
+    q.observe(1, 1, one, 0 * one, 0.5, 0.02)
+    q.observe(1, 2, 2 * one, 0 * one, 0.1, 0.02)    # a draft costs 2.5 target forwards
     assert q.choose(1) == 0
+
+
+def test_a_fixed_drafting_cost_is_told_from_a_per_token_one():
+    """Drafting k tokens costing 30 ms + 1 ms per token (a draft's sync, then cheap steps) favours long drafts
+    once two sizes are measured; before, 32 ms for two drafts counts as 16 ms each."""
+    p = Auto(4, 8, prior=0.9)
+    one = torch.ones(1, dtype=torch.long)
+    for k in (1, 2):
+        assert p.choose(1) == k
+        p.observe(1, k, k * one, k * one, 0.030 + 0.001 * k, 0.050)
+    assert p.draft_cost(4) == pytest.approx(0.064)
+    p.observe(1, 3, 3 * one, 3 * one, 0.033, 0.050)
+    assert p.draft_cost(6) == pytest.approx(0.036)
+    assert p.choose(1) >= 4
+
+
+def test_while_plain_steps_win_it_still_probes_now_and_then():
+    p = Auto(4, 8)
+    one = torch.ones(1, dtype=torch.long)
+    for k in (1, 2):
+        assert p.choose(1) == k
+        p.observe(1, k, k * one, 0 * one, 0.2, 0.05)                     # costly drafts, all rejected
+    ks = []
+    for _ in range(7 * Auto.REPROBE + 3):
+        ks.append(p.choose(1))
+        p.observe(1, ks[-1], ks[-1] * one, 0 * one, 0.3 if ks[-1] else 0.0, 0.05)
+    probes = [i for i, k in enumerate(ks) if k]                              # after 32, 64, 128 plain steps
+    assert probes == [Auto.REPROBE, 3 * Auto.REPROBE + 1, 7 * Auto.REPROBE + 2]
+    assert p.draft_cost(2) == pytest.approx(0.2)     # a probe after plain steps (0.3 s, with the catch-up)
+                                                      # teaches no cost
 
 
 class Alternating:

@@ -3,14 +3,15 @@
 - `fixed`: always K.
 - `heuristic`: the well-known +2 when every draft was accepted, -1 otherwise.
 - `auto` (ours): pick the K that maximises expected committed tokens per second for the
-  batch at hand, B * E[tokens](k) / (k * c_draft + c_target(B * (k + 1))), from the measured
-  conditional acceptance at each draft position, the measured cost of drafting one token and
-  a linear fit of the target forward's cost against the rows it scores. K = 0 (a plain step)
+  batch at hand, B * E[tokens](k) / (c_draft(k) + c_target(B * (k + 1))), from the measured
+  conditional acceptance at each draft position and linear fits of the cost of drafting against
+  the tokens drafted and of the target forward's cost against the rows it scores. K = 0 (a plain step)
   is a candidate: when a large batch makes the target compute-bound, speculation stops paying
   and `auto` stops drafting (vLLM's "disable by batch size", but measured, not configured).
   It adapts to the proposer, the prompt, the batch and the machine. Until it has measured what
-  drafting costs, it probes with one draft (a draft model that reads the prompt first and turns out
-  too slow to pay then costs one step, not K drafts).
+  drafting costs, it probes with one or two drafts (a draft model that reads the prompt first and
+  turns out too slow to pay then costs a few steps, not K drafts each), and while plain steps win it
+  still drafts now and then, so that a prompt where drafts start to be accepted is noticed.
 """
 from __future__ import annotations
 
@@ -57,40 +58,60 @@ class Heuristic:
         self.k = min(self.k_max, k + 2) if bool((accepted >= k).all()) else max(1, k - 1)
 
 
+def line(points: dict[int, float], x: int, prior_overhead: float) -> float:
+    """A least-squares line through measured (x, seconds) points, evaluated at x (slope >= 0); one point
+    is scaled by (prior_overhead + x) / (prior_overhead + x0); none gives the prior in relative units."""
+    pts = sorted(points.items())
+    if not pts:
+        return prior_overhead + x
+    if len(pts) == 1:
+        (x0, y0), = pts
+        return y0 * (prior_overhead + x) / (prior_overhead + x0)
+    n = len(pts)
+    mx = sum(a for a, _ in pts) / n
+    my = sum(b for _, b in pts) / n
+    var = sum((a - mx) ** 2 for a, _ in pts)
+    slope = max(0.0, sum((a - mx) * (b - my) for a, b in pts) / var)
+    return max(1e-6, my + slope * (x - mx))
+
+
 class Auto:
-    """The `auto` policy: argmax_k B * (1 + sum_i prod_{j<=i} alpha_j) / (k * c_draft + c_target(B * (k + 1))),
+    """The `auto` policy: argmax_k B * (1 + sum_i prod_{j<=i} alpha_j) / (c_draft(k) + c_target(B * (k + 1))),
     k in 0..k_max.
 
     alpha_j: conditional acceptance at draft position j (decayed counts, prior `prior`).
-    c_target(rows): least-squares line through the measured (rows scored, seconds) points; with
-    fewer than two distinct points, the one measured scaled by (OVERHEAD_ROWS + rows), the prior
-    that a forward costs a fixed overhead worth OVERHEAD_ROWS rows plus a per-row part.
+    c_target(rows), c_draft(k): least-squares lines through the measured (rows scored, seconds per target
+    forward) and (drafts, seconds drafting) points; a forward's fixed overhead is worth OVERHEAD_ROWS rows
+    until two sizes are measured, drafting's fixed part (a draft model's sync, a re-tokenization) nothing.
+
+    Probing: the first drafting steps draft PROBE_KS tokens (the first one's cost is not taken: it carries
+    one-off work, a draft catching up on the prompt, first calls). Where K = 0 wins, a step of
+    PROBE_KS[-1] drafts after REPROBE plain steps, then after twice as many, and so on, keeps the
+    acceptance estimate fresh (only drafting measures it) at a bounded price; its cost is not taken
+    either, for it includes the catch-up over the plain steps.
     """
 
     OVERHEAD_ROWS = 16.0            # prior; measured here: 1 row 19 ms, 17 rows 41 ms -> ~13 rows
+    PROBE_KS = (1, 2)               # drafts of the first drafting steps (the first one absorbs one-off costs)
+    REPROBE = 32                    # plain steps between probes while K = 0 wins
 
     def __init__(self, k: int, k_max: int, prior: float = 0.6, decay: float = 0.98) -> None:
         self.k, self.k_max, self.decay = k, k_max, decay
         self.tried = [2.0] * k_max                  # pseudo-counts: conditional acceptance per position
         self.hit = [2.0 * prior] * k_max
-        self.c_draft = 0.0                          # seconds per drafted position (whole batch)
+        self.c_draft: dict[int, float] = {}         # drafts -> seconds drafting (whole batch)
         self.c_target: dict[int, float] = {}        # rows scored -> seconds per target forward
-        self.drafted = False                        # a drafting step was observed (c_draft is measured)
+        self.draft_steps = 0                        # drafting steps observed
+        self.plain_run = 0                          # plain steps since the last drafting step
+        self.reprobe = self.REPROBE                 # plain steps before the next probe (doubles per probe)
 
     def target_cost(self, rows: int) -> float:
         """Predicted seconds of a target forward over `rows` token rows (relative units before any data)."""
-        pts = sorted(self.c_target.items())
-        if not pts:
-            return self.OVERHEAD_ROWS + rows
-        if len(pts) == 1:
-            (r0, s0), = pts
-            return s0 * (self.OVERHEAD_ROWS + rows) / (self.OVERHEAD_ROWS + r0)
-        n = len(pts)
-        mx = sum(x for x, _ in pts) / n
-        my = sum(y for _, y in pts) / n
-        var = sum((x - mx) ** 2 for x, _ in pts)
-        slope = max(0.0, sum((x - mx) * (y - my) for x, y in pts) / var)
-        return max(1e-6, my + slope * (rows - mx))
+        return line(self.c_target, rows, self.OVERHEAD_ROWS)
+
+    def draft_cost(self, k: int) -> float:
+        """Predicted seconds of drafting k tokens (0 before any measurement)."""
+        return 0.0 if k == 0 or not self.c_draft else line(self.c_draft, k, 0.0)
 
     def expected_tokens(self, k: int) -> float:
         """E[tokens committed per sequence] with k drafts: 1 + sum_i prod_{j<=i} alpha_j."""
@@ -100,12 +121,22 @@ class Auto:
             expect += reach
         return expect
 
-    def choose(self, batch: int) -> int:
-        rates = [batch * self.expected_tokens(k) / (k * self.c_draft + self.target_cost(batch * (k + 1)))
+    def _best(self, batch: int, draft_cost: Callable[[int], float]) -> int:
+        rates = [batch * self.expected_tokens(k) / (draft_cost(k) + self.target_cost(batch * (k + 1)))
                  for k in range(self.k_max + 1)]
-        self.k = max(range(self.k_max + 1), key=lambda k: (rates[k], -k))
-        if not self.drafted:
-            self.k = min(self.k, 1)                 # the cost of drafting is unknown: probe with one draft
+        return max(range(self.k_max + 1), key=lambda k: (rates[k], -k))
+
+    def choose(self, batch: int) -> int:
+        if self.draft_steps < len(self.PROBE_KS):   # drafting's cost is not fully known: probe, unless drafts
+            least = min(self.c_draft.values(), default=0.0)         # costing the least measured cannot pay
+            self.k = min(self._best(batch, lambda k: least if k else 0.0), self.PROBE_KS[self.draft_steps])
+        else:
+            self.k = self._best(batch, self.draft_cost)
+            if self.k:
+                self.reprobe = self.REPROBE
+        if self.k == 0 and self.plain_run >= self.reprobe:
+            self.k = min(self.k_max, self.PROBE_KS[-1])
+            self.reprobe *= 2                       # back off while probes do not bring drafting back
         return self.k
 
     def observe(self, batch: int, k: int, valid: Tensor, accepted: Tensor, draft_s: float, target_s: float) -> None:
@@ -113,13 +144,17 @@ class Auto:
         old = self.c_target.get(rows)
         self.c_target[rows] = target_s if old is None else 0.8 * old + 0.2 * target_s
         if k == 0:
+            self.plain_run += 1
             return
         for v, a in zip(valid.tolist(), accepted.tolist()):
             for i in range(min(v, a + 1)):           # positions reached
                 self.tried[i] = self.tried[i] * self.decay + 1.0
                 self.hit[i] = self.hit[i] * self.decay + (1.0 if i < a else 0.0)
-        self.c_draft = 0.8 * self.c_draft + 0.2 * (draft_s / k) if self.drafted else draft_s / k
-        self.drafted = True
+        self.draft_steps += 1
+        if self.draft_steps > 1 and self.plain_run == 0:       # a step with one-off costs teaches no cost
+            old = self.c_draft.get(k)
+            self.c_draft[k] = draft_s if old is None else 0.8 * old + 0.2 * draft_s
+        self.plain_run = 0
 
 
 POLICY_BUILDERS: dict[str, Callable[[int], DraftPolicy]] = {
