@@ -26,6 +26,32 @@ def by_row(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([(W * r).sum(-1) for r in x])
 
 
+def test_kernel_checks_run_once_per_machine_and_thread_count(monkeypatch, tmp_path):
+    """A kernel's check is kept on disk: a new process (an emptied memo) reads it instead of checking again;
+    another thread count is another book (oneDNN may split a GEMM otherwise)."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "_BOOKS", {})
+    calls = []
+
+    def counted(x):
+        calls.append(len(x))
+        return by_row(x)
+
+    key = ("test", 96, 64)
+    assert kernels.checked(key, counted, 64, torch.float32) == RowCheck(True, True) and calls
+    n = len(calls)
+    monkeypatch.setattr(kernels, "_BOOKS", {})
+    assert kernels.checked(key, counted, 64, torch.float32) == RowCheck(True, True) and len(calls) == n
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        kernels.checked(key, counted, 64, torch.float32)
+        assert len(calls) > n
+    finally:
+        torch.set_num_threads(threads)
+    assert len(list((tmp_path / "kernel-checks").glob("*.json"))) == 2
+
+
 def test_check_rows_passes_an_invariant_kernel():
     assert check_rows(by_row, X) == RowCheck(many_rows=True, lone_row=True)
 

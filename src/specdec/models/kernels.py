@@ -3,7 +3,8 @@
 Verifying K drafts must give bit for bit the logits that K+1 one-token steps would, so a row's
 result may not depend on the row count M of the GEMM it is part of. CPU libraries pick kernels
 by M, shape and instruction set, so this is measured, never assumed: every weight packed here
-is checked on the spot (`check_rows`) with the kernel that will run it.
+is checked (`check_rows`) with the kernel that will run it, once per machine, torch build and
+thread count for each kernel and shape (the results are kept in the cache directory).
 
 oneDNN prepacked for a few rows (PACK_ROWS) gives rows that are invariant for every M >= 2 on the
 CPUs measured. A lone row (M = 1) takes another path whose bits differ for some shapes always
@@ -14,7 +15,10 @@ one does (prepacking for 1 row, as torch does by default, made the pair cost ~2x
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Protocol
 
 import torch
@@ -74,14 +78,38 @@ def packed_linear_available(device: torch.device) -> bool:
     return device.type == "cpu" and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-_CHECKED: dict[tuple, RowCheck] = {}   # (kind, out, in, dtype, ...) -> result: kernels are chosen by shape
+_BOOKS: dict[Path, dict[str, list[bool]]] = {}    # book file -> repr(key) -> [many_rows, lone_row]
+
+
+def book_path() -> Path:
+    """Where this machine's check results are kept: one file per CPU, torch build, ISA limit and thread count
+    (what decides which kernel runs), under $SPECDEC_CACHE/kernel-checks."""
+    from ..machine import probe
+    from .registry import cache_dir
+
+    m = probe()
+    stamp = f"{m.cpu}|{torch.__version__}|{m.torch_capability}|{m.isa_limit}|{torch.get_num_threads()}"
+    return cache_dir() / "kernel-checks" / f"{hashlib.sha256(stamp.encode()).hexdigest()[:16]}.json"
 
 
 def checked(key: tuple, kernel: Callable[[Tensor], Tensor], n_in: int, dtype: torch.dtype) -> RowCheck:
-    """`check_rows` of `kernel`, run once per process for each `key` (a kernel family and its shape)."""
-    if key not in _CHECKED:
-        _CHECKED[key] = check_rows(kernel, check_inputs(n_in, dtype))
-    return _CHECKED[key]
+    """`check_rows` of `kernel`, run once per machine for each `key` (a kernel family and its shape: kernels
+    are chosen by those, not by the values) and kept in `book_path()`, so a start does not pay for it again
+    (the LM head's check alone took ~0.4 s)."""
+    from .registry import write_atomic
+
+    path = book_path()
+    if path not in _BOOKS:
+        try:
+            _BOOKS[path] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            _BOOKS[path] = {}
+    book, name = _BOOKS[path], repr(key)
+    if name not in book:
+        c = check_rows(kernel, check_inputs(n_in, dtype))
+        book[name] = [c.many_rows, c.lone_row]
+        write_atomic(path, json.dumps(book, indent=1).encode())
+    return RowCheck(*book[name])
 
 
 def pack(w: Tensor, rows: int = PACK_ROWS) -> PackedLinear:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -17,6 +18,19 @@ def cache_dir() -> Path:
     d = Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to `path` through a temporary file renamed into place: readers never see half of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _package_dir(pkg: str, pip_name: str) -> Path:

@@ -13,15 +13,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 
 from .config import ModelConfig
 from .int4 import Int4Linear
-from .registry import cache_dir
+from .registry import cache_dir, write_atomic
 
 FORMAT = 1
 
@@ -45,7 +43,7 @@ def file_sha256(path: Path) -> str:
             for chunk in iter(lambda: f.read(1 << 22), b""):
                 h.update(chunk)
         known[stamp] = h.hexdigest()
-        _write_atomic(book, json.dumps(known, indent=1).encode())
+        write_atomic(book, json.dumps(known, indent=1).encode())
     return known[stamp]
 
 
@@ -66,7 +64,7 @@ def write(where: Path, weights) -> None:
         tensors[f"int4.{i}.{name}.packed"] = k.packed
         tensors[f"int4.{i}.{name}.scale_zero"] = k.scale_zero
     meta = {"format": str(FORMAT), "config": json.dumps(dataclasses.asdict(weights.config))}
-    _write_atomic(where, save(tensors, metadata=meta))
+    write_atomic(where, save(tensors, metadata=meta))
 
 
 def read(where: Path):
@@ -94,15 +92,3 @@ def read(where: Path):
             stem = f"int4.{i}.{name}"
             int4[(int(i), name)] = Int4Linear.packed_as(tensors[f"{stem}.packed"], tensors[f"{stem}.scale_zero"])
     return Weights(cfg, state, int4)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
