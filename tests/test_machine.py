@@ -56,14 +56,44 @@ def test_check_rows_passes_an_invariant_kernel():
     assert check_rows(by_row, X) == RowCheck(many_rows=True, lone_row=True)
 
 
-def test_check_rows_catches_a_kernel_whose_rows_depend_on_the_row_count():
-    """A kernel that switches algorithm (here: float64 accumulation) from 4 rows on, as CPU GEMMs do."""
+def test_check_rows_catches_a_kernel_whose_rows_depend_on_their_neighbours():
+    """A row's bits that depend on where it sits in the call (as a split-K GEMM's may) fail at every limit."""
+    def by_place(x: torch.Tensor) -> torch.Tensor:
+        return by_row(x) + 1e-3 * torch.arange(len(x))[:, None]
+
+    check = check_rows(by_place, X)
+    assert check.many_rows is False and "NOT" in check.verdict
+
+
+def test_check_rows_limits_a_kernel_that_switches_algorithm_with_the_row_count():
+    """A kernel that switches algorithm (here: float64 accumulation) from 4 rows on, as CPU GEMMs do,
+    is only trusted with calls of fewer rows."""
     def switching(x: torch.Tensor) -> torch.Tensor:
         return by_row(x) if len(x) < 4 else (x.double() @ W.double().T).float()
 
     assert not torch.equal(switching(X[:4])[:1], switching(X[:1]))    # the broken property is real
-    assert check_rows(switching, X).many_rows is False
-    assert "NOT" in check_rows(switching, X).verdict
+    assert check_rows(switching, X) == RowCheck(many_rows=True, lone_row=True, max_rows=2)
+
+
+def test_a_kernel_invariant_only_for_few_rows_gets_a_limit_and_linear_chunks_larger_calls():
+    """Like oneDNN's AMX bfloat16 kernels (another algorithm above 32 rows): the check finds the largest
+    row count that keeps the bits, and linear() splits larger calls into chunks of it."""
+    def small_calls_only(x: torch.Tensor) -> torch.Tensor:
+        return by_row(x) if len(x) <= 8 else (x.double() @ W.double().T).float()
+
+    check = check_rows(small_calls_only, X)
+    assert check == RowCheck(many_rows=True, lone_row=True, max_rows=8) and "up to 8 rows" in check.verdict
+
+    class Fake(PackedLinear):
+        pair = False
+
+        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+            return small_calls_only(x)
+
+    packed = {"w": Fake(torch.empty(0), torch.float32, check)}
+    many = linear(X[:21], W, packed, "w")                           # chunks of 8, 8 and 5 rows
+    assert torch.equal(many, by_row(X[:21]))
+    assert not torch.equal(small_calls_only(X[:21]), by_row(X[:21]))   # unchunked, the bits would differ
 
 
 def test_a_kernel_whose_lone_row_differs_is_caught_and_linear_pairs_it():

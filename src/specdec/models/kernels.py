@@ -26,21 +26,24 @@ import torch.nn.functional as F
 from torch import Tensor
 
 PACK_ROWS = 8             # oneDNN's row hint when prepacking: 1 makes a lone row take a gemv path
-CHECK_COUNTS = (2, 3, 5, 8, 17, 33)  # row counts compared against a forward of CHECK_ROWS rows
-CHECK_ROWS = 48
+CHECK_COUNTS = (2, 3, 5, 8, 17, 33)  # row counts compared against a forward of `max_rows` rows
+CHECK_ROWS = 64           # the most rows per call a check can prove; larger calls go in chunks
+ROW_LIMITS = (64, 32, 16, 8, 4, 2)   # rows per call tried, largest first (AMX switches kernels above 32)
 
 
 @dataclass(frozen=True)
 class RowCheck:
     """Whether a kernel's rows kept their bits whatever the row count of the call, on the inputs tried."""
-    many_rows: bool       # for M >= 2 rows, each row's bits are those it gets among CHECK_ROWS rows
+    many_rows: bool       # for 2 <= M <= max_rows rows, each row's bits are those it gets among max_rows rows
     lone_row: bool        # a lone row (M = 1) got those bits too
+    max_rows: int = CHECK_ROWS  # the most rows per call with those bits: `linear` splits larger calls
 
     @property
     def verdict(self) -> str:
         if not self.many_rows:
             return "NOT row-invariant"
-        return "row-invariant" + ("" if self.lone_row else " for 2+ rows (a lone row differs)")
+        limit = f" up to {self.max_rows} rows per call" if self.max_rows < CHECK_ROWS else ""
+        return "row-invariant" + limit + ("" if self.lone_row else " for 2+ rows (a lone row differs)")
 
 
 def check_inputs(n_in: int, dtype: torch.dtype) -> Tensor:
@@ -51,12 +54,20 @@ def check_inputs(n_in: int, dtype: torch.dtype) -> Tensor:
 
 
 def check_rows(fn: Callable[[Tensor], Tensor], x: Tensor) -> RowCheck:
-    """Bit-for-bit check of fn ([M, in] -> [M, out]) on x [CHECK_ROWS, in]: the rows of fn(x[j:j+M])
-    against the same rows of fn(x), for M in CHECK_COUNTS and offsets 0, 1 and 7; every row alone."""
-    ref = fn(x)
-    many = all(torch.equal(fn(x[j:j + m]), ref[j:j + m]) for m in CHECK_COUNTS for j in (0, 1, 7) if j + m <= len(x))
-    lone = all(torch.equal(fn(x[j:j + 1]), ref[j:j + 1]) for j in range(len(x)))
-    return RowCheck(many, lone)
+    """Bit-for-bit check of fn ([M, in] -> [M, out]) on x [CHECK_ROWS, in], for the largest limit L in
+    ROW_LIMITS that passes: the rows of fn(x[j:j+M]) against the same rows of x computed in calls of L
+    rows (other neighbours, other places in the call), for M in CHECK_COUNTS up to L and offsets
+    0, 1 and 7; then every row alone against them.
+
+    Kernels may switch algorithm with the row count (oneDNN's AMX bfloat16 kernels do above 32 rows),
+    so a kernel invariant only up to L rows is used in calls of at most L rows."""
+    for limit in ROW_LIMITS:
+        ref = torch.cat([fn(c) for c in x.split(limit)])                   # [CHECK_ROWS, out] in calls of `limit`
+        if all(torch.equal(fn(x[j:j + m]), ref[j:j + m])
+               for m in (*CHECK_COUNTS, limit) if m <= limit for j in (0, 1, 7)):
+            lone = all(torch.equal(fn(x[j:j + 1]), ref[j:j + 1]) for j in range(len(x)))
+            return RowCheck(True, lone, limit)
+    return RowCheck(False, False, 1)
 
 
 @dataclass(frozen=True)
@@ -105,9 +116,9 @@ def checked(key: tuple, kernel: Callable[[Tensor], Tensor], n_in: int, dtype: to
         except (OSError, ValueError):
             _BOOKS[path] = {}
     book, name = _BOOKS[path], repr(key)
-    if name not in book:
+    if len(book.get(name, ())) != len(RowCheck.__dataclass_fields__):        # absent, or kept by an older layout
         c = check_rows(kernel, check_inputs(n_in, dtype))
-        book[name] = [c.many_rows, c.lone_row]
+        book[name] = [c.many_rows, c.lone_row, c.max_rows]
         write_atomic(path, json.dumps(book, indent=1).encode())
     return RowCheck(*book[name])
 
@@ -151,11 +162,18 @@ def linear(x: Tensor, w: Tensor, packed: dict[str, Kernel], name: str) -> Tensor
     back to x's), else F.linear.
 
     A lone row goes as a pair where the kernel asks for it (F.linear always: CPU BLAS takes a gemv
-    path for one row), so decoding one token and verifying drafts agree bit for bit.
+    path for one row), and more rows than the kernel's checked limit go in chunks of that limit,
+    so decoding one token and verifying drafts agree bit for bit.
     """
     p = packed.get(name)
     if x.numel() == x.shape[-1] and (p is None or p.pair):                  # one row, any leading shape
         return linear(x.reshape(1, -1).expand(2, -1), w, packed, name)[0].view(*x.shape[:-1], -1)
     if p is None:
         return F.linear(x, w)
-    return p(x.reshape(-1, x.shape[-1]).to(p.dtype)).to(x.dtype).view(*x.shape[:-1], -1)
+    rows = x.reshape(-1, x.shape[-1]).to(p.dtype)                           # [M, in]
+    limit = p.check.max_rows if p.check.many_rows else len(rows)           # a failed check proves no limit
+    if len(rows) <= limit:
+        out = p(rows)
+    else:                                                                   # a last chunk of one row is paired too
+        out = torch.cat([linear(c, w, packed, name) for c in rows.split(limit)])
+    return out.to(x.dtype).view(*x.shape[:-1], -1)
