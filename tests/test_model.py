@@ -17,14 +17,21 @@ def _full_logits(model, tokens):
     return exact_distribution(model, tokens)
 
 
-def target_shaped(seed: int, dtype: torch.dtype):
-    """A random, packed 2-layer model with smollm2-135m's layer shapes (CPU GEMMs pick kernels by shape)."""
+def target_shaped(seed: int, dtype: torch.dtype, shape: str = "smollm2"):
+    """A random, packed 2-layer model with smollm2-135m's or gemma3-270m's layer shapes (CPU GEMMs pick
+    kernels by shape: MKL on an Intel Xeon switched by row count for Gemma's head_dim 256 attention)."""
     from specdec.models.config import ModelConfig
     from specdec.models.decoder import Transformer, init_random
 
     needs_bf16(dtype)
-    cfg = ModelConfig(vocab_size=512, dim=576, n_layers=2, n_heads=9, n_kv_heads=3, head_dim=64,
-                      hidden_dim=1536, max_seq_len=512, name="smollm2-shaped")
+    if shape == "gemma3":
+        cfg = ModelConfig(vocab_size=512, dim=640, n_layers=2, n_heads=4, n_kv_heads=1, head_dim=256,
+                          hidden_dim=2048, max_seq_len=512, embed_scale=640 ** 0.5, qk_norm=True,
+                          sandwich_norm=True, gelu=True, sliding_window=256, sliding_pattern=2,
+                          name="gemma3-shaped")
+    else:
+        cfg = ModelConfig(vocab_size=512, dim=576, n_layers=2, n_heads=9, n_kv_heads=3, head_dim=64,
+                          hidden_dim=1536, max_seq_len=512, name="smollm2-shaped")
     return init_random(Transformer(cfg), seed=seed, std=0.05).to(dtype).eval().requires_grad_(False).pack()
 
 
@@ -121,15 +128,16 @@ def test_sliding_window_is_applied():
     assert not torch.allclose(c, d)              # the global layer still sees them
 
 
+@pytest.mark.parametrize("shape", ["smollm2", "gemma3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_scores_do_not_depend_on_how_many_tokens_are_scored(dtype):
+def test_scores_do_not_depend_on_how_many_tokens_are_scored(dtype, shape):
     """Bit-for-bit: a token scored alone, with 1..16 drafts after it, or in a ragged batch gets the same hidden.
 
     This is what makes greedy speculation token-identical to plain decoding in bfloat16
     too. Shapes are the real target's (CPU GEMMs switch kernels by shape), 2 layers;
     contexts of 30..300 tokens, so key lengths cross attention blocks.
     """
-    model = target_shaped(3, dtype)
+    model = target_shaped(3, dtype, shape)
     g = torch.Generator().manual_seed(0)
     lens = [30, 283, 121]
     prompts = [torch.randint(0, 512, (n,), generator=g) for n in lens]
@@ -206,16 +214,17 @@ def test_prefill_is_the_causal_forward(dtype):
             assert torch.equal(a, b), n
 
 
+@pytest.mark.parametrize("shape", ["smollm2", "gemma3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("context", [40, 120, 250, 433])
-def test_tree_nodes_score_like_the_chain_along_their_path(dtype, context):
+def test_tree_nodes_score_like_the_chain_along_their_path(dtype, context, shape):
     """Bit-for-bit: every node of a token tree gets the hidden state a chain along its path gets,
     though its ancestors sit at scratch slots that are not their positions (contexts put the tree
     inside one key block and across a block boundary; 433: four key blocks, where torch's sum over
     the blocks associated 4 and 5 terms differently before `_sum_blocks`)."""
     from specdec.tree import TokenTree
 
-    model = target_shaped(4, dtype)
+    model = target_shaped(4, dtype, shape)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 512, (1, context), generator=g)
     parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 3, 3, 6, 5, 9]])             # root + 10 nodes, depth 5

@@ -7,6 +7,11 @@ sequence length, so `attention` reads the cache in fixed blocks of KV_BLOCK keys
 heads of a kv head as rows padded to whole tiles of ROW_TILE, and sums the blocks in position
 order. Token trees get per-node tails laid out by position (`tree_tail_scores`). Forwards of more
 than INVARIANT_MAX_T tokens (prefills) use SDPA: their bits are shared by every method.
+
+The key blocks enter the score GEMM as a transposed view of the cache where that GEMM's rows are
+invariant on this machine, else as a contiguous transposed copy (`keys_in_place`: MKL on an Intel
+Xeon switches kernels by row count for a transposed [256 x 128] operand, head_dim 256 as Gemma's,
+and not for a contiguous one).
 """
 from __future__ import annotations
 
@@ -89,6 +94,38 @@ class AttentionMask:
         return out
 
 
+_IN_PLACE: dict[tuple[int, torch.dtype, str], bool] = {}
+
+
+def keys_in_place(hd: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the score GEMM of q [M, hd] against a key block read in place (a transposed view of the
+    cache) keeps each row's bits for every M (in whole tiles of ROW_TILE) on this machine; checked once
+    per head size (`kernels.checked`). Where it does not, key blocks are copied contiguous first."""
+    from .kernels import CHECK_ROWS, checked
+
+    key = (hd, dtype, str(device))
+    if key not in _IN_PLACE:
+        if device.type != "cpu":
+            _IN_PLACE[key] = True                       # no check proves GPU kernels invariant anyway
+        else:
+            cache = torch.randn(2 * KV_BLOCK, hd, generator=torch.Generator().manual_seed(0)).to(dtype)
+            block = cache[:KV_BLOCK].t()[None]           # [1, hd, KB] a transposed view, as read from the cache
+
+            def scores(x: Tensor) -> Tensor:             # x [M, hd] -> [M, KB], rows padded to whole tiles
+                m = len(x)
+                return torch.bmm(F.pad(x, (0, 0, 0, -m % ROW_TILE))[None], block)[0, :m]
+
+            c = checked(("keys-in-place", hd, dtype, ROW_TILE), scores, hd, dtype)
+            _IN_PLACE[key] = c.many_rows and c.lone_row and c.max_rows == CHECK_ROWS
+    return _IN_PLACE[key]
+
+
+def _keys_t(k: Tensor, in_place: bool) -> Tensor:
+    """k [..., KB, hd] -> [..., hd, KB]: a view, or a contiguous copy where the view's GEMM is not invariant."""
+    kt = k.transpose(-1, -2)
+    return kt if in_place else kt.contiguous()
+
+
 def _to_rows(x: Tensor, X: int, rows: int) -> Tensor:
     """[nb, X, nt, R, d] per-tile block results -> [nb, X * rows, d], contiguous (tile padding dropped)."""
     nb, _, nt, R, d = x.shape
@@ -103,15 +140,16 @@ def _block_bmm(a: Tensor, b: Tensor, live: Tensor, fill: float) -> Tensor:
     return out.index_copy_(0, live, torch.bmm(a.index_select(0, live), b.index_select(0, live)))
 
 
-def _block_scores(qg: Tensor, k: Tensor, live: list[Tensor]) -> Tensor:
+def _block_scores(qg: Tensor, k: Tensor, live: list[Tensor], in_place: bool) -> Tensor:
     """qg [X, M, hd] (M a multiple of ROW_TILE) against key blocks of k [X, >= nb*KB, hd] -> [nb, X, M, KB].
 
     One batched GEMM per key block over the rows that see it (the others score -inf: see
     AttentionMask.live), reading the block in place (a strided view of the cache) when every row
-    does; measured, the fp32 GEMM's per-row bits are the same for every M >= 3, so stacking
-    the tiles as rows keeps each query's bits independent of how many share the forward.
+    does and `keys_in_place` found that GEMM invariant, else from a contiguous copy; so the GEMM's
+    per-row bits are the same for every M, and stacking the tiles as rows keeps each query's bits
+    independent of how many share the forward.
     """
-    return torch.stack([_block_bmm(qg, k[:, j * KV_BLOCK:(j + 1) * KV_BLOCK].transpose(1, 2), rows, float("-inf"))
+    return torch.stack([_block_bmm(qg, _keys_t(k[:, j * KV_BLOCK:(j + 1) * KV_BLOCK], in_place), rows, float("-inf"))
                         for j, rows in enumerate(live)])
 
 
@@ -154,7 +192,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float
     kx, vx = k.reshape(X, S, hd), v.reshape(X, S, hd)                           # views of the cache rows
     qg = F.pad(q.reshape(X, rows, hd), (0, 0, 0, nt * ROW_TILE - rows))         # [X, M, hd]
     live = mask.live()
-    s = _block_scores(qg, kx, live).view(nb, X, nt, ROW_TILE, KV_BLOCK)
+    in_place = keys_in_place(hd, k.dtype, k.device)
+    s = _block_scores(qg, kx, live, in_place).view(nb, X, nt, ROW_TILE, KV_BLOCK)
     s.mul_(scale).add_(mask.bias())                                             # [nb, X, nt, R, KB]
     top = s.amax(-1, keepdim=True).amax(0, keepdim=True)                        # [1, X, nt, R, 1]
     if not mask.tree:
@@ -162,7 +201,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float
         l, o = _to_rows(p.sum(-1, keepdim=True), X, rows), _block_values(p, vx, X, rows, live)
         return (_sum_blocks(o) / _sum_blocks(l)).view(B, nh, T, hd)
     # a token tree: each node also attends over its own position-aligned tail blocks
-    st, vt, R = tree_tail_scores(q, k, v, mask, scale)                          # st [B*nkv*T, nq, 1, R, KB]
+    st, vt, R = tree_tail_scores(q, k, v, mask, scale, in_place)                          # st [B*nkv*T, nq, 1, R, KB]
     tail_top = st.amax(-1, keepdim=True).amax(1, keepdim=True)                  # [B*nkv*T, 1, 1, R, 1]
     node_rows = tail_top[:, 0, 0, :g, 0].reshape(B, nkv, T, g).transpose(2, 3).reshape(X, rows)
     shared = _to_rows(top, X, rows)[0, :, 0].view(X, rows)
@@ -196,7 +235,7 @@ def _gather_slots(x: Tensor, slots: Tensor) -> Tensor:
 
 
 def tree_tail_scores(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask,
-                     scale: float) -> tuple[Tensor, Tensor, int]:
+                     scale: float, in_place: bool) -> tuple[Tensor, Tensor, int]:
     """Scores of each tree node over its own nq position-aligned tail blocks, and those blocks' values.
 
     A tree node's ancestors sit at scratch slots that are not their positions, so the tail
@@ -209,7 +248,7 @@ def tree_tail_scores(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask,
     nkv = k.shape[1]
     g = nh // nkv
     nq = mask.tree_slots.shape[-1] // KV_BLOCK
-    kq = _gather_slots(k, mask.tree_slots).view(B * nkv * T, nq, 1, KV_BLOCK, hd).transpose(-1, -2)
+    kq = _keys_t(_gather_slots(k, mask.tree_slots).view(B * nkv * T, nq, 1, KV_BLOCK, hd), in_place)
     vq = _gather_slots(v, mask.tree_slots).view(B * nkv * T, nq, 1, KV_BLOCK, hd)
     R = -(-g // ROW_TILE) * ROW_TILE
     qt = q.view(B, nkv, g, T, hd).permute(0, 1, 3, 2, 4).reshape(B * nkv * T, 1, 1, g, hd)
