@@ -113,6 +113,7 @@ def cmd_draft(a: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter]) -> None:
+    """`specdec train KIND`: one parser per kind, declared in a row (long, but a flat table of options)."""
     p = sub.add_parser("train", help="train drafts for a target (data, magpie, draft, eagle, eagle3, exit, medusa)", formatter_class=fmt)
     tsub = p.add_subparsers(dest="kind", required=True, metavar="KIND")
 

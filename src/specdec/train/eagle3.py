@@ -142,6 +142,24 @@ def validate(head: Eagle3Head, seqs, feats, by_cat: dict[str, list[int]], window
     return out
 
 
+def _cached_features(target: Transformer, seqs: list[list[int]], cache_file: Path) -> list[Tensor]:
+    """The target's fused features of every sequence, computed once and kept beside the data shards."""
+    if cache_file.exists():
+        return torch.load(cache_file, weights_only=True)
+    feats = extract_aux(target, seqs)
+    torch.save(feats, cache_file)
+    return feats
+
+
+def _validation_by_category(rows: list[Row]) -> dict[str, list[int]]:
+    """Indices of the validation rows, per category."""
+    out: dict[str, list[int]] = {}
+    for i, r in enumerate(rows):
+        if r.validation:
+            out.setdefault(r.category, []).append(i)
+    return out
+
+
 def train_eagle3(model: str, data: Path, out: Path, minutes: float, vocab_size: int, window: int, batch: int,
                  lr: float, max_seq: int, steps: int, overwrite: bool, max_rows: int = 0, seed: int = 0) -> dict:
     target, name, rng = begin(model, out, overwrite, seed)
@@ -156,17 +174,9 @@ def train_eagle3(model: str, data: Path, out: Path, minutes: float, vocab_size: 
     ids = vocab_subset(seqs, cfg.draft_vocab, target.vocab_size)
     head = Eagle3Head(target, cfg, ids).init_from_target()
     target.features(head.feature_layers)
-    cache_file = data / f"features3-{len(seqs)}-{max_seq}-{'-'.join(map(str, cfg.aux_layers))}.pt"
-    if cache_file.exists():
-        feats = torch.load(cache_file, weights_only=True)
-    else:
-        feats = extract_aux(target, seqs)
-        torch.save(feats, cache_file)
+    feats = _cached_features(target, seqs, data / f"features3-{len(seqs)}-{max_seq}-{'-'.join(map(str, cfg.aux_layers))}.pt")
     train_idx = [i for i, r in enumerate(rows) if not r.validation]
-    val_by_cat: dict[str, list[int]] = {}
-    for i, r in enumerate(rows):
-        if r.validation:
-            val_by_cat.setdefault(r.category, []).append(i)
+    val_by_cat = _validation_by_category(rows)
     w = target.output if target.output.numel() else target.embed
     w_sub = w[ids].float().detach()
     head.train()
