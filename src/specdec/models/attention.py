@@ -38,6 +38,7 @@ class AttentionMask:
         self.tree_slots, self.tree_visible = tree_slots, tree_visible
         self._bias: dict[int, Tensor] = {}
         self._live: list[Tensor] = []
+        self._parts: dict[tuple[int, int], AttentionMask] = {}
 
     def tail_bias(self, R: int) -> Tensor:
         """[B*nkv*T, nq, 1, R, KB] additive bias of the tree tails (built once per forward)."""
@@ -62,6 +63,14 @@ class AttentionMask:
             seen = seen.repeat_interleave(self.n_kv, 0)                         # [B*nkv, nb]
             self._live = [seen[:, j].nonzero()[:, 0] for j in range(seen.shape[1])]
         return self._live
+
+    def tokens(self, lo: int, hi: int) -> "AttentionMask":
+        """The mask of query tokens lo..hi-1 alone (built once per forward, shared by every layer)."""
+        key = (lo, hi)
+        if key not in self._parts:
+            tree = (self.tree_slots[:, lo:hi], self.tree_visible[:, lo:hi]) if self.tree else ()
+            self._parts[key] = AttentionMask(self.mask[:, :, lo:hi], self.n_kv, self.n_heads, *tree)
+        return self._parts[key]
 
     @property
     def tree(self) -> bool:
@@ -120,6 +129,41 @@ def keys_in_place(hd: int, dtype: torch.dtype, device: torch.device) -> bool:
     return _IN_PLACE[key]
 
 
+_TOKENS: dict[tuple[int, int, int, torch.dtype, str], int] = {}
+
+
+def tokens_per_call(n_heads: int, n_kv: int, hd: int, dtype: torch.dtype, device: torch.device) -> int:
+    """The most query tokens `attention` may score in one call on this machine with each token's bits
+    those it gets alone; checked once per head layout (`kernels.checked`) on a random cache.
+
+    Stacking a forward's tokens as rows of one GEMM is row-invariant where the GEMM's per-row bits do
+    not depend on a row's place in the call; where they do (MKL's AVX2 kernels for head_dim 256: a
+    query row at place 2 differs from the same row at place 1), tokens are scored in calls of fewer
+    (down to one each: then the bits are those of plain decoding by construction)."""
+    from .kernels import CHECK_ROWS, checked
+
+    key = (n_heads, n_kv, hd, dtype, str(device))
+    if key not in _TOKENS:
+        if device.type != "cpu":
+            _TOKENS[key] = CHECK_ROWS
+        else:
+            g = torch.Generator().manual_seed(1)
+            S = 2 * KV_BLOCK
+            k, v = (torch.randn(1, n_kv, S, hd, generator=g).to(dtype) for _ in range(2))
+            visible = torch.zeros(1, 1, CHECK_ROWS, S, dtype=torch.bool)
+            visible[..., :S - 40] = True                                      # two key blocks, the last in part
+
+            def scores(x: Tensor) -> Tensor:                                  # x [T, nh*hd] queries -> [T, nh*hd]
+                t = len(x)
+                q = x.view(1, t, n_heads, hd).transpose(1, 2)
+                mask = AttentionMask(visible[:, :, :t], n_kv, n_heads)
+                return _attention(q, k, v, mask, hd ** -0.5).transpose(1, 2).reshape(t, -1)
+
+            c = checked(("attention-tokens", n_heads, n_kv, hd, dtype, ROW_TILE, KV_BLOCK), scores, n_heads * hd, dtype)
+            _TOKENS[key] = c.max_rows if c.many_rows and c.lone_row else 1
+    return _TOKENS[key]
+
+
 def _keys_t(k: Tensor, in_place: bool) -> Tensor:
     """k [..., KB, hd] -> [..., hd, KB]: a view, or a contiguous copy where the view's GEMM is not invariant."""
     kt = k.transpose(-1, -2)
@@ -171,6 +215,16 @@ def _sum_blocks(x: Tensor) -> Tensor:
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float) -> Tensor:
+    """`_attention` over at most `tokens_per_call` query tokens per call (q [B, nh, T, hd] -> [B, nh, T, hd])."""
+    T = q.shape[2]
+    per_call = tokens_per_call(q.shape[1], k.shape[1], q.shape[3], k.dtype, k.device) if T > 1 else 1
+    if T <= per_call:
+        return _attention(q, k, v, mask, scale)
+    return torch.cat([_attention(q[:, :, lo:lo + per_call], k, v, mask.tokens(lo, min(lo + per_call, T)), scale)
+                      for lo in range(0, T, per_call)], dim=2)
+
+
+def _attention(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float) -> Tensor:
     """Attention whose result for a query does not depend on what else is in the forward.
 
     q [B, nh, T, hd]; k, v [B, nkv, S, hd] with S a multiple of KV_BLOCK -> [B, nh, T, hd].
