@@ -38,8 +38,13 @@ info: install
 	$(BIN)/specdec info
 
 # the mini suite with every method, llama.cpp (compiled once, a few minutes) and transformers side by side
+# llama.cpp is built for this CPU without its AMX kernels: with them, llama-cpp-python 0.3.36 crashed
+# (SIGSEGV) evaluating any prompt of more than one token on an Intel Xeon with AMX
+LLAMACPP_CMAKE := -DCMAKE_C_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" \
+	-DCMAKE_CXX_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
 bench: install
-	$(BIN)/pip install -q -e ".[llamacpp]"
+	$(BIN)/python -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS='$(LLAMACPP_CMAKE)' $(BIN)/pip install -q --no-cache-dir -e ".[llamacpp]"
 	$(BIN)/specdec bench --suite mini --methods none,ngram,ngram@auto,suffix,lookahead,lookahead@auto,draft,draft@auto,staged,self,self@auto,eagle,eagle@auto,eagle3,eagle3@auto,eagle:4x16,medusa,hybrid,hybrid@auto --peers llamacpp,transformers --repeats 1 --out docs/benchmarks/mini
 
 serve: install
