@@ -57,6 +57,23 @@ def test_alignment_follows_and_refinds():
     assert idx.continuation(2) == [6, 7]
 
 
+def test_realignment_moves_forward_through_the_prediction():
+    """A renamed identifier breaks the match; the short suffix after it (here `( x )`, as in every call
+    of the function) re-aligns at its next occurrence, not at the first one in the text."""
+    f, g, lp, x, rp, nl, other = 10, 11, 12, 13, 14, 15, 16
+    prediction = (f, lp, x, rp, nl, other, nl, f, lp, x, rp, nl, other, other, nl, f, lp, x, rp, nl)
+    idx = PredictionIndex(prediction)
+    out = list(prediction[:7])                                       # the first line and a half, as predicted
+    idx.advance(out, out, 0)
+    assert idx.at == 7
+    out += [g]                                                       # f renamed to g in the second call
+    idx.advance([g], out, 0)
+    assert idx.at == -1                                              # g is not in the prediction
+    out += [lp, x, rp]
+    idx.advance([lp, x, rp], out, 0)
+    assert idx.at == 11 and idx.continuation(4) == [nl, other, other, nl]   # the second call's `( x )`, not the first
+
+
 def test_prediction_draft_length_adapts():
     idx = PredictionIndex(tuple(range(1, 40)))
     assert len(idx.continuation(8)) == 8

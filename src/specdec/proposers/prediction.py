@@ -13,6 +13,8 @@ exactly the target's.
 """
 from __future__ import annotations
 
+import bisect
+
 import torch
 from torch import Tensor
 
@@ -25,23 +27,27 @@ MAX_AHEAD = 64               # cap of the adaptive prediction draft length (the 
 
 
 class PredictionIndex:
-    """One prediction's tokens, where each n-gram (n <= ALIGN_NGRAM) first occurs, and the alignment point."""
+    """One prediction's tokens, where each n-gram (n <= ALIGN_NGRAM) occurs, and the alignment point."""
 
     def __init__(self, tokens: tuple[int, ...]) -> None:
         self.tokens = tokens
-        self.first: dict[tuple[int, ...], int] = {}           # n-gram -> position after its first occurrence
+        self.ends: dict[tuple[int, ...], list[int]] = {}      # n-gram -> positions after its occurrences, ascending
         for end in range(1, len(tokens) + 1):
             for n in range(1, min(ALIGN_NGRAM, end) + 1):
-                self.first.setdefault(tokens[end - n:end], end)
+                self.ends.setdefault(tokens[end - n:end], []).append(end)
         self.at = 0                                           # where the next output token should be
+        self.last = 0                                         # the last point the output was aligned at
         self.ahead = MAX_AHEAD                                # how many tokens to draft next step
 
     def align(self, output: list[int]) -> None:
-        """Re-find the point after the longest suffix of `output` seen in the prediction (-1: none)."""
+        """Re-find the point after the longest suffix of `output` seen in the prediction, at its first
+        occurrence after the last alignment point if there is one (an edit moves forward through the
+        text: a short suffix such as `(` occurs all over it), else its first (-1: none)."""
         for n in range(min(ALIGN_NGRAM, len(output)), 0, -1):
-            end = self.first.get(tuple(output[-n:]))
-            if end is not None:
-                self.at = end
+            ends = self.ends.get(tuple(output[-n:]))
+            if ends is not None:
+                i = bisect.bisect_right(ends, self.last)
+                self.at = self.last = ends[i] if i < len(ends) else ends[0]
                 return
         self.at = -1
 
@@ -53,6 +59,7 @@ class PredictionIndex:
             self.ahead = MAX_AHEAD if accepted >= drafted else min(MAX_AHEAD, accepted + 2)
         if self.at >= 0 and list(self.tokens[self.at:self.at + len(new)]) == new:
             self.at += len(new)
+            self.last = self.at
         else:
             self.align(output)
 
