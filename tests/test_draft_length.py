@@ -26,7 +26,7 @@ def trained(policy: Auto, alpha: float, cost, batches=(1, 8), steps: int = 40) -
     rng = random.Random(0)
     for b in batches:
         for step in range(steps):
-            k = policy.choose(b) if step % 4 else step // 4 % (policy.k_max + 1)
+            k = policy.choose(b, 1000) if step % 4 else step // 4 % (policy.k_max + 1)
             accepted = []
             for _ in range(b):
                 n = 0
@@ -39,31 +39,31 @@ def trained(policy: Auto, alpha: float, cost, batches=(1, 8), steps: int = 40) -
 
 def test_cost_aware_drafts_long_when_forwards_are_overhead_bound():
     p = trained(Auto(4, 8), alpha=0.9, cost=lambda rows: 0.020 + 0.0001 * rows)
-    assert p.choose(1) >= 4
-    assert p.choose(8) >= 4
+    assert p.choose(1, 1000) >= 4
+    assert p.choose(8, 1000) >= 4
 
 
 def test_cost_aware_stops_drafting_when_the_batch_is_compute_bound():
     """Cost proportional to rows: extra rows cost as much as the tokens they may save, so K=0 wins."""
     p = trained(Auto(4, 8), alpha=0.5, cost=lambda rows: 0.001 + 0.002 * rows)
-    assert p.choose(16) == 0
+    assert p.choose(16, 1000) == 0
     q = trained(Auto(4, 8), alpha=0.5, cost=lambda rows: 0.020 + 0.0005 * rows)
-    assert q.choose(1) > 0 and q.choose(64) == 0                               # same machine, bigger batch
+    assert q.choose(1, 1000) > 0 and q.choose(64, 1000) == 0                               # same machine, bigger batch
 
 
 def test_cost_aware_prior_before_any_measurement_probes_with_one_draft():
     one = torch.ones(1, dtype=torch.long)
     p = Auto(4, 8)
-    assert p.choose(1) == 1
+    assert p.choose(1, 1000) == 1
     assert p.target_cost(40) > p.target_cost(8) > 0
     p.observe(1, 1, one, one, 0.5, 0.02)            # the first drafting step: one-off costs (a draft's catch-up)
-    assert p.choose(1) == 2                         # ... are not the cost of drafting: probe again
+    assert p.choose(1, 1000) == 2                         # ... are not the cost of drafting: probe again
     p.observe(1, 2, 2 * one, 2 * one, 2e-5, 0.02)   # cheap drafts, accepted
-    assert p.choose(1) > 2
+    assert p.choose(1, 1000) > 2
     q = Auto(4, 8)
     q.observe(1, 1, one, 0 * one, 0.5, 0.02)
     q.observe(1, 2, 2 * one, 0 * one, 0.1, 0.02)    # a draft costs 2.5 target forwards
-    assert q.choose(1) == 0
+    assert q.choose(1, 1000) == 0
 
 
 def test_a_fixed_drafting_cost_is_told_from_a_per_token_one():
@@ -72,28 +72,34 @@ def test_a_fixed_drafting_cost_is_told_from_a_per_token_one():
     p = Auto(4, 8, prior=0.9)
     one = torch.ones(1, dtype=torch.long)
     for k in (1, 2):
-        assert p.choose(1) == k
+        assert p.choose(1, 1000) == k
         p.observe(1, k, k * one, k * one, 0.030 + 0.001 * k, 0.050)
     assert p.draft_cost(4) == pytest.approx(0.064)
     p.observe(1, 3, 3 * one, 3 * one, 0.033, 0.050)
     assert p.draft_cost(6) == pytest.approx(0.036)
-    assert p.choose(1) >= 4
+    assert p.choose(1, 1000) >= 4
 
 
 def test_while_plain_steps_win_it_still_probes_now_and_then():
     p = Auto(4, 8)
     one = torch.ones(1, dtype=torch.long)
     for k in (1, 2):
-        assert p.choose(1) == k
+        assert p.choose(1, 1000) == k
         p.observe(1, k, k * one, 0 * one, 0.2, 0.05)                     # costly drafts, all rejected
     ks = []
     for _ in range(7 * Auto.REPROBE + 3):
-        ks.append(p.choose(1))
+        ks.append(p.choose(1, 1000))
         p.observe(1, ks[-1], ks[-1] * one, 0 * one, 0.3 if ks[-1] else 0.0, 0.05)
     probes = [i for i, k in enumerate(ks) if k]                              # after 32, 64, 128 plain steps
     assert probes == [Auto.REPROBE, 3 * Auto.REPROBE + 1, 7 * Auto.REPROBE + 2]
     assert p.draft_cost(2) == pytest.approx(0.2)     # a probe after plain steps (0.3 s, with the catch-up)
                                                       # teaches no cost
+    late = Auto(k=4, k_max=8)                                                # the same, near the end of the output
+    for k in (1, 2):
+        late.choose(1, 1000)
+        late.observe(1, k, k * one, 0 * one, 0.2, 0.05)
+    assert not any(late.choose(1, Auto.REPROBE - 1) or late.observe(1, 0, 0 * one, 0 * one, 0.0, 0.05)
+                   for _ in range(3 * Auto.REPROBE))                         # no re-probe that could not pay
 
 
 class Alternating:
@@ -102,7 +108,7 @@ class Alternating:
     def __init__(self, ks: list[int]) -> None:
         self.ks, self.i = ks, 0
 
-    def choose(self, batch: int) -> int:
+    def choose(self, batch: int, remaining: int) -> int:
         self.i += 1
         return self.ks[self.i % len(self.ks)]
 

@@ -25,8 +25,9 @@ MAX_DRAFT_TOKENS = 64
 
 
 class DraftPolicy(Protocol):
-    def choose(self, batch: int) -> int:
-        """Drafts per sequence for the next step of a batch of `batch` sequences (0: a plain step)."""
+    def choose(self, batch: int, remaining: int) -> int:
+        """Drafts per sequence for the next step of a batch of `batch` sequences whose longest may still
+        write `remaining` tokens (0: a plain step)."""
         ...
 
     def observe(self, batch: int, k: int, valid: Tensor, accepted: Tensor, draft_s: float, target_s: float) -> None:
@@ -38,7 +39,7 @@ class Fixed:
     def __init__(self, k: int) -> None:
         self.k = k
 
-    def choose(self, batch: int) -> int:
+    def choose(self, batch: int, remaining: int) -> int:
         return self.k
 
     def observe(self, batch: int, k: int, valid: Tensor, accepted: Tensor, draft_s: float, target_s: float) -> None:
@@ -49,7 +50,7 @@ class Heuristic:
     def __init__(self, k: int, k_max: int) -> None:
         self.k, self.k_max = k, k_max
 
-    def choose(self, batch: int) -> int:
+    def choose(self, batch: int, remaining: int) -> int:
         return self.k
 
     def observe(self, batch: int, k: int, valid: Tensor, accepted: Tensor, draft_s: float, target_s: float) -> None:
@@ -88,7 +89,8 @@ class Auto:
     one-off work, a draft catching up on the prompt, first calls). Where K = 0 wins, a step of
     PROBE_KS[-1] drafts after REPROBE plain steps, then after twice as many, and so on, keeps the
     acceptance estimate fresh (only drafting measures it) at a bounded price; its cost is not taken
-    either, for it includes the catch-up over the plain steps.
+    either, for it includes the catch-up over the plain steps. No re-probe where fewer than REPROBE
+    tokens are left to write: drafting found then could not pay for the probe.
     """
 
     OVERHEAD_ROWS = 16.0            # prior; measured here: 1 row 19 ms, 17 rows 41 ms -> ~13 rows
@@ -126,7 +128,7 @@ class Auto:
                  for k in range(self.k_max + 1)]
         return max(range(self.k_max + 1), key=lambda k: (rates[k], -k))
 
-    def choose(self, batch: int) -> int:
+    def choose(self, batch: int, remaining: int) -> int:
         if self.draft_steps < len(self.PROBE_KS):   # drafting's cost is not fully known: probe, unless drafts
             least = min(self.c_draft.values(), default=0.0)         # costing the least measured cannot pay
             self.k = min(self._best(batch, lambda k: least if k else 0.0), self.PROBE_KS[self.draft_steps])
@@ -134,7 +136,7 @@ class Auto:
             self.k = self._best(batch, self.draft_cost)
             if self.k:
                 self.reprobe = self.REPROBE
-        if self.k == 0 and self.plain_run >= self.reprobe:
+        if self.k == 0 and self.plain_run >= self.reprobe and remaining >= self.REPROBE:
             self.k = min(self.k_max, self.PROBE_KS[-1])
             self.reprobe *= 2                       # back off while probes do not bring drafting back
         return self.k

@@ -300,7 +300,8 @@ class Engine:
         one fewer than its remaining tokens (none if it does not speculate), the rest is cut per row."""
         B, dev = len(seqs), self.target.device
         room = min(self.slots - len(s.tokens) - 1 for s in seqs)
-        k = max(0, min(self.policy.choose(B), room)) if self.speculative else 0
+        remaining = max(s.request.max_new_tokens - s.num_generated for s in seqs)
+        k = max(0, min(self.policy.choose(B, remaining), room)) if self.speculative else 0
         k_prediction = min(PREDICTION_DRAFT_TOKENS, room) if any(s.request.prediction for s in seqs) else 0
         if k == 0 and k_prediction == 0:
             return Draft.empty(B, dev)
