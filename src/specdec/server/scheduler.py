@@ -414,6 +414,7 @@ class Scheduler:
             self._send(job, TextPiece(piece))
         if seq.done:
             del self.running[id(seq)]
+            self._gauges()                  # before the client hears it is done: a scrape then sees it gone
             self.metrics.e2e.observe(now - job.arrived)
             self.metrics.record_speculation(seq)
             self._send(job, Done(seq.text, seq.finish_reason, len(seq.request.prompt), len(seq.generated),
@@ -424,6 +425,7 @@ class Scheduler:
         for key, job in list(self.running.items()):
             if job.engine is eng:
                 del self.running[key]
+                self._gauges()
                 self._fail(job, message, 500)
         self.pool.reset(eng)
 
