@@ -103,7 +103,7 @@ class AttentionMask:
         return out
 
 
-_IN_PLACE: dict[tuple[int, torch.dtype, str], bool] = {}
+_IN_PLACE: dict[tuple[int, torch.dtype, torch.device], bool] = {}
 
 
 def keys_in_place(hd: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -112,7 +112,7 @@ def keys_in_place(hd: int, dtype: torch.dtype, device: torch.device) -> bool:
     per head size (`kernels.checked`). Where it does not, key blocks are copied contiguous first."""
     from .kernels import CHECK_ROWS, checked
 
-    key = (hd, dtype, str(device))
+    key = (hd, dtype, device)
     if key not in _IN_PLACE:
         if device.type != "cpu":
             _IN_PLACE[key] = True                       # no check proves GPU kernels invariant anyway
@@ -129,7 +129,7 @@ def keys_in_place(hd: int, dtype: torch.dtype, device: torch.device) -> bool:
     return _IN_PLACE[key]
 
 
-_TOKENS: dict[tuple[int, int, int, torch.dtype, str], int] = {}
+_TOKENS: dict[tuple[int, int, int, torch.dtype, torch.device], int] = {}
 
 
 def tokens_per_call(n_heads: int, n_kv: int, hd: int, dtype: torch.dtype, device: torch.device) -> int:
@@ -142,7 +142,7 @@ def tokens_per_call(n_heads: int, n_kv: int, hd: int, dtype: torch.dtype, device
     (down to one each: then the bits are those of plain decoding by construction)."""
     from .kernels import CHECK_ROWS, checked
 
-    key = (n_heads, n_kv, hd, dtype, str(device))
+    key = (n_heads, n_kv, hd, dtype, device)
     if key not in _TOKENS:
         if device.type != "cpu":
             _TOKENS[key] = CHECK_ROWS

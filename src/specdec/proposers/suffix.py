@@ -92,6 +92,10 @@ class SuffixProposer:
             self.global_index.add(tokens, max(self.seen[r], self.prompt_len[r]))   # outputs only
             self.seen[r] = len(tokens)
 
+    def _reach(self, matched: int, k: int) -> int:
+        """Drafts a match of `matched` tokens may have: at most match_factor per matched token, and k."""
+        return min(k, int(self.match_factor * matched))
+
     def _longest(self, r: int, context: list[int]) -> int:
         """The length of the longest suffix of `context` seen before (0: none)."""
         for m in range(min(self.max_match, len(context)), 0, -1):
@@ -109,7 +113,7 @@ class SuffixProposer:
             self._catch_up(r, hist)
             n[i] = self._longest(r, hist)
             path, prob = list(hist), 1.0
-            for j in range(min(k, int(self.match_factor * n[i]))):
+            for j in range(self._reach(int(n[i]), k)):
                 nxt = self._next(r, path)
                 if not nxt or prob * nxt[0][0] < self.min_prob:
                     break
@@ -138,7 +142,7 @@ class SuffixProposer:
         """The best-first tree, or its most probable chain where the tree's expected accepted tokens do not
         pay for a tree forward's extra cost (`tree_cost` times a chain's). A match of m tokens drafts at
         most match_factor * m tokens (a short match is weak evidence, whatever its counts say)."""
-        k = min(k, max(1, int(self.match_factor * self._longest(r, history))))
+        k = self._reach(self._longest(r, history), k)
         toks, pars, probs = self._tree(r, history, k)
         if all(p == i - 1 for i, p in enumerate(pars)):
             return toks, pars                                                   # already a chain

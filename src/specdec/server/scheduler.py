@@ -422,11 +422,10 @@ class Scheduler:
             self._close(job)
 
     def _fail_engine(self, eng: Engine, message: str) -> None:
-        for key, job in list(self.running.items()):
-            if job.engine is eng:
-                del self.running[key]
-                self._gauges()
-                self._fail(job, message, 500)
+        failed = [self.running.pop(key) for key, job in list(self.running.items()) if job.engine is eng]
+        self._gauges()
+        for job in failed:
+            self._fail(job, message, 500)
         self.pool.reset(eng)
 
     def _fail(self, job: Job, message: str, status: int) -> None:
