@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from helpers import PROMPTS, V, check_joint, exact_joint, run_engine, sample_engine, tiny_generator, tiny_model
 from specdec.engine import Request
 from specdec.errors import SpecdecError
+from specdec.proposers.base import ActiveBatch
 from specdec.proposers.suffix import ContinuationIndex, SuffixProposer
 from specdec.reference import reference_greedy
-from specdec.sampling import SamplingParams
+from specdec.sampling import BatchSampling, SamplingParams
+from specdec.tree import PAD
 
 REPETITIVE = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [9, 9, 9, 9, 9, 9]]
 
@@ -71,6 +74,7 @@ def test_a_step_scores_no_more_rows_than_a_chain_of_k():
 
     from specdec.proposers.base import ActiveBatch
     from specdec.sampling import BatchSampling
+    from specdec.tree import PAD
 
     hist = [7, 1, 2, 7, 1, 3, 7, 1, 4, 7, 1]                   # after 7 1: 2, 3 or 4
     for k, budget in [(2, 8), (4, 8), (6, 3)]:
@@ -107,11 +111,6 @@ def test_a_costly_tree_gives_way_to_its_best_chain():
 def test_a_short_match_drafts_few_tokens():
     """A match of m tokens drafts at most match_factor * m: one token of context is weak evidence, however
     often its continuation was seen."""
-    import torch
-
-    from specdec.proposers.base import ActiveBatch
-    from specdec.sampling import BatchSampling
-
     hist = [3, 4, 5, 6, 9, 3, 4, 5, 6, 9, 8, 8, 3]            # ends in a 1-token match of "3" (then 4 5 6 9)
     for factor, drafted in [(1.0, 1), (2.0, 2), (8.0, 4)]:
         prop = SuffixProposer(match_factor=factor)
@@ -121,7 +120,7 @@ def test_a_short_match_drafts_few_tokens():
         batch = ActiveBatch(rows, [hist], BatchSampling.of([SamplingParams()]), torch.zeros(1, dtype=torch.long))
         draft = prop.propose(batch, 4)
         assert draft.tokens[0].tolist()[:drafted] == [4, 5, 6, 9][:drafted]
-        assert int((draft.tokens != -1).sum()) == drafted
+        assert int((draft.tokens != PAD).sum()) == drafted
 
 
 def test_forget_drops_what_earlier_requests_taught():
