@@ -383,6 +383,31 @@ def test_bad_input_through_the_client_and_still_serving(client):
     assert got.usage.completion_tokens == 3
 
 
+@pytest.mark.parametrize("where", ["step", "add"])
+def test_a_failed_generation_is_a_500_and_logged_with_its_traceback(server, client, monkeypatch, caplog, where):
+    """An exception inside an engine step (or while admitting a request) fails the request with a 500 and
+    logs the traceback with the engine's method on the "specdec" logger; the server keeps serving."""
+    import logging
+
+    from specdec.engine import Engine
+
+    def boom(self, *args):
+        raise RuntimeError("boom in the engine")
+
+    with monkeypatch.context() as m:
+        m.setattr(Engine, where, boom)
+        with caplog.at_level(logging.ERROR, logger="specdec"):
+            with pytest.raises(openai.InternalServerError) as e:
+                client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
+                                          extra_body={"speculative": {"method": "ngram", "num_draft_tokens": 4}})
+    assert e.value.status_code == 500 and "boom in the engine" in e.value.body["message"]
+    records = [r for r in caplog.records if r.name == "specdec" and r.levelno == logging.ERROR]
+    assert len(records) == 1, [r.getMessage() for r in caplog.records]
+    assert "method ngram" in records[0].getMessage() and records[0].exc_info is not None
+    assert "RuntimeError: boom in the engine" in caplog.text and "Traceback" in caplog.text
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3).usage.completion_tokens == 3
+
+
 def test_metrics(server, client):
     client.completions.create(model=MODEL, prompt="a b c a b c a b c a b", max_tokens=8, temperature=0)
     text = server.metrics()

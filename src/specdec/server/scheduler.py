@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import logging
 import queue
 import threading
 import time
@@ -38,6 +39,7 @@ from ..prefix_cache import PrefixCache
 
 TRIM_EVERY_SECONDS = 20.0
 IDLE_WAKE_SECONDS = 0.25
+log = logging.getLogger("specdec")
 
 
 def _libc_trim():
@@ -236,6 +238,10 @@ class EnginePool:
         self.engines[key] = self._build(key)
         return self.engines[key]
 
+    def key_of(self, eng: Engine) -> SpecChoice:
+        """The (method, K) an engine of this pool serves."""
+        return next(k for k, e in self.engines.items() if e is eng)
+
     def busy(self) -> list[Engine]:
         return [e for e in self.engines.values() if e.busy]
 
@@ -368,6 +374,7 @@ class Scheduler:
                 self._fail(job, str(e), 400)
                 continue
             except Exception as e:  # noqa: BLE001 - e.g. out of memory building an engine: fail the job, not the worker
+                log.exception("cannot start generation (method %s, K %d)", key.method, key.num_draft_tokens)
                 self._fail(job, f"cannot start generation: {type(e).__name__}: {e}", 500)
                 continue
             job.engine = eng
@@ -383,6 +390,9 @@ class Scheduler:
             try:
                 events = self._step(eng)
             except Exception as e:  # noqa: BLE001 - a failed step must not kill the worker
+                key = self.pool.key_of(eng)
+                log.exception("generation failed (method %s, K %d): failing its %d request(s)", key.method,
+                              key.num_draft_tokens, len(eng.active) + len(eng.pending))
                 self._fail_engine(eng, f"generation failed: {type(e).__name__}: {e}")
                 continue
             self.steps += 1
