@@ -408,6 +408,24 @@ def test_a_failed_generation_is_a_500_and_logged_with_its_traceback(server, clie
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3).usage.completion_tokens == 3
 
 
+def test_malloc_trim_is_looked_up_on_first_use():
+    """Importing the scheduler loads no C library; the first trim_heap looks malloc_trim up once."""
+    import subprocess
+    import sys
+
+    code = ("import ctypes.util, specdec.server.scheduler as s\n"
+            "calls = []\n"
+            "real = ctypes.util.find_library\n"
+            "ctypes.util.find_library = lambda n: calls.append(n) or real(n)\n"
+            "assert s._malloc_trim.cache_info().currsize == 0\n"
+            "s.trim_heap(); s.trim_heap()\n"
+            "assert calls == ['c'], calls\n"
+            "print(type(s.trim_heap()).__name__)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "int"
+
+
 def test_metrics(server, client):
     client.completions.create(model=MODEL, prompt="a b c a b c a b c a b", max_tokens=8, temperature=0)
     text = server.metrics()

@@ -19,13 +19,14 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import functools
 import logging
 import queue
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -42,12 +43,9 @@ IDLE_WAKE_SECONDS = 0.25
 log = logging.getLogger("specdec")
 
 
-def _libc_trim():
-    """glibc's malloc_trim, or a no-op elsewhere.
-
-    Prefills of varying lengths leave freed activation buffers in glibc's arenas, so a server's
-    resident memory creeps up in steps though nothing leaks; giving free pages back to the OS
-    now and then (a few ms) keeps it flat."""
+@functools.cache
+def _malloc_trim() -> Callable[[], int]:
+    """glibc's malloc_trim, looked up once on first use (a no-op where the C library has none)."""
     name = ctypes.util.find_library("c")
     try:
         trim = ctypes.CDLL(name).malloc_trim if name else None
@@ -56,7 +54,14 @@ def _libc_trim():
     return (lambda: trim(0)) if trim is not None else (lambda: 0)
 
 
-trim_heap = _libc_trim()
+def trim_heap() -> int:
+    """Give free heap pages back to the OS (glibc's malloc_trim(0); elsewhere nothing).
+
+    Prefills of varying lengths leave freed activation buffers in glibc's arenas, so a server's
+    resident memory creeps up in steps though nothing leaks; giving free pages back to the OS
+    now and then (a few ms) keeps it flat."""
+    return _malloc_trim()()
+
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                    1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 40.0, 80.0)
