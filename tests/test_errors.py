@@ -78,6 +78,42 @@ def test_empty_prompts():
         gen.generate([1, 500])
 
 
+@pytest.mark.parametrize("kw, msg", [
+    (dict(prediction=123), "prediction must be a string"), (dict(prediction=None), "prediction must be a string"),
+    (dict(prediction=[1, 2, 3]), r"prediction must be a string, the expected output \(for a list of prompts"),
+    (dict(prediction=["a b"]), "prediction must be a string"),
+    (dict(stop=None), r"stop must be a string or a list of strings \(\(\) for none\), got NoneType"),
+    (dict(stop=3), "stop must be a string or a list of strings"),
+])
+def test_bad_prediction_and_stop_types(kw, msg):
+    gen = tiny_generator(tiny_model())
+    with pytest.raises(SpecdecError, match=msg):
+        gen.generate("1 2 3", max_new_tokens=2, **kw)
+    with pytest.raises(SpecdecError, match=msg):
+        list(gen.stream("1 2 3", max_new_tokens=2, **kw))
+
+
+def test_predictions_for_a_list_of_prompts_are_strings_one_per_prompt():
+    gen = tiny_generator(tiny_model())
+    with pytest.raises(SpecdecError, match="one prediction for a list of prompts"):
+        gen.generate(["1 2", "3 4"], max_new_tokens=2, prediction="5 6")
+    with pytest.raises(SpecdecError, match="a list of strings, one per prompt; got int"):
+        gen.generate(["1 2", "3 4"], max_new_tokens=2, prediction=7)
+    with pytest.raises(SpecdecError, match="1 predictions for 2 prompts"):
+        gen.generate(["1 2", "3 4"], max_new_tokens=2, prediction=["5"])
+
+
+@pytest.mark.parametrize("bad", [None, 5, 2.5, {"text": "hi"}])
+def test_prompt_of_another_type(bad):
+    gen = tiny_generator(tiny_model())
+    with pytest.raises(SpecdecError, match="prompt must be a string, a list of token ids, or a list of those"):
+        gen.generate(bad)
+    with pytest.raises(SpecdecError, match="stream takes one prompt"):
+        list(gen.stream(bad))
+    with pytest.raises(SpecdecError, match="prompt 1 of the list must be a string or a list of token ids"):
+        gen.generate(["1 2", bad])
+
+
 def test_prompt_longer_than_context_errors_unless_truncation_asked():
     gen = tiny_generator(tiny_model())                  # max_seq_len 256
     long = list(range(1, 90)) * 3                        # 267 tokens
@@ -108,12 +144,30 @@ def test_bad_draft_settings():
 def test_load_rejects_unknown_method_before_loading():
     with pytest.raises(SpecdecError, match="unknown method 'fast'; choose one of"):
         specdec.load("smollm2-135m", method="fast")
+    with pytest.raises(SpecdecError, match="unknown method 'eagel'; did you mean 'eagle'\\? choose one of"):
+        specdec.load("smollm2-135m", method="eagel")
+    with pytest.raises(SpecdecError, match="model must be a registered name or a .gguf path, got NoneType"):
+        specdec.load(None)
+
+
+@pytest.mark.parametrize("method", ["none", "ngram", "suffix"])
+def test_load_refuses_a_draft_model_for_methods_without_one(method):
+    with pytest.raises(SpecdecError, match=f"method '{method}' drafts from the context and takes no draft_model"):
+        specdec.load("smollm2-135m", method=method, draft_model="smollm2-135m")
+
+
+@pytest.mark.integration
+def test_staged_refuses_a_draft_with_another_tokenizer_at_load():
+    with pytest.raises(SpecdecError, match="method 'staged' needs a draft with the target's tokenizer; "
+                                           "'gemma3-270m' has another"):
+        specdec.load("smollm2-135m", method="staged", draft_model="gemma3-270m", dtype="float32")
 
 
 @pytest.mark.parametrize("argv, msg", [
     (["generate", "--model", "nope", "--prompt", "hi"], "unknown model"),
     (["generate", "--prompt", "hi", "--method", "warp"], "unknown method"),
     (["generate"], "exactly one of --prompt"),
+    (["generate", "--prompt", "hi", "--method", "ngram", "--draft-model", "smollm2-135m"], "takes no draft_model"),
     (["generate", "--prompt-file", "/nonexistent/file.txt"], "prompt file not found"),
     (["generate", "--prompt", "hi", "--num-draft-tokens", "0", "--method", "ngram"], "num_draft_tokens"),
     (["generate", "--prompt", "hi", "--method", "ngram", "--tree", "4x16"], "applies to methods 'eagle' and 'eagle3' only"),

@@ -12,6 +12,7 @@ import torch
 
 from .draft_length import MAX_DRAFT_TOKENS, POLICIES, make_policy
 from .engine import Engine, Request, scratch_slots
+from . import names
 from .errors import SpecdecError
 from .models.base import CausalLM
 from .models.gguf_loader import load_gguf
@@ -35,13 +36,19 @@ SHIPPED = {("smollm2-135m", "draft"): "draft-smollm2-135m.safetensors",
            ("smollm2-135m", "exit"): "exit-smollm2-135m.safetensors",
            ("smollm2-135m", "medusa"): "medusa-smollm2-135m.safetensors"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-DTYPE_CHOICES = ("auto", *DTYPES, "q4")  # auto: the fastest mode this machine computes exactly (see choose_dtype);
+DTYPE_CHOICES = names.DTYPES             # auto: the fastest mode this machine computes exactly (see choose_dtype);
                                           # q4: the GGUF's 4-bit blocks through torch's int4 kernel
 # the draft `--method draft` (and the benchmark) uses when none is given: our distilled one, where shipped
 DEFAULT_DRAFT = {m: str(WEIGHTS_DIR / f) for (m, kind), f in SHIPPED.items()
                  if kind == "draft" and (WEIGHTS_DIR / f).is_file()}
 
 Prompt = str | list[int]
+
+
+def _one_prompt(prompt: object) -> bool:
+    """Whether `prompt` is one prompt: text, or a non-empty list of token ids (checked when encoded)."""
+    return isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and bool(prompt)
+                                       and isinstance(prompt[0], int))
 
 
 @dataclass
@@ -56,7 +63,7 @@ class Result:
 def parse_dtype(dtype: str) -> str:
     """A dtype name as given (auto, float32, bfloat16), or a clear error."""
     if dtype not in DTYPE_CHOICES:
-        raise SpecdecError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPE_CHOICES)}")
+        raise SpecdecError(names.unknown("dtype", dtype, DTYPE_CHOICES))
     return dtype
 
 
@@ -147,6 +154,22 @@ class Generator:
         self.method = proposer.name
 
     # ---- input handling -------------------------------------------------------------
+    @staticmethod
+    def _prompts(prompt: Prompt | Seq[Prompt]) -> tuple[list[Prompt], bool]:
+        """(the prompts, whether a single one was given): text or token ids is one prompt, a list of those a batch."""
+        if _one_prompt(prompt):
+            return [prompt], True
+        if not isinstance(prompt, (list, tuple)):
+            raise SpecdecError("prompt must be a string, a list of token ids, or a list of those; "
+                               f"got {type(prompt).__name__}")
+        if not prompt:
+            raise SpecdecError("empty prompt list")
+        for i, p in enumerate(prompt):
+            if not _one_prompt(p) and not (isinstance(p, (list, tuple)) and not p):
+                raise SpecdecError(f"prompt {i} of the list must be a string or a list of token ids; "
+                                   f"got {type(p).__name__}")
+        return list(prompt), False
+
     def _encode(self, prompt: Prompt, chat: bool) -> list[int]:
         if isinstance(prompt, str):
             if not prompt.strip():
@@ -170,25 +193,40 @@ class Generator:
         return ids
 
     @staticmethod
-    def _predictions(prediction: str | Seq[str], n: int) -> list[str]:
-        """One prediction per prompt ("" = none)."""
-        if isinstance(prediction, str):
-            if prediction and n > 1:
-                raise SpecdecError("one prediction for a list of prompts: give a list with one per prompt")
+    def _predictions(prediction: str | Seq[str], n: int, single: bool) -> list[str]:
+        """One prediction per prompt ("" = none): a string for a single prompt; for a list of prompts a list of
+        strings, one per prompt (or "" for none)."""
+        if single or isinstance(prediction, str):
+            if not isinstance(prediction, str):
+                raise SpecdecError("prediction must be a string, the expected output (for a list of prompts: a list "
+                                   f"of strings, one per prompt), got {type(prediction).__name__}")
+            if prediction and not single:
+                raise SpecdecError("one prediction for a list of prompts: give a list of strings, one per prompt")
             return [prediction] * n
+        if not isinstance(prediction, (list, tuple)) or not all(isinstance(p, str) for p in prediction):
+            raise SpecdecError("prediction for a list of prompts must be a list of strings, one per prompt; "
+                               f"got {type(prediction).__name__}")
         if len(prediction) != n:
-            raise SpecdecError(f"{len(prediction)} predictions for {n} prompts; give one per prompt")
+            raise SpecdecError(f"{len(prediction)} predictions for {n} prompts; give one string per prompt")
         return list(prediction)
+
+    @staticmethod
+    def _stops(stop: str | Seq[str]) -> tuple[str, ...]:
+        """Stop strings: one string or a list of them; () for none (None is refused, not read as none)."""
+        if isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, (list, tuple)):
+            raise SpecdecError(f"stop must be a string or a list of strings (() for none), got {type(stop).__name__}")
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise SpecdecError("stop strings must be non-empty strings")
+        return tuple(stop)
 
     def _requests(self, prompts: list[Prompt], max_new_tokens: int, params: list[SamplingParams],
                   stop: Seq[str], chat: bool, truncate: bool, predictions: list[str]) -> list[Request]:
         """One request per prompt, prompt i sampled with params[i] (and predicted by predictions[i])."""
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
             raise SpecdecError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        if isinstance(stop, str):
-            stop = (stop,)
-        if any(not isinstance(s, str) or not s for s in stop):
-            raise SpecdecError("stop strings must be non-empty strings")
+        stop = self._stops(stop)
         limit = self.target.max_seq_len - max_new_tokens - 1
         if limit <= 0:
             raise SpecdecError(f"max_new_tokens={max_new_tokens} leaves no room in the context of {self.target.max_seq_len}")
@@ -201,7 +239,7 @@ class Generator:
                                        f"({self.target.max_seq_len}) allows with max_new_tokens={max_new_tokens}; "
                                        "shorten it or ask for truncation (truncate=True / --truncate)")
                 ids = ids[-limit:]
-            reqs.append(Request(ids, max_new_tokens, sampling, tuple(stop), prediction=self.prediction_ids(pred)))
+            reqs.append(Request(ids, max_new_tokens, sampling, stop, prediction=self.prediction_ids(pred)))
         return reqs
 
     def engine(self, rows: int, slots: int, prefix_cache: PrefixCache | None = None,
@@ -214,10 +252,11 @@ class Generator:
         eng.allocate(rows, min(slots, self.target.max_seq_len))
         return eng
 
-    def _run(self, prompts: list[Prompt], max_new_tokens: int, params: list[SamplingParams], stop: Seq[str],
-             chat: bool, truncate: bool, prediction: str | Seq[str]) -> Iterator[tuple[int, str, Engine, list]]:
+    def _run(self, prompts: list[Prompt], single: bool, max_new_tokens: int, params: list[SamplingParams],
+             stop: Seq[str], chat: bool, truncate: bool,
+             prediction: str | Seq[str]) -> Iterator[tuple[int, str, Engine, list]]:
         reqs = self._requests(prompts, max_new_tokens, params, stop, chat, truncate,
-                              self._predictions(prediction, len(prompts)))
+                              self._predictions(prediction, len(prompts), single))
         slots = max(len(r.prompt) for r in reqs) + max_new_tokens + scratch_slots(self.num_draft_tokens)
         eng = self.engine(len(reqs), slots)
         seqs = [eng.add(r) for r in reqs]
@@ -233,21 +272,20 @@ class Generator:
                  chat: bool = True, truncate: bool = False, prediction: str | Seq[str] = "") -> Result | list[Result]:
         """One prompt (text or token ids) -> Result; a list of prompts -> list of Results.
 
-        `prediction`: the output you expect (e.g. the text being edited; one per prompt for a list), drafted
-        from wherever it matches, for any method; the output is still exactly the target's.
+        `stop`: a string or a list of strings (() for none; None is refused).
+        `prediction`: the output you expect (e.g. the text being edited), a string; for a list of prompts a
+        list of strings, one per prompt. It is drafted from wherever it matches, for any method, `none`
+        included; the output is still exactly the target's.
 
         A single prompt is sampled with `seed`; prompt i of a list with derive_seed(seed, i), so
         equal prompts in one list get different samples. The sampled output of a prompt depends on
-        its seed only: not on the rest of the batch, nor, for point-mass methods (all but `draft`
-        sampling its drafts), on the draft length or policy: it equals method `none`'s."""
-        single = isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], int))
-        if isinstance(prompt, list) and not prompt:
-            raise SpecdecError("empty prompt list")
-        prompts = [prompt] if single else list(prompt)
+        its seed only: not on the rest of the batch, nor, for point-mass methods (all but `draft` and
+        `self`, which sample their drafts), on the draft length or policy: it equals method `none`'s."""
+        prompts, single = self._prompts(prompt)
         params = SamplingParams(temperature, top_k, top_p, seed)
         per_prompt = [params] if single else [replace(params, seed=derive_seed(seed, i)) for i in range(len(prompts))]
         seqs: list = []
-        for _, _, _, seqs in self._run(prompts, max_new_tokens, per_prompt, stop, chat, truncate, prediction):
+        for _, _, _, seqs in self._run(prompts, single, max_new_tokens, per_prompt, stop, chat, truncate, prediction):
             pass
         results = [self._result(s) for s in seqs]
         return results[0] if single else results
@@ -256,8 +294,12 @@ class Generator:
                top_k: int = 0, seed: int = 0, stop: Seq[str] = (), chat: bool = True,
                truncate: bool = False, prediction: str = "") -> Iterator[str]:
         """Yield text pieces as tokens are committed. `last_result` holds the Result afterwards."""
+        if not _one_prompt(prompt):
+            raise SpecdecError(f"stream takes one prompt (a string or a list of token ids), got "
+                               f"{type(prompt).__name__}; generate takes a list of prompts")
         params = SamplingParams(temperature, top_k, top_p, seed)
-        for _, piece, _, seqs in self._run([prompt], max_new_tokens, [params], stop, chat, truncate, prediction):
+        for _, piece, _, seqs in self._run([prompt], True, max_new_tokens, [params], stop, chat, truncate,
+                                           prediction):
             if piece:
                 yield piece
             self.last_result = self._result(seqs[0])
@@ -315,7 +357,11 @@ def _draft_proposer(x: ProposerInputs) -> Proposer:
 def _staged_proposer(x: ProposerInputs) -> Proposer:
     from .proposers.staged import StagedProposer
 
-    return StagedProposer(_draft_proposer(x))
+    draft = _draft_proposer(x)
+    if not isinstance(draft, DraftModelProposer):         # a draft with another tokenizer (cross-vocabulary)
+        raise SpecdecError(f"method 'staged' needs a draft with the target's tokenizer; {x.source!r} has another "
+                           "(method 'draft' takes it)")
+    return StagedProposer(draft)
 
 
 SELF_MIN_CONFIDENCE = 0.1   # the exit stops drafting below this top probability (as the EAGLE chain does)
@@ -473,23 +519,29 @@ def _params(m: CausalLM) -> int:
     return sum(p.numel() for p in m.parameters()) if isinstance(m, torch.nn.Module) else 0
 
 
-def load(model: str = DEFAULT_MODEL, method: str = "none", dtype: str = "auto", device: str = "cpu",
+def load(model: str | Path = DEFAULT_MODEL, method: str = "none", dtype: str = "auto", device: str = "cpu",
          draft_model: str | CausalLM | None = None, num_draft_tokens: int = 4,
          draft_policy: str = "fixed", tree: TreeShape | str = TreeShape()) -> Generator:
     """Load a target (registered name or .gguf path) with a speculative method.
 
     `dtype`: auto (the fastest mode this machine computes exactly: q4, else native bfloat16, else
     float32; see choose_dtype), float32, bfloat16 or q4.
-    `tree` shapes EAGLE's drafts: a TreeShape or "TOPKxBUDGET" (e.g. "4x16" for a dynamic tree); the
-    default (topk 1) is a chain, the fastest on our CPU measurements."""
+    `draft_model`: what the method drafts with (see DraftSource); methods none, ngram and suffix take none.
+    `tree` shapes the drafts of eagle and eagle3: a TreeShape or "TOPKxBUDGET" (e.g. "4x16" for a dynamic
+    tree); the default (topk 1) is a chain, the fastest on our CPU measurements."""
+    if not isinstance(model, (str, Path)):
+        raise SpecdecError(f"model must be a registered name or a .gguf path, got {type(model).__name__}")
     if method not in METHODS:
-        raise SpecdecError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
+        raise SpecdecError(names.unknown("method", method, METHODS))
     if draft_policy not in POLICIES:
-        raise SpecdecError(f"unknown draft policy {draft_policy!r}; choose one of: {', '.join(POLICIES)}")
+        raise SpecdecError(names.unknown("draft policy", draft_policy, POLICIES))
+    if draft_model is not None and method in names.DRAFTLESS:
+        raise SpecdecError(f"method {method!r} drafts from the context and takes no draft_model (--draft-model); "
+                           "use method 'draft' for a draft model")
     make_policy(draft_policy, num_draft_tokens)
     tree = TreeShape.parse(tree) if isinstance(tree, str) else tree
     if tree != TreeShape() and method not in ("eagle", "eagle3"):
         raise SpecdecError(f"a draft tree shape ({tree}) applies to methods 'eagle' and 'eagle3' only, not {method!r}")
-    target, tok, name = load_model(model, dtype, device)
+    target, tok, name = load_model(str(model), dtype, device)
     proposer = make_proposer(method, target, tok, draft_model, dtype, device, tree)
     return Generator(target, tok, proposer, draft_policy, num_draft_tokens, name)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from .cli import add_model_args
 from .errors import SpecdecError
+from .names import DRAFTLESS
 
 if TYPE_CHECKING:
     from .api import Generator
@@ -50,8 +51,8 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
 def drafts_for_server(a: argparse.Namespace, gen: Generator) -> dict[str, str | CausalLM]:
     """What --draft-model means for each method's engines.
 
-    With --method draft (or a method without one of its own: none, ngram) it is the draft model, loaded once
-    and shared by every draft engine; with another method (e.g. trained heads) it is that method's weights.
+    With --method draft (or a method without one of its own: none, ngram, suffix) it is the draft model, loaded
+    once and shared by every draft engine; with another method (e.g. trained heads) it is that method's weights.
     """
     from .api import make_proposer
 
@@ -59,7 +60,7 @@ def drafts_for_server(a: argparse.Namespace, gen: Generator) -> dict[str, str | 
         return {}
     if gen.method == "draft":
         return {"draft": gen.proposer.model}
-    if gen.method in ("none", "ngram"):
+    if gen.method in DRAFTLESS:
         return {"draft": make_proposer("draft", gen.target, gen.tokenizer, a.draft_model, a.dtype, a.device).model}
     return {gen.method: a.draft_model}
 
@@ -84,7 +85,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
                          max_tokens=a.max_tokens, max_body_bytes=a.max_body_bytes, api_key=key,
                          prefill_tokens=a.prefill_tokens, prefix_cache_mb=a.prefix_cache_mb, prefill_threads=a.prefill_threads or cores)
     torch.set_num_threads(a.threads or cores)
-    gen = specdec.load(a.model, method=a.method, dtype=a.dtype, device=a.device, draft_model=a.draft_model,
+    own_draft = a.draft_model if a.method not in DRAFTLESS else None   # else: requests' method 'draft' uses it
+    gen = specdec.load(a.model, method=a.method, dtype=a.dtype, device=a.device, draft_model=own_draft,
                        num_draft_tokens=a.num_draft_tokens, draft_policy=a.draft_policy, tree=a.tree)
     dtype = str(gen.target.dtype).removeprefix("torch.")      # what `auto` chose: proposers load in it too
     state = ServerState(gen, config, drafts_for_server(a, gen), dtype, TreeShape.parse(a.tree))

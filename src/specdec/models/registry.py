@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import SpecdecError
+from ..names import did_you_mean
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -84,4 +85,5 @@ def resolve(name_or_path: str) -> tuple[str, Path]:
         if not p.is_file():
             raise SpecdecError(f"GGUF file not found: {p}")
         return p.stem, p
-    raise SpecdecError(f"unknown model {name_or_path!r}; known models: {', '.join(MODELS)} (or a path to a .gguf file)")
+    raise SpecdecError(f"unknown model {name_or_path!r}; {did_you_mean(name_or_path, MODELS)}known models: "
+                       f"{', '.join(MODELS)} (or a path to a .gguf file)")

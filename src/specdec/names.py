@@ -1,0 +1,31 @@
+"""The names the command line and the API accept, importable without torch (so `specdec --help` is fast).
+
+The modules that act on them keep their own tables (api.PROPOSER_BUILDERS, draft_length.POLICY_BUILDERS,
+bench.peers.PEERS, export.FORMATS); tests/test_cli.py checks that these names equal them."""
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+METHODS: tuple[str, ...] = ("none", "ngram", "draft", "eagle", "eagle3", "medusa", "staged", "lookahead", "self",
+                            "suffix", "hybrid")
+# methods that draft from the context alone (and from a prediction, as every method does): no draft_model
+DRAFTLESS: tuple[str, ...] = ("none", "ngram", "suffix")
+POLICIES: tuple[str, ...] = ("fixed", "heuristic", "auto")
+DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "q4")
+MAX_DRAFT_TOKENS = 64
+PEERS: tuple[str, ...] = ("transformers", "llamacpp")
+EXPORT_FORMATS: tuple[str, ...] = ("vllm", "sglang")
+BENCH_FALLBACK_DRAFT = "self:10"
+
+
+def did_you_mean(word: str, options: Iterable[str]) -> str:
+    """"did you mean 'x'? " for the closest of `options` to a mistyped `word`, else ""."""
+    close = difflib.get_close_matches(str(word), list(options), n=1, cutoff=0.6)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
+def unknown(kind: str, word: object, options: Iterable[str]) -> str:
+    """One line for an unknown name: "unknown method 'eagel'; did you mean 'eagle'? choose one of: ..."."""
+    options = list(options)
+    return f"unknown {kind} {word!r}; {did_you_mean(str(word), options)}choose one of: {', '.join(options)}"
