@@ -360,6 +360,42 @@ BAD = [  # (what, path, body, status, param)
     ("prediction beyond the context", "/v1/completions",
      {"prompt": "hi", "prediction": {"type": "content", "content": "word " * 9000}}, 400, "prediction"),
     ("unknown route", "/v1/embeddings", {"input": "hi"}, 404, None),
+    # wrong types anywhere: a 400 naming the field, never a 500
+    ("prediction a number", "/v1/completions", {"prompt": "hi", "prediction": 5}, 400, "prediction"),
+    ("prediction without content", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                            "prediction": {"type": "content"}}, 400, "prediction"),
+    ("stop a number", "/v1/completions", {"prompt": "hi", "stop": 5}, 400, "stop"),
+    ("empty stop string", "/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
+    ("messages a string", "/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("message a number", "/v1/chat/completions", {"messages": [5]}, 400, "messages"),
+    ("content a number", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages"),
+    ("content missing", "/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
+    ("unsupported message field", "/v1/chat/completions", {"messages": [{"role": "user", "content": "a", "name": "x"}]},
+     400, "messages"),
+    ("speculative a string", "/v1/completions", {"prompt": "hi", "speculative": "ngram"}, 400, "speculative"),
+    ("K a string", "/v1/completions", {"prompt": "hi", "speculative": {"method": "ngram", "num_draft_tokens": "4"}},
+     400, "speculative"),
+    ("stream a string", "/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("include_usage a string", "/v1/completions", {"prompt": "hi", "stream": True,
+                                                   "stream_options": {"include_usage": "yes"}}, 400, "stream_options"),
+    ("stream_options without stream", "/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}},
+     400, "stream_options"),
+    ("seed a float", "/v1/completions", {"prompt": "hi", "seed": 1.5}, 400, "seed"),
+    ("seed beyond 64 bits", "/v1/completions", {"prompt": "hi", "seed": 1 << 64}, 400, "seed"),
+    ("negative top_k", "/v1/completions", {"prompt": "hi", "top_k": -1}, 400, "top_k"),
+    ("user a number", "/v1/completions", {"prompt": "hi", "user": 5}, 400, "user"),
+    ("temperature a string", "/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("max_tokens a boolean", "/v1/completions", {"prompt": "hi", "max_tokens": True}, 400, "max_tokens"),
+    ("n a string", "/v1/completions", {"prompt": "hi", "n": "2"}, 400, "n"),
+    ("token id a boolean", "/v1/completions", {"prompt": [1, True]}, 400, "prompt"),
+    ("prompt an object", "/v1/completions", {"prompt": {"a": 1}}, 400, "prompt"),
+    ("tools", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+     400, "tools"),
+    ("penalty", "/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("max_completion_tokens over the cap", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 99}, 400, "max_completion_tokens"),
+    ("two unsupported fields", "/v1/completions", {"prompt": "hi", "zz": 1, "frobnicate": 2}, 400, "frobnicate"),
+    ("unknown model and a bad field", "/v1/completions", {"model": "gpt-4", "prompt": 5}, 404, "model"),
 ]
 
 
@@ -369,6 +405,43 @@ def test_bad_input_gets_a_clear_error(server, what, path, body, status, param):
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["message"] and err["type"] == "invalid_request_error" and err["param"] == param
+    assert set(err) == {"message", "type", "param", "code"}
+    assert "\n" not in err["message"] and len(err["message"]) < 240, err["message"]
+
+
+def test_wrong_types_name_the_field_and_what_it_must_be(server):
+    """A few messages in full: the field's path, what it must be, what was sent."""
+    cases = [({"prompt": "hi", "prediction": 5}, "prediction must be an object, got 5"),
+             ({"prompt": "hi", "temperature": "hot"}, 'temperature must be a number, got "hot"'),
+             ({"prompt": "hi", "zz": 1, "frobnicate": 2}, "unsupported fields: frobnicate, zz"),
+             ({"prompt": "hi", "stop": 5}, "stop must be a non-empty string or a list of up to 4 non-empty strings, "
+                                           "got 5")]
+    for body, message in cases:
+        assert post(server.url, body).json()["error"]["message"] == message
+    chat = post(server.url, {"messages": [{"role": "user", "content": 5}]}, "/v1/chat/completions")
+    assert chat.json()["error"]["message"] == "messages[0].content must be a string or a list of text parts, got 5"
+
+
+def test_null_means_absent(gen, client):
+    """OpenAI allows null for optional fields: stop, prediction, seed... null is as if the field were not sent."""
+    want = offline(gen, PROMPT, 8, chat=False)
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                    extra_body={"stop": None, "prediction": None, "speculative": None, "top_k": None,
+                                                "logprobs": None, "n": None, "stream_options": None})
+    assert got.choices[0].text == want.text and got.speculative["method"] == "ngram"
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=8,
+                                          temperature=0, stop=None, extra_body={"prediction": None, "tools": None})
+    assert chat.choices[0].message.content == offline(gen, QUESTION, 8, chat=True).text
+
+
+def test_the_request_schema_is_published(server):
+    """/openapi.json (and /docs) describe the request bodies the server validates with."""
+    schema = requests.get(server.url + "/openapi.json", timeout=10).json()
+    body = schema["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body["$ref"].endswith("/CompletionRequest")
+    props = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert {"messages", "temperature", "stop", "prediction", "speculative", "max_completion_tokens"} <= set(props)
+    assert requests.get(server.url + "/docs", timeout=10).status_code == 200
 
 
 def test_bad_input_through_the_client_and_still_serving(client):

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP layer: request validation, responses, SSE streaming, auth, limits, metrics.
 
-Every request body is checked field by field: known fields are validated, the
-harmless ones the `openai` client may send are accepted only with their neutral
-values, and anything else is a 400 naming the field (never silently ignored).
+Request bodies are validated by FastAPI with the pydantic models of schema.py (types, ranges, unknown
+fields: a 400 naming the field, never silently ignored), then against this server (its model, limits,
+draft models, tokenizer) here. Every error answers with OpenAI's error JSON.
 """
 from __future__ import annotations
 
@@ -17,25 +17,27 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 import torch
-from fastapi import FastAPI, Request as HttpRequest
+from fastapi import Depends, FastAPI, Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..api import METHODS, DraftSource, Generator, runtime_info
+from ..api import DraftSource, Generator, runtime_info
 from ..draft_length import MAX_DRAFT_TOKENS
 from ..engine import Request
 from ..errors import SpecdecError
 from ..prefix_cache import PrefixCache
 from ..sampling import SamplingParams
 from ..tree import TreeShape
+from .schema import (ChatCompletionRequest, CommonRequest, CompletionRequest, Prediction, Speculative, TextPart,
+                     describe)
 from .scheduler import (Done, EnginePool, Event, Failed, Job, QueueFull, Scheduler, ServerMetrics, SpecChoice,
                         TextPiece)
 
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
-MAX_STOP = 4
 POLL_SECONDS = 0.5                      # how often a waiting non-streaming request checks for a disconnect
-ROLES = ("system", "user", "assistant", "developer")
 
 
 @dataclass(frozen=True)
@@ -116,62 +118,7 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> ApiE
     return ApiError(400, message, param, code)
 
 
-# ---- request parsing ---------------------------------------------------------------------
-def is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-class Fields:
-    """Takes known fields out of a request body; whatever is left at `finish` is unsupported."""
-
-    def __init__(self, body: dict) -> None:
-        self.rest = dict(body)
-
-    def pop(self, name: str) -> Any:
-        return self.rest.pop(name, None)
-
-    def number(self, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
-        v = self.pop(name)
-        if v is None:
-            return default
-        if not is_number(v) or v > hi or v < lo or (lo_open and v == lo):
-            low = f"({lo}" if lo_open else f"[{lo}"
-            raise bad(f"{name} must be a number in {low}, {hi}], got {v!r}", name)
-        return float(v)
-
-    def integer(self, name: str, default: int, lo: int, hi: int) -> int:
-        v = self.pop(name)
-        if v is None:
-            return default
-        if not is_int(v) or not lo <= v <= hi:
-            raise bad(f"{name} must be an integer in [{lo}, {hi}], got {v!r}", name)
-        return v
-
-    def boolean(self, name: str, default: bool) -> bool:
-        v = self.pop(name)
-        if v is None:
-            return default
-        if not isinstance(v, bool):
-            raise bad(f"{name} must be true or false, got {v!r}", name)
-        return v
-
-    def neutral(self, name: str, allowed: tuple) -> None:
-        """A field the openai client may send; only its neutral values are accepted."""
-        v = self.pop(name)
-        if v is not None and not any(type(v) is type(a) and v == a for a in allowed):
-            shown = " or ".join(json.dumps(a) for a in allowed)
-            raise bad(f"{name}={json.dumps(v)} is not supported (only {shown} or null)", name, "unsupported_parameter")
-
-    def finish(self) -> None:
-        if self.rest:
-            names = sorted(self.rest)
-            raise bad(f"unsupported field(s): {', '.join(names)}", names[0], "unsupported_parameter")
-
-
+# ---- request parsing: the server-dependent checks after schema validation ------------------------
 @dataclass(frozen=True)
 class Parsed:
     prompt: list[int]
@@ -184,82 +131,53 @@ class Parsed:
     prediction: tuple[int, ...]
 
 
-def parse_prediction(value: Any, state: ServerState) -> tuple[int, ...]:
-    """OpenAI's `prediction`: {"type": "content", "content": str | [text parts]} -> token ids (() if absent)."""
-    if value is None:
+def content_text(content: str | list[TextPart]) -> str:
+    return content if isinstance(content, str) else "".join(p.text for p in content)
+
+
+def prediction_ids(prediction: Prediction | None, state: ServerState) -> tuple[int, ...]:
+    """OpenAI's `prediction` as token ids (() if absent)."""
+    if prediction is None:
         return ()
-    if not isinstance(value, dict) or value.get("type") != "content" or set(value) - {"type", "content"}:
-        raise bad('prediction must be {"type": "content", "content": "..."}', "prediction")
-    content = value.get("content")
-    if isinstance(content, list):
-        content = message_text(content, 0) if content else ""
-    if not isinstance(content, str):
-        raise bad("prediction.content must be a string or a list of text parts", "prediction")
     try:
-        return state.generator.prediction_ids(content)
+        return state.generator.prediction_ids(content_text(prediction.content))
     except SpecdecError as e:
         raise bad(str(e), "prediction", "context_length_exceeded") from None
 
 
 def check_model(value: Any, state: ServerState) -> None:
-    if value is None:
-        return
-    if not isinstance(value, str):
-        raise bad(f"model must be a string, got {value!r}", "model")
-    if value != state.model_name:
+    """An unknown model is a 404 (checked before anything else about the request)."""
+    if isinstance(value, str) and value != state.model_name:
         raise ApiError(404, f"The model `{value}` does not exist (this server serves `{state.model_name}`)",
                        "model", "model_not_found")
 
 
-def parse_stop(value: Any) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOP:
-        raise bad(f"stop must be a non-empty string or a list of up to {MAX_STOP} non-empty strings", "stop")
-    return tuple(stops)
+def seed_of(value: int | None) -> int:
+    """A request's 64-bit seed folded into the samplers' range (absent: a random one)."""
+    return random.getrandbits(62) if value is None else value % (1 << 62)
 
 
-def parse_seed(value: Any) -> int:
-    if value is None:
-        return random.getrandbits(62)
-    if not is_int(value) or not -(1 << 63) <= value < (1 << 64):
-        raise bad(f"seed must be a 64-bit integer, got {value!r}", "seed")
-    return value % (1 << 62)
-
-
-def parse_stream_options(value: Any, stream: bool) -> bool:
-    """include_usage from stream_options (only valid with stream: true)."""
-    if value is None:
+def include_usage(req: CommonRequest) -> bool:
+    """stream_options.include_usage (stream_options only goes with stream: true)."""
+    if req.stream_options is None:
         return False
-    if not stream:
+    if not req.stream:
         raise bad("stream_options is only allowed with stream: true", "stream_options")
-    if not isinstance(value, dict) or set(value) - {"include_usage"}:
-        raise bad("stream_options supports only include_usage", "stream_options", "unsupported_parameter")
-    usage = value.get("include_usage", False)
-    if not isinstance(usage, bool):
-        raise bad("stream_options.include_usage must be true or false", "stream_options")
-    return usage
+    return bool(req.stream_options.include_usage)
 
 
-def parse_speculative(value: Any, state: ServerState) -> SpecChoice:
+def speculation(value: Speculative | None, state: ServerState) -> SpecChoice:
     """The extension field {"method": ..., "num_draft_tokens": K}; absent = the server's default."""
     if value is None:
         return state.default
-    if not isinstance(value, dict) or set(value) - {"method", "num_draft_tokens"}:
-        raise bad('speculative must be an object {"method": ..., "num_draft_tokens": K}', "speculative")
-    method = value.get("method", state.default.method)
-    if method not in METHODS:
-        raise bad(f"speculative.method must be one of {', '.join(METHODS)}, got {method!r}", "speculative")
+    method = value.method or state.default.method
     if method == "none":
         return SpecChoice("none", 0)
     if method == "draft" and "draft" not in state.drafts:
         raise bad("this server has no draft model (start it with --draft-model)", "speculative")
-    default_k = state.default.num_draft_tokens or state.generator.num_draft_tokens
-    k = value.get("num_draft_tokens", default_k)
-    if not is_int(k) or not 1 <= k <= state.max_draft_tokens:
-        raise bad(f"speculative.num_draft_tokens must be an integer in [1, {state.max_draft_tokens}], got {k!r}",
-                  "speculative")
+    k = value.num_draft_tokens or state.default.num_draft_tokens or state.generator.num_draft_tokens
+    if k > state.max_draft_tokens:
+        raise bad(f"speculative.num_draft_tokens must be <= {state.max_draft_tokens}, got {k}", "speculative")
     return SpecChoice(method, k)
 
 
@@ -274,118 +192,65 @@ def check_prompt_length(ids: list[int], max_tokens: int, state: ServerState, par
                   f"{context} tokens", param, "context_length_exceeded")
 
 
-def parse_common(f: Fields, state: ServerState, default_max_tokens: int, max_tokens_names: tuple[str, ...]) -> dict:
-    """The parameters both endpoints share (model first, so an unknown model is a 404)."""
-    check_model(f.pop("model"), state)
-    cap = state.config.max_tokens
-    max_tokens = None
+def parse_common(req: CommonRequest, state: ServerState, max_tokens_names: tuple[str, ...]) -> dict:
+    """The parameters both endpoints share (max_tokens 0: not given)."""
+    cap, max_tokens = state.config.max_tokens, 0
     for name in max_tokens_names:
-        v = f.pop(name)
-        if v is not None:
-            if not is_int(v) or not 1 <= v <= cap:
-                raise bad(f"{name} must be an integer in [1, {cap}], got {v!r}", name)
-            max_tokens = v
-    stream = f.boolean("stream", False)
-    temperature = f.number("temperature", 1.0, 0.0, 2.0)
-    top_p = f.number("top_p", 1.0, 0.0, 1.0, lo_open=True)
-    top_k = f.integer("top_k", 0, 0, 1 << 20)
-    n = f.integer("n", 1, 1, 1 << 30)
-    prediction = parse_prediction(f.pop("prediction"), state)
-    if n != 1:
+        value = getattr(req, name)
+        if value is not None:
+            if value > cap:
+                raise bad(f"{name} must be <= {cap} (this server's --max-tokens), got {value}", name)
+            max_tokens = value
+    prediction = prediction_ids(req.prediction, state)
+    if req.n not in (None, 1):
         raise bad("only n=1 is supported" + (" (and a prediction needs n=1)" if prediction else ""), "n",
                   "unsupported_parameter")
     try:
-        sampling = SamplingParams(temperature, top_k, top_p, parse_seed(f.pop("seed")))
+        sampling = SamplingParams(1.0 if req.temperature is None else req.temperature, req.top_k or 0,
+                                  1.0 if req.top_p is None else req.top_p, seed_of(req.seed))
     except SpecdecError as e:
         raise bad(str(e)) from None
-    if not isinstance(f.pop("user") or "", str):
-        raise bad("user must be a string", "user")
-    for name in ("presence_penalty", "frequency_penalty"):
-        f.neutral(name, (0, 0.0))
-    f.neutral("logit_bias", ({},))
-    return {"max_tokens": max_tokens or default_max_tokens, "sampling": sampling, "stream": stream,
-            "stop": parse_stop(f.pop("stop")), "spec": parse_speculative(f.pop("speculative"), state),
-            "include_usage": parse_stream_options(f.pop("stream_options"), stream), "prediction": prediction}
+    stop = () if req.stop is None else ((req.stop,) if isinstance(req.stop, str) else tuple(req.stop))
+    return {"max_tokens": max_tokens, "sampling": sampling, "stream": bool(req.stream), "stop": stop,
+            "spec": speculation(req.speculative, state), "include_usage": include_usage(req),
+            "prediction": prediction}
 
 
-def prompt_ids(value: Any, state: ServerState) -> list[int]:
+def prompt_ids(value: str | list[int] | list[str] | list[list[int]], state: ServerState) -> list[int]:
     """A completion prompt: a string or a list of token ids (or a list holding exactly one of those)."""
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
         value = value[0]
+    if isinstance(value, list) and len(value) > 1 and isinstance(value[0], (str, list)):
+        raise bad("only one prompt per request is supported", "prompt", "unsupported_parameter")
     if isinstance(value, str):
         ids = state.generator.tokenizer.encode(value, False) if value else []
-        if not ids:
-            raise bad("prompt must not be empty", "prompt")
-        return ids
+    else:
+        ids = list(value)
+    if not ids:
+        raise bad("prompt must not be empty", "prompt")
     vocab = state.generator.target.vocab_size
-    if isinstance(value, list) and value and all(is_int(t) for t in value):
-        if not all(0 <= t < vocab for t in value):
-            raise bad(f"prompt token ids must be in [0, {vocab})", "prompt")
-        return list(value)
-    if isinstance(value, list) and len(value) > 1:
-        raise bad("only one prompt per request is supported", "prompt", "unsupported_parameter")
-    raise bad("prompt must be a non-empty string or a non-empty list of token ids", "prompt")
+    if not isinstance(value, str) and not all(0 <= t < vocab for t in ids):
+        raise bad(f"prompt token ids must be in [0, {vocab})", "prompt")
+    return ids
 
 
-def message_text(content: Any, i: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) and set(p) == {"type", "text"}
-                                         for p in content):
-        return "".join(p["text"] for p in content)
-    raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
-
-
-def parse_messages(value: Any) -> list[dict]:
-    if not isinstance(value, list) or not value:
-        raise bad("messages must be a non-empty list", "messages")
-    out = []
-    for i, m in enumerate(value):
-        if not isinstance(m, dict):
-            raise bad(f"messages[{i}] must be an object", "messages")
-        extra = sorted(set(m) - {"role", "content"})
-        if extra:
-            raise bad(f"messages[{i}]: unsupported field(s): {', '.join(extra)}", "messages", "unsupported_parameter")
-        if m.get("role") not in ROLES:
-            raise bad(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m.get('role')!r}", "messages")
-        role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": message_text(m.get("content"), i)})
-    return out
-
-
-def parse_completion(body: dict, state: ServerState) -> Parsed:
-    f = Fields(body)
-    common = parse_common(f, state, min(16, state.config.max_tokens), ("max_tokens",))
-    f.neutral("logprobs", (0, False))
-    f.neutral("echo", (False,))
-    f.neutral("best_of", (1,))
-    f.neutral("suffix", ("",))
-    raw = f.pop("prompt")
-    f.finish()
-    if raw is None:
-        raise bad("prompt is required", "prompt")
-    ids = prompt_ids(raw, state)
+def parse_completion(req: CompletionRequest, state: ServerState) -> Parsed:
+    check_model(req.model, state)
+    common = parse_common(req, state, ("max_tokens",))
+    common["max_tokens"] = common["max_tokens"] or min(16, state.config.max_tokens)
+    ids = prompt_ids(req.prompt, state)
     check_prompt_length(ids, common["max_tokens"], state, "prompt")
     return Parsed(ids, **common)
 
 
-def parse_chat(body: dict, state: ServerState) -> Parsed:
-    f = Fields(body)
-    common = parse_common(f, state, 0, ("max_tokens", "max_completion_tokens"))
-    f.neutral("logprobs", (False,))
-    f.neutral("top_logprobs", (0,))
-    f.neutral("response_format", ({"type": "text"},))
-    f.neutral("tools", ([],))
-    f.neutral("tool_choice", ("none",))
-    f.neutral("store", (False,))
-    f.neutral("parallel_tool_calls", (True, False))
-    raw = f.pop("messages")
-    f.finish()
-    messages = parse_messages(raw)
+def parse_chat(req: ChatCompletionRequest, state: ServerState) -> Parsed:
+    check_model(req.model, state)
+    common = parse_common(req, state, ("max_tokens", "max_completion_tokens"))
     tok = state.generator.tokenizer
     if not tok.has_chat_template:
         raise bad(f"the model {state.model_name} has no chat template; use /v1/completions", "messages")
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": content_text(m.content)}
+                for m in req.messages]
     ids = tok.encode_chat(messages)
     if not common["max_tokens"]:            # default: as much as the limits allow
         room = state.generator.target.max_seq_len - len(ids) - 1
@@ -394,32 +259,60 @@ def parse_chat(body: dict, state: ServerState) -> Parsed:
     return Parsed(ids, **common)
 
 
-async def read_json(request: HttpRequest, limit: int) -> dict:
-    """The body as a JSON object, at most `limit` bytes (413 beyond, 400 when not a JSON object)."""
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise ApiError(413, f"request body of {length} bytes exceeds the limit of {limit} bytes")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise ApiError(413, f"request body exceeds the limit of {limit} bytes")
+def validation_error(e: RequestValidationError, state: ServerState) -> ApiError:
+    """A body that fails its schema: a 404 if it names another model, else a 400 naming the first bad field."""
     try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad(f"the request body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise bad("the request body must be a JSON object")
-    return data
+        if isinstance(e.body, dict):
+            check_model(e.body.get("model"), state)
+    except ApiError as unknown_model:
+        return unknown_model
+    errors = e.errors()
+    extra = sorted(str(err["loc"][1]) for err in errors if err["type"] == "extra_forbidden" and len(err["loc"]) == 2)
+    if len(extra) > 1:
+        return bad(f"unsupported fields: {', '.join(extra)}", extra[0], "unsupported_parameter")
+    message, param, code = describe(errors[0])
+    return bad(message, param, code)
 
 
-def check_auth(request: HttpRequest, key: str | None) -> None:
-    if key is None:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-        raise ApiError(401, "Incorrect or missing API key: send Authorization: Bearer <key>", None, "invalid_api_key")
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is a 413 (from Content-Length, or while it streams in)."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            too_long = f"request body of {int(length)} bytes exceeds the limit of {self.limit} bytes"
+        else:
+            too_long = f"request body exceeds the limit of {self.limit} bytes"
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit or (length.isdigit() and int(length) > self.limit):
+                    raise StarletteHTTPException(413, too_long)
+            return message
+
+        await self.app(scope, limited, send)
+
+
+def authorize(key: str | None) -> Callable[[HttpRequest], None]:
+    """A route dependency: with an API key, /v1/* needs Authorization: Bearer <key> (else 401)."""
+    def check(request: HttpRequest) -> None:
+        if key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise ApiError(401, "Incorrect or missing API key: send Authorization: Bearer <key>", None,
+                           "invalid_api_key")
+    return check
 
 
 # ---- responses -----------------------------------------------------------------------------
@@ -510,8 +403,9 @@ class Routes:
         headers = {"WWW-Authenticate": "Bearer"} if status == 401 else ({"Retry-After": "1"} if status == 429 else None)
         return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
-    def user_input(self, parse: Callable[[dict, ServerState], Parsed], body: dict) -> Parsed:
-        """Parse a body; the library's own input errors (e.g. from the tokenizer) become 400s."""
+    def user_input(self, parse: Callable[[Any, ServerState], Parsed], body: CommonRequest) -> Parsed:
+        """Check a validated body against this server; the library's own input errors (e.g. from the
+        tokenizer) become 400s."""
         try:
             return parse(body, self.state)
         except SpecdecError as e:
@@ -593,7 +487,9 @@ def create_app(state: ServerState) -> FastAPI:
         finally:
             state.scheduler.stop()
 
-    app = FastAPI(title="specdec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="specdec", summary="OpenAI-compatible completions with lossless speculative decoding",
+                  lifespan=lifespan, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
+    app.add_middleware(BodyLimit, limit=state.config.max_body_bytes)
     routes = Routes(state)
     add_error_handlers(app, routes)
     add_routes(app, routes)
@@ -606,6 +502,11 @@ def add_error_handlers(app: FastAPI, routes: Routes) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: HttpRequest, e: ApiError) -> JSONResponse:
         return routes.error_response(request, e.status, e.message, e.param, e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: HttpRequest, e: RequestValidationError) -> JSONResponse:
+        err = validation_error(e, routes.state)
+        return routes.error_response(request, err.status, err.message, err.param, err.code)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: HttpRequest, e: StarletteHTTPException) -> JSONResponse:
@@ -633,27 +534,23 @@ def add_routes(app: FastAPI, routes: Routes) -> None:
         routes.count(request, 200)
         return Response(generate_latest(routes.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    auth = [Depends(authorize(state.config.api_key))]
+
+    @app.get("/v1/models", dependencies=auth)
     async def models(request: HttpRequest) -> dict:
-        check_auth(request, state.config.api_key)
         routes.count(request, 200)
         return {"object": "list", "data": [routes.model_card()]}
 
-    @app.get("/v1/models/{model:path}")
+    @app.get("/v1/models/{model:path}", dependencies=auth)
     async def model(request: HttpRequest, model: str) -> dict:
-        check_auth(request, state.config.api_key)
         check_model(model, state)
         routes.count(request, 200)
         return routes.model_card()
 
-    @app.post("/v1/completions")
-    async def completions(request: HttpRequest) -> Response:
-        check_auth(request, state.config.api_key)
-        body = await read_json(request, state.config.max_body_bytes)
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(request: HttpRequest, body: CompletionRequest) -> Response:
         return await routes.run(request, routes.user_input(parse_completion, body), chat=False)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: HttpRequest) -> Response:
-        check_auth(request, state.config.api_key)
-        body = await read_json(request, state.config.max_body_bytes)
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(request: HttpRequest, body: ChatCompletionRequest) -> Response:
         return await routes.run(request, routes.user_input(parse_chat, body), chat=True)

@@ -1,0 +1,177 @@
+"""The request bodies of /v1/completions and /v1/chat/completions as pydantic models, and their
+validation errors as one-line messages.
+
+FastAPI validates every body with these models (strictly: no type coercion, unknown fields refused)
+and publishes them as the OpenAPI schema (/docs). Fields OpenAI defines that the server does not
+implement are accepted only with their neutral values (what the `openai` client may send); `null`
+means "absent" for every field. What depends on the server (its model, limits, drafts, tokenizer) is
+checked after validation, in app.py.
+"""
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Callable, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, GetPydanticSchema, ValidationInfo
+from pydantic_core import PydanticCustomError
+
+from ..api import METHODS
+
+MAX_STOP = 4
+ROLES = ("system", "user", "assistant", "developer")
+UNSUPPORTED = "unsupported_parameter"       # the error type (and OpenAI error code) of a neutral-only field
+
+
+def one_of(expected: str) -> GetPydanticSchema:
+    """A union's error: one line saying what is expected, instead of one error per member type."""
+    def schema(source: Any, handler: Callable[[Any], dict]) -> dict:
+        core = handler(source)
+        core["custom_error_type"] = "union_type"
+        core["custom_error_message"] = expected
+        return core
+    return GetPydanticSchema(schema)
+
+
+def neutral(*allowed: Any) -> AfterValidator:
+    """A field the server does not implement: only its neutral values (or null) are accepted."""
+    def check(value: Any, info: ValidationInfo) -> Any:
+        if not any(type(value) is type(a) and value == a for a in allowed):
+            shown = " or ".join(json.dumps(a) for a in allowed)
+            raise PydanticCustomError(UNSUPPORTED, "{field}={value} is not supported (only {allowed} or null)",
+                                      {"field": info.field_name, "value": json.dumps(value), "allowed": shown})
+        return value
+    return AfterValidator(check)
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TextPart(Body):
+    type: Literal["text"]
+    text: str
+
+
+Content = Annotated[str | list[TextPart], one_of("a string or a list of text parts")]
+NonEmpty = Annotated[str, Field(min_length=1)]
+Stop = Annotated[NonEmpty | Annotated[list[NonEmpty], Field(max_length=MAX_STOP)],
+                 one_of(f"a non-empty string or a list of up to {MAX_STOP} non-empty strings")]
+Prompt = Annotated[str | list[int] | list[str] | list[list[int]],
+                   one_of("a non-empty string or a non-empty list of token ids")]
+
+
+class Prediction(Body):
+    """OpenAI's predicted output: text the answer is expected to resemble (it drafts; the output stays exact)."""
+    type: Literal["content"]
+    content: Content
+
+
+class StreamOptions(Body):
+    include_usage: bool | None = None
+
+
+class Speculative(Body):
+    """The extension choosing this request's speculation (absent: the server's default)."""
+    method: Literal[METHODS] | None = None
+    num_draft_tokens: int | None = Field(None, ge=1, description="draft length K (at most the server's bound)")
+
+
+class Message(Body):
+    role: Literal[ROLES]
+    content: Content
+
+
+class CommonRequest(Body):
+    """The fields both endpoints share."""
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0, le=1 << 20, description="extension: sample from the k most likely (0: all)")
+    n: int | None = Field(None, ge=1)
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)
+    stop: Stop | None = None
+    user: str | None = None
+    presence_penalty: Annotated[float, neutral(0.0)] | None = None
+    frequency_penalty: Annotated[float, neutral(0.0)] | None = None
+    logit_bias: Annotated[dict[str, float], neutral({})] | None = None
+    prediction: Prediction | None = None
+    speculative: Speculative | None = None
+
+
+class CompletionRequest(CommonRequest):
+    """POST /v1/completions."""
+    prompt: Prompt
+    logprobs: Annotated[bool | int, neutral(0, False)] | None = None
+    echo: Annotated[bool, neutral(False)] | None = None
+    best_of: Annotated[int, neutral(1)] | None = None
+    suffix: Annotated[str, neutral("")] | None = None
+
+
+class ChatCompletionRequest(CommonRequest):
+    """POST /v1/chat/completions."""
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: Annotated[bool, neutral(False)] | None = None
+    top_logprobs: Annotated[int, neutral(0)] | None = None
+    response_format: Annotated[dict[str, Any], neutral({"type": "text"})] | None = None
+    tools: Annotated[list[Any], neutral([])] | None = None
+    tool_choice: Annotated[str | dict[str, Any], neutral("none")] | None = None
+    store: Annotated[bool, neutral(False)] | None = None
+    parallel_tool_calls: bool | None = None
+
+
+# ---- validation errors as one line ----------------------------------------------------------
+EXPECTED = {"float_type": "a number", "int_type": "an integer", "bool_type": "true or false",
+            "string_type": "a string", "list_type": "a list", "dict_type": "an object", "model_type": "an object",
+            "model_attributes_type": "an object", "string_too_short": "a non-empty string"}
+BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+BOUND_KEYS = {"greater_than": "gt", "greater_than_equal": "ge", "less_than": "lt", "less_than_equal": "le"}
+
+
+def shown(value: Any, limit: int = 60) -> str:
+    """A value as JSON, cut to `limit` characters (an error message stays one short line)."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def field_path(loc: tuple) -> str:
+    """("messages", 0, "role") -> "messages[0].role"."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def describe(error: dict) -> tuple[str, str | None, str | None]:
+    """One pydantic error of a request body (loc starting with "body") -> (message, param, code)."""
+    loc = tuple(error["loc"])[1:] if tuple(error["loc"])[:1] == ("body",) else tuple(error["loc"])
+    kind, value, ctx = error["type"], error.get("input"), error.get("ctx") or {}
+    if kind == "json_invalid":
+        return f"the request body is not valid JSON: {ctx.get('error', error['msg'])}", None, None
+    if not loc or not isinstance(loc[0], str):
+        return "the request body must be a JSON object (Content-Type: application/json)", None, None
+    path, param = field_path(loc), loc[0]
+    if kind == "extra_forbidden":
+        return (f"unsupported field: {path}" if len(loc) == 1 else f"{path} is not supported"), param, UNSUPPORTED
+    if kind == "missing":
+        return f"{path} is required", param, None
+    if kind == UNSUPPORTED:
+        return error["msg"], param, UNSUPPORTED
+    if kind == "union_type" or kind in EXPECTED:
+        expected = error["msg"] if kind == "union_type" else EXPECTED[kind]
+        return f"{path} must be {expected}, got {shown(value)}", param, None
+    if kind in BOUNDS:
+        return f"{path} must be {BOUNDS[kind]} {ctx[BOUND_KEYS[kind]]}, got {shown(value)}", param, None
+    if kind == "literal_error":
+        return f"{path} must be one of {ctx['expected']}, got {shown(value)}", param, None
+    if kind == "too_short":
+        return f"{path} must not be empty", param, None
+    if kind == "too_long":
+        return f"{path} has {ctx['actual_length']} items, more than {ctx['max_length']}", param, None
+    return f"{path}: {error['msg']}", param, None
