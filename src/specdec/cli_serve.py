@@ -88,13 +88,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
     own_draft = a.draft_model if a.method not in DRAFTLESS else None   # else: requests' method 'draft' uses it
     gen = specdec.load(a.model, method=a.method, dtype=a.dtype, device=a.device, draft_model=own_draft,
                        num_draft_tokens=a.num_draft_tokens, draft_policy=a.draft_policy, tree=a.tree)
-    dtype = str(gen.target.dtype).removeprefix("torch.")      # what `auto` chose: proposers load in it too
+    dtype = str(gen.target.dtype).removeprefix("torch.")      # the activations' dtype: proposers load in it too
     state = ServerState(gen, config, drafts_for_server(a, gen), dtype, TreeShape.parse(a.tree))
     if a.host not in LOOPBACK and key is None:
         print(f"specdec: warning: listening on {a.host} without an API key (--api-key or SPECDEC_API_KEY)",
               file=sys.stderr)
     print(f"specdec: {gen.target.self_check.summary()}", file=sys.stderr)
-    print(f"specdec: serving {gen.name} (method {gen.method}, {dtype}) on http://{a.host}:{a.port}/v1 "
+    compute = state.runtime["dtype"]                         # what /health reports (q4, bfloat16, float32)
+    print(f"specdec: serving {gen.name} (method {gen.method}, {compute}) on http://{a.host}:{a.port}/v1 "
           f"(max batch {a.max_batch}, auth {'on' if key else 'off'})", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(create_app(state), host=a.host, port=a.port, log_level=a.log_level,
                                           access_log=False))
