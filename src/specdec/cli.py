@@ -1,4 +1,7 @@
-"""The `specdec` command: generate, info, bench, serve, train, export."""
+"""The `specdec` command: generate, info, bench, serve, train, export.
+
+Building the parser imports nothing heavy (names.py holds the accepted names): torch and the models load
+inside the command that needs them, so `specdec --help` answers at once."""
 from __future__ import annotations
 
 import argparse
@@ -6,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+from . import names
 from .errors import SpecdecError
 
 DEFAULT_METHOD = "none"
@@ -13,18 +17,16 @@ DEFAULT_METHOD = "none"
 
 def add_model_args(p: argparse.ArgumentParser, default_method: str = DEFAULT_METHOD,
                    default_policy: str = "fixed") -> None:
-    from .api import METHODS
-    from .draft_length import POLICIES
     from .models.registry import DEFAULT_MODEL, MODELS
 
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"registered name ({', '.join(MODELS)}) or a .gguf path")
-    p.add_argument("--method", default=default_method, help=f"speculative method: {', '.join(METHODS)}")
+    p.add_argument("--method", default=default_method, help=f"speculative method: {', '.join(names.METHODS)}")
     p.add_argument("--draft-model", default=None,
                    help="draft for --method draft: registered name, .gguf path, a distilled draft (.safetensors from "
                         "`specdec train draft`) or self:N (the target's first N layers); default: the distilled draft "
                         "shipped for the target. For eagle/medusa: their weights file (default: the shipped ones)")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="drafts per step, K (start value for adaptive policies)")
-    p.add_argument("--draft-policy", default=default_policy, choices=POLICIES,
+    p.add_argument("--draft-policy", default=default_policy, choices=names.POLICIES,
                    help="draft length policy (auto: K from measured acceptance and costs, 0 when a big batch makes "
                         "drafting a loss)")
     p.add_argument("--tree", default="1", help="EAGLE's draft shape: TOPKxBUDGET for a dynamic tree (e.g. 4x16: "
@@ -34,9 +36,7 @@ def add_model_args(p: argparse.ArgumentParser, default_method: str = DEFAULT_MET
 
 
 def add_dtype_arg(p: argparse.ArgumentParser) -> None:
-    from .api import DTYPE_CHOICES
-
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+    p.add_argument("--dtype", default="auto", choices=names.DTYPES,
                    help="auto: the fastest mode this machine computes exactly: q4 (the GGUF's 4-bit blocks through "
                         "torch's int4 kernel) where it runs, else bfloat16 where the CPU has it natively, else "
                         "float32; `specdec info` shows the choice and the self-check of exactness")
@@ -117,11 +117,32 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+class VersionAction(argparse.Action):
+    """--version: print "specdec VERSION" and exit (the version looked up only then)."""
+
+    def __init__(self, option_strings: list[str], dest: str, default: str = argparse.SUPPRESS,
+                 help: str = "print the version and exit") -> None:
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        from . import version
+
+        print(f"specdec {version()}")
+        parser.exit()
+
+
+class SpecdecParser(argparse.ArgumentParser):
+    """The top-level parser; `commands` names its subcommands."""
+    commands: tuple[str, ...] = ()
+
+
+def build_parser() -> SpecdecParser:
     fmt = argparse.ArgumentDefaultsHelpFormatter
-    ap = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding for LLMs.",
+    ap = SpecdecParser(prog="specdec", description="Lossless speculative decoding for LLMs.",
                                  formatter_class=fmt)
-    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    ap.add_argument("--version", action=VersionAction)
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
 
     g = sub.add_parser("generate", help="generate text (streams it, then prints metrics)", formatter_class=fmt)
     add_model_args(g)
@@ -158,10 +179,19 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         mod.register(sub, fmt)
+    ap.commands = tuple(sub.choices)
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
+def check_command(ap: SpecdecParser, argv: list[str]) -> None:
+    """A mistyped command is an error naming the closest one (argparse would only list them)."""
+    first = next((x for x in argv if not x.startswith("-")), None)
+    if first is not None and first not in ap.commands:
+        raise SpecdecError(names.unknown("command", first, ap.commands))
+
+
+def run(argv: list[str]) -> int:
+    """Parse `argv` and run its command; a bare `specdec` prints the help on stderr (exit 2)."""
     import logging
 
     log = logging.getLogger("specdec")
@@ -171,9 +201,18 @@ def main(argv: list[str] | None = None) -> int:
         log.addHandler(handler)
         log.setLevel(logging.INFO)
     ap = build_parser()
+    check_command(ap, argv)
     a = ap.parse_args(argv)
+    if a.command is None:
+        ap.print_help(sys.stderr)
+        return 2
+    return a.func(a)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `specdec` entry point: bad input is one line and exit 2, Ctrl-C one line and exit 130."""
     try:
-        return a.func(a)
+        return run(sys.argv[1:] if argv is None else argv)
     except SpecdecError as e:
         print(f"specdec: error: {e}", file=sys.stderr)
         return 2

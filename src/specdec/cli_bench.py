@@ -6,14 +6,16 @@ import os
 import shlex
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .api import METHODS, load_model, runtime_info
-from .bench import report, runner
-from .bench.peers import PEERS, build_peers, parse_peers
 from .bench.suites import CATEGORIES, SUITES, Prompt, load_suite
-from .draft_length import POLICIES, make_policy
 from .errors import SpecdecError
 from .models.registry import DEFAULT_MODEL, MODELS, resolve
+from .names import BENCH_FALLBACK_DRAFT, METHODS, PEERS, POLICIES
+
+if TYPE_CHECKING:
+    from .models.base import CausalLM
+    from .models.tokenizer import Tokenizer
 
 DEFAULT_METHODS = "none,ngram,draft,eagle,medusa,hybrid"
 
@@ -40,7 +42,7 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--draft-model", default=None,
                    help="draft of the 'draft' method: name, .gguf path or self:N (default: the model's registered "
-                        f"draft, else {runner.FALLBACK_DRAFT})")
+                        f"draft, else {BENCH_FALLBACK_DRAFT})")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="drafts per step, K")
     p.add_argument("--draft-policy", default="fixed", choices=POLICIES, help="draft length policy")
     p.add_argument("--peers", default="auto", help=f"comma-separated peers to run side by side: {', '.join(PEERS)}; "
@@ -77,7 +79,16 @@ def limit_prompts(prompts: list[Prompt], limit: int | None) -> list[Prompt]:
     return out
 
 
+def load_model(model: str, dtype: str, device: str) -> tuple[CausalLM, Tokenizer, str]:
+    """api.load_model, imported (with torch) when the benchmark runs."""
+    from .api import load_model
+
+    return load_model(model, dtype, device)
+
+
 def _check_numbers(a: argparse.Namespace) -> None:
+    from .draft_length import make_policy
+
     if a.repeats < 1:
         raise SpecdecError(f"--repeats must be >= 1, got {a.repeats}")
     if a.limit is not None and a.limit < 1:
@@ -90,6 +101,8 @@ def _check_numbers(a: argparse.Namespace) -> None:
 def command_line(a: argparse.Namespace) -> str:
     """The command as typed when run as `specdec` (with any thread environment variables in front), else an
     equivalent one with every setting."""
+    from .bench import runner
+
     env = [f"{k}={os.environ[k]}" for k in runner.THREAD_ENV if k in os.environ]
     if sys.argv and Path(sys.argv[0]).name == "specdec" and len(sys.argv) > 1 and sys.argv[1] == "bench":
         return " ".join([*env, shlex.join(["specdec", *sys.argv[1:]])])
@@ -128,6 +141,10 @@ def default_peers() -> str:
 
 def cmd_bench(a: argparse.Namespace) -> int:
     """Validate, load the target once, run methods (and peers) interleaved, write the report."""
+    from .api import runtime_info
+    from .bench import report, runner
+    from .bench.peers import build_peers, parse_peers
+
     _check_numbers(a)
     categories = parse_categories(a.categories)
     runner.parse_methods(a.methods, a.draft_model)                  # fail fast, before any loading

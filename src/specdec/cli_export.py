@@ -6,6 +6,7 @@ from pathlib import Path
 
 from .errors import SpecdecError
 from .models.registry import DEFAULT_MODEL
+from .names import EXPORT_FORMATS
 
 
 def _target(model: str):
@@ -37,13 +38,11 @@ def cmd_export(a: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter]) -> None:
-    from .export import FORMATS
-
     p = sub.add_parser("export", help="write a head in the layout vLLM / SGLang load (config.json + "
                                       "model.safetensors)", formatter_class=fmt)
     p.add_argument("kind", choices=("eagle3", "medusa"), help="which head")
     p.add_argument("out_dir", help="output directory")
-    p.add_argument("--format", choices=FORMATS, default="vllm", help="target engine (medusa: vllm only)")
+    p.add_argument("--format", choices=EXPORT_FORMATS, default="vllm", help="target engine (medusa: vllm only)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="the target the head was trained for")
     p.add_argument("--weights", default=None, help="head weights (.safetensors; default: the one shipped)")
     p.add_argument("--overwrite", action="store_true", help="replace existing files in out_dir")
