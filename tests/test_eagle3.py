@@ -15,21 +15,20 @@ def _head(seed: int = 0, vocab: int = 97, ids: torch.Tensor = torch.arange(0, 80
     head = Eagle3Head(target, cfg, ids).init_from_target()
     for p in head.parameters():                       # larger weights: attention patterns that matter
         p.data.normal_(0, 0.2)
-    target.features(head.feature_layers)
     return target, head.eval()
 
 
-def _target_features(target, toks):
+def _target_features(target, toks, head):
     cache = target.new_cache(1, 64)
     T = toks.shape[1]
-    return target(toks, torch.arange(T)[None], cache, torch.tensor([0]))
+    return target(toks, torch.arange(T)[None], cache, torch.tensor([0]), features=head.feature_layers)
 
 
 @torch.no_grad()
 def test_training_time_test_matches_drafting_step_by_step():
     target, head = _head()
     toks = torch.tensor([[5, 17, 3, 44, 90, 12, 7, 61, 33, 2, 80, 15]])
-    feats = _target_features(target, toks)                                   # [1, T, 4H]
+    feats = _target_features(target, toks, head)                                   # [1, T, 4H]
     outs = ttt_unroll(head, toks, feats, steps=4)
     W = toks.shape[1] - 1
     for last in (0, 3, 6):                              # position with target features; drafting from it
@@ -55,7 +54,7 @@ def test_unrolled_steps_differ_from_teacher_forcing():
     only at step 0)."""
     target, head = _head(seed=1)
     toks = torch.tensor([[5, 17, 3, 44, 90, 12, 7, 61]])
-    outs = ttt_unroll(head, toks, _target_features(target, toks), steps=3)
+    outs = ttt_unroll(head, toks, _target_features(target, toks, head), steps=3)
     assert not torch.allclose(outs[0][0, 3:], outs[1][0, 3:], atol=1e-3)
 
 
@@ -103,7 +102,7 @@ def test_an_exported_head_imports_onto_the_target_and_drafts_the_same(tmp_path):
     back = import_eagle3(out, target)
     head.prepare(target.dtype)
     toks = torch.tensor([[5, 17, 3, 44, 90, 12]])
-    feats = _target_features(target, toks)
+    feats = _target_features(target, toks, head)
     a = head.logits(head(toks[:, 1:], head.input_features(feats[:, :-1]), torch.arange(5)[None],
                          head.new_cache(1, 8), torch.tensor([0])))
     b = back.logits(back(toks[:, 1:], back.input_features(feats[:, :-1]), torch.arange(5)[None],

@@ -9,7 +9,7 @@ from specdec.engine import Request
 from specdec.proposers.base import NoProposer
 from specdec.proposers.draft_model import DraftModelProposer
 from specdec.proposers.ngram import NgramProposer
-from specdec.proposers.prediction import PredictionIndex
+from specdec.predictions import PredictionIndex
 from specdec.reference import reference_greedy
 from specdec.sampling import SamplingParams
 from specdec.verify import Draft
@@ -90,6 +90,7 @@ def test_prediction_draft_length_adapts():
 class CountingProposer:
     """A method that speculates but drafts nothing, counting how often it is asked."""
     name = "counting"
+    feature_layers: tuple[int, ...] = ()
 
     def __init__(self) -> None:
         self.calls = 0

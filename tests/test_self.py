@@ -72,9 +72,7 @@ def test_the_draft_runs_the_targets_own_first_layers():
     d = _exit(target, 3).prepare(target.dtype)
     toks = torch.tensor([[3, 14, 15, 92, 65]])
     h = d(toks, torch.arange(5)[None], d.new_cache(1, 16), torch.tensor([0]))
-    target.features((2,))
-    wide = target(toks, torch.arange(5)[None], target.new_cache(1, 16), torch.tensor([0]))
-    target.features(())
+    wide = target(toks, torch.arange(5)[None], target.new_cache(1, 16), torch.tensor([0]), features=(2,))
     H = target.config.dim
     assert torch.equal(h, rms_norm(wide[..., H:], target.norm, target.config.norm_eps))
 
@@ -82,10 +80,9 @@ def test_the_draft_runs_the_targets_own_first_layers():
 def test_exit_training_lowers_its_loss_and_roundtrips(tmp_path):
     target = tiny_model(seed=5, layers=4)
     d = _exit(target, 2)
-    target.features((1,))
     toks = torch.randint(0, target.vocab_size, (4, 24))
-    feats = target(toks, torch.arange(24).expand(4, 24), target.new_cache(4, 32), torch.arange(4)).reshape(-1, 2 * target.config.dim)
-    target.features(())
+    feats = target(toks, torch.arange(24).expand(4, 24), target.new_cache(4, 32), torch.arange(4),
+                   features=(1,)).reshape(-1, 2 * target.config.dim)
     w_sub = d.lm_rows().float()
     opt = torch.optim.Adam([d.scale, d.proj], lr=1e-2)
     first = None
@@ -117,12 +114,11 @@ def test_self_sampling_matches_exact_distribution():
     assert check_joint(samples, exact_joint(target, prompt, params)) > 1e-3
 
 
-def test_reuse_on_a_target_that_also_returns_features():
-    """A target shared with an EAGLE-3 proposer returns features; reusing the first layers still works."""
+def test_reuse_with_a_proposer_that_reads_feature_layers():
+    """An engine whose forwards return feature layers (as one sharing the target with EAGLE-3 would ask):
+    reusing the first layers still gives plain decoding's tokens."""
     target = tiny_model(seed=7, layers=4)
-    target.features((0, 3))
-    gen = tiny_generator(target, SelfProposer(_exit(target, 2).prepare(target.dtype)), "fixed", 3)
-    try:
-        assert gen.generate(PROMPTS[1], max_new_tokens=20).tokens == reference_greedy(target, PROMPTS[1], 20)
-    finally:
-        target.features(())
+    prop = SelfProposer(_exit(target, 2).prepare(target.dtype))
+    prop.feature_layers = (0, 3)
+    gen = tiny_generator(target, prop, "fixed", 3)
+    assert gen.generate(PROMPTS[1], max_new_tokens=20).tokens == reference_greedy(target, PROMPTS[1], 20)

@@ -21,6 +21,7 @@ from helpers import N, PROMPTS, V, check_joint, close_draft, exact_joint, sample
 class ScriptedProposer:
     """Deterministic test proposer: the oracle continuation, a corrupted oracle, or random guesses."""
     name = "scripted"
+    feature_layers: tuple[int, ...] = ()
 
     def __init__(self, truth: dict[tuple, list[int]], mode: str, vocab: int) -> None:
         self.truth, self.mode, self.vocab = truth, mode, vocab

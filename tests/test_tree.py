@@ -58,6 +58,7 @@ def test_tree_verifier_distribution_is_exact():
 class TreeOracle:
     """A fixed-shape tree: one branch follows the oracle continuation (optionally corrupted), siblings are random."""
     name = "tree-oracle"
+    feature_layers: tuple[int, ...] = ()
 
     def __init__(self, truth, vocab, corrupt=0.0, seed=0):
         self.truth, self.vocab, self.corrupt = truth, vocab, corrupt
@@ -107,6 +108,7 @@ def test_tree_greedy_equals_plain(corrupt, batch):
 class RandomTree:
     """Deterministic random candidates in a fixed shape: lossless whatever they are."""
     name = "random-tree"
+    feature_layers: tuple[int, ...] = ()
 
     def __init__(self, vocab):
         self.vocab = vocab

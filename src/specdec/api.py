@@ -471,7 +471,8 @@ def eagle_proposer(target: CausalLM, head: DraftSource, tree: TreeShape) -> Eagl
 
 
 def eagle3_proposer(target: CausalLM, head: DraftSource, tree: TreeShape) -> EagleProposer:
-    """The EAGLE-3 proposer for a lean target (its forwards then also return the head's aux features)."""
+    """The EAGLE-3 proposer for a lean target (an engine with it asks the target's forwards for the head's
+    feature layers too)."""
     from .models.decoder import Transformer
     from .models.eagle3 import Eagle3Head
     from .proposers.eagle import EagleProposer
@@ -485,7 +486,6 @@ def eagle3_proposer(target: CausalLM, head: DraftSource, tree: TreeShape) -> Eag
         h = import_eagle3(path, target)
     else:
         h = Eagle3Head.load(path, target)
-    target.features(h.feature_layers)
     return EagleProposer(h, tree.topk, MAX_DRAFT_TOKENS, tree.budget, EAGLE_CHAIN_MIN_CONFIDENCE, name="eagle3")
 
 

@@ -29,23 +29,19 @@ from .errors import SpecdecError
 from .metrics import Counters
 from .models.base import CausalLM
 from .prefix_cache import PREFILL_PIECE, Piece, PrefixCache, piece_keys
-from .proposers.base import ActiveBatch, NoProposer, Proposer
-from .proposers.prediction import PredictionProposer
+from .predictions import PREDICTION_DRAFT_TOKENS, Predictions, with_predictions
+from .proposers.base import ActiveBatch, Proposer
 from .sampling import BatchSampling, SamplingParams, Stream, position_uniforms, sample, seed_tensor, to_probs
 from .text_output import TextOutput
+from .tree import MAX_TREE_BUDGET
 from .verify import Draft, Verdict, verify, verify_tree
 
 
-TREE_SCRATCH = 24          # cache slots for a token tree's nodes past a sequence's last token (default trees: 17)
-
-
-PREDICTION_DRAFT_TOKENS = 8   # drafts per step while a sequence follows its prediction (point masses, mostly accepted)
-
-
 def scratch_slots(num_draft_tokens: int) -> int:
-    """Cache slots a sequence needs past its last token for a step's drafts: twice the asked K (the
-    `heuristic` and `auto` policies draft more than it) and a token tree's nodes."""
-    return max(2 * num_draft_tokens, PREDICTION_DRAFT_TOKENS) + TREE_SCRATCH
+    """Cache slots a sequence needs past its last token for a step's drafts: the pending token and twice
+    the asked K (the `heuristic` and `auto` policies draft more than it), a prediction's drafts, or the
+    largest token tree. A step never drafts more than the room left (Engine._propose cuts it)."""
+    return 1 + max(2 * num_draft_tokens, PREDICTION_DRAFT_TOKENS, MAX_TREE_BUDGET)
 
 
 @dataclass
@@ -102,12 +98,12 @@ class Engine:
         this engine's own); prefill_budget: prompt tokens prefilled per step (at least one piece)."""
         if prefill_budget < 1:
             raise ValueError("prefill_budget must be >= 1 token")
-        self.target, self.policy = target, policy
-        self.proposer = PredictionProposer(proposer)                          # predictions draft for any method
+        self.target, self.proposer, self.policy = target, proposer, policy
+        self.features = proposer.feature_layers                               # what the target's forwards return
+        self.predictions = Predictions()                                       # requests' predicted outputs draft too
         self.decode, self.eos_ids = decode, eos_ids
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(0)
         self.prefill_budget = prefill_budget
-        self.speculative = not isinstance(proposer, NoProposer)
         self.active: list[SequenceState] = []
         self.pending: list[SequenceState] = []
         self.prompt_hidden: dict[int, list[Tensor]] = {}                     # row -> hidden [T, H] per piece
@@ -121,6 +117,7 @@ class Engine:
         self.rows, self.slots = rows, slots
         self.cache = self.target.new_cache(rows, slots)
         self.proposer.allocate(rows, slots)
+        self.predictions.reset()
         self.free = list(range(rows))                                          # a heap: lowest free row first
         self.active, self.pending = [], []
         self.prompt_hidden = {}
@@ -141,7 +138,7 @@ class Engine:
         rows = torch.tensor([row], device=self.target.device)
         self.cache.truncate(rows, torch.zeros_like(rows))
         self.prompt_hidden[row] = []
-        for piece in self.prefix_cache.lookup(request.prompt):                # exactly the bits a prefill makes
+        for piece in self.prefix_cache.lookup(request.prompt, self.features):  # exactly the bits a prefill makes
             self.cache.append(row, piece.k, piece.v)
             self.prompt_hidden[row].append(piece.hidden)
             seq.prefilled += PREFILL_PIECE
@@ -234,7 +231,7 @@ class Engine:
                 starts = torch.tensor([work[i][1] for i in idx], device=dev)
                 pos = starts[:, None] + torch.arange(inp.shape[1], device=dev)  # [G, T]
                 rows = torch.tensor([work[i][0].row for i in idx], device=dev)
-                hidden = self.target.prefill(inp, pos, self.cache, rows)       # [G, T, H]
+                hidden = self.target.prefill(inp, pos, self.cache, rows, self.features)   # [G, T, H']
                 self.cache.commit(rows, torch.arange(inp.shape[1], device=dev).expand_as(inp),
                                   torch.full_like(rows, inp.shape[1]))
                 for j, i in enumerate(idx):
@@ -243,7 +240,8 @@ class Engine:
                     self.prompt_hidden[s.row].append(hidden[j])
                     if b - a == PREFILL_PIECE and self.prefix_cache.enabled:
                         k, v = self.cache.span(s.row, a, b)
-                        self.prefix_cache.store(piece_keys(s.request.prompt[:b])[-1], Piece(k, v, hidden[j].clone()))
+                        self.prefix_cache.store(piece_keys(s.request.prompt[:b], self.features)[-1],
+                                                Piece(k, v, hidden[j].clone()))
             touched.update((s.row, s) for s, _, _ in work)
         dt = time.perf_counter() - t0
         for s in touched.values():
@@ -267,8 +265,8 @@ class Engine:
         first = sample(p[:, 0], u[:, 0])                                       # [B]
         for i, s in enumerate(seqs):
             s.tokens.append(int(first[i]))
-        self.proposer.start_predictions([s.row for s in seqs], [s.request.prediction for s in seqs],
-                                        [len(s.request.prompt) for s in seqs])
+        self.predictions.start([s.row for s in seqs], [s.request.prediction for s in seqs],
+                               [s.generated for s in seqs])
         self.proposer.start(batch.rows, [list(s.tokens) for s in seqs], hidden)
         dt = time.perf_counter() - t0
         for s in seqs:
@@ -288,6 +286,8 @@ class Engine:
         first_new = self._commit(seqs, batch, verdict)
         t2 = time.perf_counter()
         self.proposer.commit(batch, verdict, scored.hidden)
+        self.predictions.commit([s.row for s in seqs], [s.generated for s in seqs], verdict.num_new.tolist(),
+                                draft.offered().masked_fill(~draft.predicted, 0).tolist())
         t3 = time.perf_counter()
         self._record(seqs, draft, verdict, t1 - t0 + t3 - t2, t2 - t1)
         for s, first in zip(seqs, first_new):
@@ -296,18 +296,21 @@ class Engine:
                 assert int(self.cache.lengths[s.row]) == len(s.tokens) - 1, "target cache out of step with tokens"
 
     def _propose(self, seqs: list[SequenceState], batch: ActiveBatch) -> Draft:
-        """The batch drafts as many tokens as the policy asks (what fits every row's cache); each row keeps
-        one fewer than its remaining tokens (none if it does not speculate), the rest is cut per row."""
+        """The batch drafts as many tokens as the policy asks (rows with a prediction: from it); each row keeps
+        one fewer than its remaining tokens (none if it does not speculate), and no step drafts more nodes
+        than the cache has room for or than a forward scores exactly (MAX_TREE_BUDGET)."""
         B, dev = len(seqs), self.target.device
-        room = min(self.slots - len(s.tokens) - 1 for s in seqs)
+        room = min(self.slots - len(s.tokens) - 1 for s in seqs)                  # scratch past the pending token
         remaining = max(s.request.max_new_tokens - s.num_generated for s in seqs)
-        k = max(0, min(self.policy.choose(B, remaining), room)) if self.speculative else 0
-        k_prediction = min(PREDICTION_DRAFT_TOKENS, room) if any(s.request.prediction for s in seqs) else 0
-        if k == 0 and k_prediction == 0:
-            return Draft.empty(B, dev)
+        k = max(0, min(self.policy.choose(B, remaining), room))
+        conts = self.predictions.continuations([s.row for s in seqs], min(PREDICTION_DRAFT_TOKENS, room))
+        draft = self.proposer.propose(batch, k) if k and not all(conts) else Draft.empty(B, dev)
+        draft = with_predictions(draft, conts)
+        if draft.tokens.shape[1] == 0:
+            return draft
         keep = torch.tensor([s.request.max_new_tokens - s.num_generated - 1
                              if s.request.speculate or s.request.prediction else 0 for s in seqs], device=dev)  # [B]
-        return self.proposer.propose(batch, k, k_prediction).cut(keep).trimmed()
+        return draft.first_nodes(min(room, MAX_TREE_BUDGET)).cut(keep).trimmed()
 
     def _score(self, batch: ActiveBatch, draft: Draft, pending: Tensor) -> Scored:
         """One target forward over each row's pending token and its drafts: a chain causally, a tree under
@@ -322,9 +325,9 @@ class Engine:
             nodes, depth, mask = tree.tokens, tree.depth(), tree.mask()                  # [B, N], [B, N], [B, N, N]
         positions = self.cache.lengths[batch.rows][:, None] + depth                      # [B, N]
         if draft.reuse is not None:                       # the proposer ran the target's first layers already
-            hidden = self.target.forward_reusing(draft.reuse, positions, self.cache, batch.rows)
+            hidden = self.target.forward_reusing(draft.reuse, positions, self.cache, batch.rows, self.features)
         else:
-            hidden = self.target(nodes.clamp(min=0), positions, self.cache, batch.rows, mask)  # [B, N, H]
+            hidden = self.target(nodes.clamp(min=0), positions, self.cache, batch.rows, mask, self.features)  # [B, N, H']
         return Scored(hidden, to_probs(self.target.lm_head(hidden), batch.sampling), positions)
 
     def _verify(self, batch: ActiveBatch, draft: Draft, pending: Tensor, scored: Scored) -> Verdict:
@@ -356,7 +359,7 @@ class Engine:
                 target_s: float) -> None:
         """Each sequence's counters and the draft-length policy learn the step's outcome."""
         offered = draft.offered()                                                          # [B]
-        predicted = self.proposer.from_prediction.tolist() if draft.length else [False] * len(seqs)
+        predicted = (draft.predicted & (offered > 0)).tolist()
         for s, valid, n, pred in zip(seqs, offered.tolist(), verdict.num_new.tolist(), predicted):
             s.counters.record_step(valid, n - 1, n)
             if pred:

@@ -24,16 +24,17 @@ class Piece:
     """One full prefill piece of one prompt."""
     k: Tensor              # [L, n_kv, PREFILL_PIECE, hd]
     v: Tensor              # [L, n_kv, PREFILL_PIECE, hd]
-    hidden: Tensor         # [PREFILL_PIECE, H] the target's final hidden states
+    hidden: Tensor         # [PREFILL_PIECE, H'] the target's final hidden states (and feature layers' outputs)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.hidden))
 
 
-def piece_keys(tokens: list[int]) -> list[bytes]:
-    """The key of every full piece of `tokens`: a digest of all tokens up to the piece's end."""
-    h = hashlib.sha256()
+def piece_keys(tokens: list[int], features: tuple[int, ...] = ()) -> list[bytes]:
+    """The key of every full piece of `tokens`: a digest of all tokens up to the piece's end and of the feature
+    layers the forward returned (engines of one target that read other layers keep pieces of their own)."""
+    h = hashlib.sha256(array("q", [len(features), *features]).tobytes())
     keys = []
     for end in range(PREFILL_PIECE, len(tokens) + 1, PREFILL_PIECE):
         h.update(array("q", tokens[end - PREFILL_PIECE:end]).tobytes())
@@ -57,11 +58,11 @@ class PrefixCache:
     def enabled(self) -> bool:
         return self.capacity_bytes > 0
 
-    def lookup(self, tokens: list[int]) -> list[Piece]:
-        """The cached pieces that start `tokens`, in order (stops at the first miss)."""
+    def lookup(self, tokens: list[int], features: tuple[int, ...] = ()) -> list[Piece]:
+        """The cached pieces that start `tokens` (prefilled returning `features`), in order (stops at the first miss)."""
         self.queried_tokens += len(tokens)
         found = []
-        for key in piece_keys(tokens) if self.enabled else []:
+        for key in piece_keys(tokens, features) if self.enabled else []:
             piece = self.pieces.get(key)
             if piece is None:
                 break

@@ -78,6 +78,7 @@ class Draft:
     probs: Tensor | None = None        # [B, K, V] the proposer's q; None: point masses (deterministic proposer)
     parents: Tensor | None = None      # [B, K] long: ROOT or an earlier draft's index; not given: a chain
     reuse: Reuse | None = None         # a chain's first layers, computed by the proposer (self-speculation)
+    predicted: Tensor | None = None    # [B] bool: rows drafted from the request's predicted output; not given: none
     is_chain: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -85,6 +86,8 @@ class Draft:
         chain = chain_parents(B, K, self.tokens.device)
         if self.parents is None:
             object.__setattr__(self, "parents", chain)
+        if self.predicted is None:
+            object.__setattr__(self, "predicted", torch.zeros(B, dtype=torch.bool, device=self.tokens.device))
         object.__setattr__(self, "is_chain", torch.equal(self.parents, chain))
         if self.probs is not None and not self.is_chain:
             raise ValueError("sampled drafts (with the proposer's q) must be a chain")
@@ -125,7 +128,15 @@ class Draft:
         deeper = self.depth > keep[:, None]                     # [B, K]
         if not bool(deeper.any()):
             return self
-        return Draft(self.tokens.masked_fill(deeper, PAD), self.probs, self.parents, self.reuse)
+        return Draft(self.tokens.masked_fill(deeper, PAD), self.probs, self.parents, self.reuse, self.predicted)
+
+    def first_nodes(self, n: int) -> "Draft":
+        """At most the first n drafts per row (parents precede children, so a tree stays a tree): what a
+        step's forward has room and an exact kernel for."""
+        if self.tokens.shape[1] <= n:
+            return self
+        return Draft(self.tokens[:, :n], None if self.probs is None else self.probs[:, :n], self.parents[:, :n],
+                     None if self.reuse is None else self.reuse.first(n + 1), self.predicted)
 
     def trimmed(self) -> "Draft":
         """Without trailing columns that hold no draft in any row (nothing hangs from them)."""
@@ -133,8 +144,7 @@ class Draft:
         k = int(real.amax()) + 1 if real.numel() else 0
         if k == self.tokens.shape[1]:
             return self
-        return Draft(self.tokens[:, :k], None if self.probs is None else self.probs[:, :k], self.parents[:, :k],
-                     None if self.reuse is None else self.reuse.first(k + 1))
+        return self.first_nodes(k)
 
     def tree(self, pending: Tensor) -> TokenTree:
         """The token tree rooted at pending [B]: node 0 the pending token, node i + 1 draft i."""

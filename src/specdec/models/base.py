@@ -6,6 +6,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from ..verify import Reuse
+
 
 class Cache(Protocol):
     lengths: Tensor                                    # [R] committed slots per row
@@ -40,13 +42,21 @@ class CausalLM(Protocol):
     def new_cache(self, rows: int, slots: int) -> Cache: ...
 
     def forward(self, tokens: Tensor, positions: Tensor, cache: Cache, rows: Tensor,
-                tree_mask: Tensor | None = None) -> Tensor:
-        """tokens, positions [B, T]; rows [B]; tree_mask [B, T, T] or None (causal) -> hidden [B, T, H]."""
+                tree_mask: Tensor | None = None, features: tuple[int, ...] = ()) -> Tensor:
+        """tokens, positions [B, T]; rows [B]; tree_mask [B, T, T] or None (causal) -> hidden [B, T, H]
+        (with `features`: [B, T, H * (1 + len(features))], those layers' outputs after the final state)."""
         ...
 
-    def prefill(self, tokens: Tensor, positions: Tensor, cache: Cache, rows: Tensor) -> Tensor:
+    def prefill(self, tokens: Tensor, positions: Tensor, cache: Cache, rows: Tensor,
+                features: tuple[int, ...] = ()) -> Tensor:
         """Like a causal forward over whole prompts [G, P] -> hidden [G, P, H]. A prompt's bits must
         depend only on the prompt; they may differ from forward's in the last place (faster kernels)."""
+        ...
+
+    def forward_reusing(self, reuse: Reuse, positions: Tensor, cache: Cache, rows: Tensor,
+                        features: tuple[int, ...] = ()) -> Tensor:
+        """Like a causal forward over a chain whose first `reuse.layers` layers a self-speculative proposer
+        computed already (their keys, values and residual stream): bit for bit what forward gives."""
         ...
 
     def lm_head(self, hidden: Tensor) -> Tensor:

@@ -135,7 +135,6 @@ class Transformer(nn.Module):
         self.output = nn.Parameter(torch.empty(0))          # empty: tied to `embed`
         self.packed: dict[str, Kernel] = {}
         self.int4 = False                                   # decoding runs 4-bit kernels (see use_int4)
-        self.feature_layers: tuple[int, ...] = ()           # see `features`
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_base, cfg.max_seq_len)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -187,18 +186,15 @@ class Transformer(nn.Module):
         return x
 
     def lm_head(self, hidden: Tensor) -> Tensor:
-        """hidden [..., H] (or the wider output of `features`) -> float32 logits [..., V]."""
+        """hidden [..., H] (or a forward's wider output with `features`) -> float32 logits [..., V]."""
         w = self.output if self.output.numel() else self.embed
         return linear(hidden[..., :self.config.dim], w, self.packed, "lm_head").float()
 
-    def features(self, layers: tuple[int, ...]) -> "Transformer":
-        """From now on, forwards return [B, T, H * (1 + len(layers))]: the final-normed hidden state,
-        then the outputs of these layers (0-based, in this order), for drafters that read several
-        depths of the target (EAGLE-3). Consumers of the final state take [..., :H]."""
+    def check_features(self, layers: tuple[int, ...]) -> tuple[int, ...]:
+        """`layers` (0-based) if this model has them: a forward's `features` argument."""
         if any(not 0 <= i < self.config.n_layers for i in layers):
             raise ValueError(f"feature layers {layers} outside 0..{self.config.n_layers - 1}")
-        self.feature_layers = tuple(layers)
-        return self
+        return tuple(layers)
 
     def pack(self, float32_prefill: bool = True) -> "Transformer":
         """Prepack every linear weight for fast CPU inference (a no-op elsewhere). Re-pack after training.
@@ -226,23 +222,29 @@ class Transformer(nn.Module):
         return self
 
     def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache, rows: Tensor,
-                tree_mask: Tensor | None = None) -> Tensor:
-        """tokens, positions [B, T]; rows [B] cache rows; tree_mask [B, T, T] (None: causal chain).
+                tree_mask: Tensor | None = None, features: tuple[int, ...] = ()) -> Tensor:
+        """tokens, positions [B, T]; rows [B] cache rows; tree_mask [B, T, T] (None: causal chain)
+        -> [B, T, H * (1 + len(features))]: the final-normed hidden state, then the outputs of the layers
+        `features` names (0-based, in that order; drafters that read several depths, EAGLE-3). Consumers of
+        the final state take [..., :H]; `lm_head` does.
 
         Writes T scratch rows per sequence; the caller commits what it keeps.
         """
-        return self.forward_embeds(self.embed_tokens(tokens), positions, cache, rows, tree_mask)
+        return self.forward_embeds(self.embed_tokens(tokens), positions, cache, rows, tree_mask, features=features)
 
-    def prefill(self, tokens: Tensor, positions: Tensor, cache: KVCache, rows: Tensor) -> Tensor:
+    def prefill(self, tokens: Tensor, positions: Tensor, cache: KVCache, rows: Tensor,
+                features: tuple[int, ...] = ()) -> Tensor:
         """Like forward over prompt pieces [G, P] (causal, after what the rows hold). Each position's bits
         depend only on the tokens up to it: not on G, nor on how a prompt is cut into pieces of up to
         INVARIANT_MAX_T tokens; they may differ in the last place from forward's, as a narrow model's
         linears run on float32 copies here where that is faster (see float32_prefill_pays)."""
         B, T = positions.shape
         causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril().expand(B, T, T)
-        return self._forward(self.embed_tokens(tokens), positions, cache, rows, causal, tree=False, prefill=True)
+        return self._forward(self.embed_tokens(tokens), positions, cache, rows, causal, tree=False, prefill=True,
+                             features=features)
 
-    def forward_reusing(self, reuse: "Reuse", positions: Tensor, cache: KVCache, rows: Tensor) -> Tensor:
+    def forward_reusing(self, reuse: "Reuse", positions: Tensor, cache: KVCache, rows: Tensor,
+                        features: tuple[int, ...] = ()) -> Tensor:
         """Like forward over a causal chain whose first `reuse.layers` layers were computed already (by a
         self-speculative draft running this model's own layers): their keys and values go into the scratch
         slots, and layers N.. run from the given residual stream. Row-invariant kernels make the result the
@@ -253,10 +255,11 @@ class Transformer(nn.Module):
             cache.write(i, rows, reuse.k[i], reuse.v[i])
         causal = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril().expand(B, T, T)
         return self._forward(reuse.hidden, positions, cache, rows, causal, tree=False, prefill=False,
-                             first_layer=reuse.layers)
+                             features=features, first_layer=reuse.layers)
 
     def forward_embeds(self, x: Tensor, positions: Tensor, cache: KVCache, rows: Tensor,
-                       tree_mask: Tensor | None = None, exact_tree: bool = True) -> Tensor:
+                       tree_mask: Tensor | None = None, exact_tree: bool = True,
+                       features: tuple[int, ...] = ()) -> Tensor:
         """Like forward, from input vectors x [B, T, H] (EAGLE feeds fused token + feature vectors).
 
         exact_tree=False skips the per-node tails of a token tree (faster; for drafters, whose
@@ -264,15 +267,16 @@ class Transformer(nn.Module):
         B, T = positions.shape
         if tree_mask is None:
             return self._forward(x, positions, cache, rows, torch.ones(T, T, dtype=torch.bool, device=x.device)
-                                 .tril().expand(B, T, T), tree=False, prefill=False)
+                                 .tril().expand(B, T, T), tree=False, prefill=False, features=features)
         return self._forward(x, positions, cache, rows, tree_mask, tree=exact_tree and T <= INVARIANT_MAX_T,
-                             prefill=False)
+                             prefill=False, features=features)
 
     def _forward(self, x: Tensor, positions: Tensor, cache: KVCache, rows: Tensor, tree_mask: Tensor,
-                 *, tree: bool, prefill: bool, first_layer: int = 0) -> Tensor:
+                 *, tree: bool, prefill: bool, features: tuple[int, ...], first_layer: int = 0) -> Tensor:
         """tree: scratch slots are not positions (a token tree), so tails are gathered by position;
         prefill: a prompt piece (through the prefill kernels: float32 copies, or dense weights in q4)."""
         B, T = positions.shape
+        self.check_features(features)
         cache.check_room(rows, T)
         lengths = cache.lengths[rows]                                          # [B]
         kv_len = -(-(int(lengths.max()) + T) // KV_BLOCK) * KV_BLOCK          # whole key blocks
@@ -300,14 +304,13 @@ class Transformer(nn.Module):
                 x = layer(x, lcos, lsin, local, cache, rows, kv_len, contiguous, prefill)
             else:
                 x = layer(x, cos, sin, mask, cache, rows, kv_len, contiguous, prefill)
-            if i in self.feature_layers:
+            if i in features:
                 taken[i] = x
         out = rms_norm(x, self.norm, self.config.norm_eps)
-        if not self.feature_layers:
+        if not features:
             return out
-        # layers a caller ran itself (forward_reusing) have no output here: zeros (no proposer reads features of
-        # a forward that reused another proposer's layers: a target shared by several methods may have them on)
-        return torch.cat([out, *(taken[i] if i in taken else torch.zeros_like(out) for i in self.feature_layers)], -1)
+        # layers a caller ran itself (forward_reusing) have no output here: zeros
+        return torch.cat([out, *(taken[i] if i in taken else torch.zeros_like(out) for i in features)], -1)
 
     @staticmethod
     def _tree_tails(lengths: Tensor, positions: Tensor, tree_mask: Tensor, n_slots: int) -> tuple[Tensor, Tensor, Tensor]:

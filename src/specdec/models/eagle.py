@@ -28,6 +28,8 @@ def target_fingerprint(target: Transformer) -> str:
 
 
 class EagleHead(nn.Module):
+    feature_layers: tuple[int, ...] = ()                       # reads the target's final hidden state only
+
     def __init__(self, target: Transformer, vocab_ids: Tensor, n_layers: int = 1) -> None:
         super().__init__()
         cfg = replace(target.config, n_layers=n_layers, vocab_size=1, name="eagle-head")

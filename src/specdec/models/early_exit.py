@@ -31,7 +31,7 @@ class EarlyExitDraft(nn.Module):
         self.proj = nn.Parameter(torch.eye(H))
         self.register_buffer("vocab_ids", vocab_ids.long().clone())
         self.target = [target]                                   # frozen, never saved
-        self.body = [truncated(target, n_layers).features((n_layers - 1,))]   # shares the target's weights
+        self.body = [truncated(target, n_layers)]                # shares the target's weights
         self.last_stream = torch.empty(0)                        # [B, T, H] residual stream after layer N, last forward
         self.packed: dict[str, object] = {}
 
@@ -63,10 +63,10 @@ class EarlyExitDraft(nn.Module):
                 tree_mask: Tensor | None = None) -> Tensor:
         """tokens, positions [B, T] -> the target's final norm of layer N's output [B, T, H]; that output
         itself (the residual stream entering layer N) is kept in `last_stream`."""
-        return self._split(self.body[0](tokens, positions, cache, rows, tree_mask))
+        return self._split(self.body[0](tokens, positions, cache, rows, tree_mask, features=(self.n_layers - 1,)))
 
     def prefill(self, tokens: Tensor, positions: Tensor, cache: KVCache, rows: Tensor) -> Tensor:
-        return self._split(self.body[0].prefill(tokens, positions, cache, rows))
+        return self._split(self.body[0].prefill(tokens, positions, cache, rows, features=(self.n_layers - 1,)))
 
     def _split(self, out: Tensor) -> Tensor:
         H = self.target[0].config.dim

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from ..cache import KVCache
 from ..errors import SpecdecError
+from ..verify import Reuse
 
 _FULL = "full_attention"
 _SLIDING = "sliding_attention"
@@ -127,18 +128,26 @@ class HFCausalLM(nn.Module):
         return logits
 
     @torch.no_grad()
-    def prefill(self, tokens: Tensor, positions: Tensor, cache: HFCache, rows: Tensor) -> Tensor:
+    def prefill(self, tokens: Tensor, positions: Tensor, cache: HFCache, rows: Tensor,
+                features: tuple[int, ...] = ()) -> Tensor:
         """Prompts [G, P] -> hidden [G, P, H]: the causal forward."""
-        return self.forward(tokens, positions, cache, rows)
+        return self.forward(tokens, positions, cache, rows, features=features)
+
+    def forward_reusing(self, reuse: Reuse, positions: Tensor, cache: HFCache, rows: Tensor,
+                        features: tuple[int, ...] = ()) -> Tensor:
+        raise SpecdecError("a wrapped transformers model cannot reuse a self-speculative draft's layers "
+                           "(method 'self' needs a lean GGUF target)")
 
     def forward(self, tokens: Tensor, positions: Tensor, cache: HFCache, rows: Tensor,
-                tree_mask: Tensor | None = None) -> Tensor:
+                tree_mask: Tensor | None = None, features: tuple[int, ...] = ()) -> Tensor:
         """tokens, positions [B, T]; rows [B]; tree_mask [B, T, T] or None (causal) -> hidden [B, T, H].
 
         Writes T scratch rows per sequence after its committed length; the caller commits.
         """
         from transformers import DynamicCache
 
+        if features:
+            raise SpecdecError("a wrapped transformers model returns no feature layers (EAGLE-3 needs a lean GGUF target)")
         B, T = tokens.shape
         cache.check_room(rows, T)
         dev = tokens.device

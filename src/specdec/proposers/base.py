@@ -20,7 +20,10 @@ class ActiveBatch:
 
 
 class Proposer(Protocol):
+    """Everything the engine calls on a proposer; a proposer reads nothing else of the engine."""
     name: str
+    feature_layers: tuple[int, ...]   # target layers whose outputs it reads (the target's forwards then return
+                                      # [..., H * (1 + len)]: final state, then those layers; EAGLE-3); () for most
 
     def allocate(self, rows: int, slots: int) -> None:
         """Room for `rows` sequences of up to `slots` tokens."""
@@ -32,8 +35,10 @@ class Proposer(Protocol):
         ...
 
     def propose(self, batch: ActiveBatch, k: int) -> Draft:
-        """Up to k drafts per sequence along any path: a chain (tokens [B, k], PAD = none; q [B, k, V] or
-        None for point masses) or a tree of depth at most k (tokens and parents)."""
+        """Up to k >= 1 drafts per sequence along any path: a chain (tokens [B, k], PAD = none; q [B, k, V] or
+        None for point masses) or a tree of depth at most k (tokens and parents) of at most
+        tree.MAX_TREE_BUDGET nodes (the engine cuts what its cache has no room for). A chain may carry
+        `reuse`: the target's first layers computed for its rows (Transformer.forward_reusing)."""
         ...
 
     def commit(self, batch: ActiveBatch, verdict: Verdict, hidden: Tensor) -> None:
@@ -50,6 +55,7 @@ class Proposer(Protocol):
 class NoProposer:
     """Plain decoding: no drafts (K = 0), one token per target forward."""
     name = "none"
+    feature_layers: tuple[int, ...] = ()                 # the target layers it reads: none
 
     def allocate(self, rows: int, slots: int) -> None:
         pass

@@ -79,6 +79,7 @@ class VocabMap:
 
 class CrossVocabProposer:
     name = "draft"
+    feature_layers: tuple[int, ...] = ()                 # the target layers it reads: none
 
     def __init__(self, draft: CausalLM, draft_tok: Tokenizer, target_tok: Tokenizer, target_vocab: int,
                  context: int = DRAFT_CONTEXT) -> None:

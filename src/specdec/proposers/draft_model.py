@@ -27,6 +27,7 @@ def same_prefix(drafts: Tensor, committed: Tensor, n: int) -> Tensor:
 
 class DraftModelProposer:
     name = "draft"
+    feature_layers: tuple[int, ...] = ()                 # the target layers it reads: none
 
     def __init__(self, model: CausalLM, sample_drafts: bool = True, min_confidence: float = 0.0) -> None:
         self.model = model

@@ -37,6 +37,7 @@ class EagleProposer:
         target compute and head forwards for nothing. Each sequence's chain is cut by its own
         confidence; the batch drafts until every chain has stopped. Trees use `budget` instead."""
         self.head, self.topk, self.depth, self.budget, self.name = head, topk, depth, budget, name
+        self.feature_layers: tuple[int, ...] = head.feature_layers           # EAGLE-3: low/middle/high target layers
         self.log_min_confidence = math.log(min_confidence) if min_confidence > 0 else -math.inf
         self.pred: dict[int, Tensor] = {}
 

@@ -11,25 +11,35 @@ ready to draft from exact features.
 """
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
+from torch import Tensor
 
 from ..errors import SpecdecError
 from ..tree import PAD
 from ..verify import Draft, Verdict
-from .base import ActiveBatch
+from .base import ActiveBatch, Proposer
 from .eagle import EagleProposer
-from .ngram import NgramProposer
-from .suffix import SuffixProposer
+
+
+class Matcher(Proposer, Protocol):
+    """A proposer that also tells how long a suffix of each history it matched (prompt lookup, suffix decoding)."""
+
+    def match(self, batch: ActiveBatch, k: int) -> tuple[Tensor, Tensor]:
+        """([B] matched suffix lengths, [B, k] the drafts of that match, PAD-padded)."""
+        ...
 
 
 class HybridProposer:
     name = "hybrid"
 
-    def __init__(self, eagle: EagleProposer, ngram: NgramProposer | SuffixProposer, min_match: int = 2) -> None:
-        """ngram: prompt lookup, or suffix decoding in its place (anything with NgramProposer's `match`)."""
+    def __init__(self, eagle: EagleProposer, ngram: Matcher, min_match: int = 2) -> None:
+        """ngram: prompt lookup, or suffix decoding in its place."""
         if eagle.topk != 1:
             raise SpecdecError("the hybrid proposer drafts chains: its EAGLE proposer needs topk = 1")
         self.eagle, self.ngram, self.min_match = eagle, ngram, min_match
+        self.feature_layers = eagle.feature_layers
         self.steps_ngram = 0          # sequence-steps drafted by prompt lookup / by EAGLE (for reports)
         self.steps_eagle = 0
 

@@ -65,6 +65,7 @@ class RowState:
 
 class LookaheadProposer:
     name = "lookahead"
+    feature_layers: tuple[int, ...] = ()                 # the target layers it reads: none
 
     def __init__(self, shape: LookaheadShape = LookaheadShape()) -> None:
         self.shape = shape

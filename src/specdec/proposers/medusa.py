@@ -19,6 +19,7 @@ DEFAULT_TREE: tuple[tuple[int, ...], ...] = (
 
 class MedusaProposer:
     name = "medusa"
+    feature_layers: tuple[int, ...] = ()                 # the target layers it reads: none
 
     def __init__(self, heads: MedusaHeads, tree: tuple[tuple[int, ...], ...] = DEFAULT_TREE) -> None:
         self.heads = heads

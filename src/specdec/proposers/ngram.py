@@ -45,6 +45,7 @@ class NgramIndex:
 
 class NgramProposer:
     name = "ngram"
+    feature_layers: tuple[int, ...] = ()                 # the target layers it reads: none
 
     def __init__(self, n_min: int = 1, n_max: int = 4) -> None:
         if not (1 <= n_min <= n_max <= 64):

@@ -20,6 +20,7 @@ from .ngram import NgramIndex
 
 class StagedProposer:
     name = "staged"
+    feature_layers: tuple[int, ...] = ()                 # the target layers it reads: none
 
     def __init__(self, draft: DraftModelProposer, n_min: int = 1, n_max: int = 4) -> None:
         self.draft, self.n_min, self.n_max = draft, n_min, n_max

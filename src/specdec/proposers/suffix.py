@@ -62,6 +62,7 @@ class ContinuationIndex:
 
 class SuffixProposer:
     name = "suffix"
+    feature_layers: tuple[int, ...] = ()                 # the target layers it reads: none
 
     def __init__(self, max_match: int = 8, budget: int = 8, min_prob: float = 0.1, local_weight: float = 4.0,
                  max_contexts: int = 400_000, tree_cost: float = TREE_COST, match_factor: float = MATCH_FACTOR) -> None:
