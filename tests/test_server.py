@@ -279,6 +279,53 @@ def test_disconnect_mid_stream_frees_the_slot(single):
     assert metric(single.metrics(), "specdec:generation_tokens_total") < 200
 
 
+def test_a_full_engine_pool_answers_429_then_evicts_an_idle_engine(gen):
+    """--max-engines 2: the default engine and one more. While a suffix stream keeps the second engine busy,
+    a request naming yet another (method, K) gets a 429 naming the loaded engines and the flag; once the
+    stream ends, the same request is served and the idle suffix engine is dropped (least recently used)."""
+    srv = LiveServer(ServerState(gen, ServeConfig(max_batch=2, max_prompt_tokens=64, max_tokens=200, max_engines=2)))
+    try:
+        client = srv.client()
+        stream = client.completions.create(model=MODEL, prompt="Count from one to one hundred: one, two,",
+                                           max_tokens=200, temperature=0, stream=True,
+                                           extra_body={"speculative": {"method": "suffix"}})
+        assert next(iter(stream)).choices[0].text
+        other = {"speculative": {"method": "ngram", "num_draft_tokens": 2}}
+        with pytest.raises(openai.RateLimitError) as full:
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, extra_body=other)
+        message = full.value.body["message"]
+        assert full.value.status_code == 429 and "\n" not in message
+        assert "ngram with K=2" in message and "ngram K=4, suffix K=4" in message and "--max-engines" in message
+        assert full.value.response.headers["retry-after"] == "1"
+        got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
+                                        extra_body={"speculative": {"method": "none"}})   # the default engine serves
+        assert got.usage.completion_tokens == 4
+        stream.close()
+        deadline = time.monotonic() + 30
+        while any(e.busy for e in srv.state.pool.engines.values()):
+            assert time.monotonic() < deadline, "the cancelled stream still holds its engine"
+            time.sleep(0.1)
+        got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, extra_body=other)
+        assert got.choices[0].text == offline(gen, PROMPT, 8, chat=False).text
+        assert [(k.method, k.num_draft_tokens) for k in srv.state.pool.engines] == [("ngram", 4), ("ngram", 2)]
+    finally:
+        srv.stop()
+
+
+def test_one_engine_serves_only_the_default_method(gen):
+    srv = LiveServer(ServerState(gen, ServeConfig(max_batch=1, max_prompt_tokens=64, max_tokens=8, max_engines=1)))
+    try:
+        with pytest.raises(openai.RateLimitError) as e:
+            srv.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
+                                            extra_body={"speculative": {"method": "suffix"}})
+        assert "only its default method ngram (--max-engines 1)" in e.value.body["message"]
+        got = srv.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
+                                              extra_body={"speculative": {"method": "none"}})
+        assert got.usage.completion_tokens == 2 and len(srv.state.pool.engines) == 1
+    finally:
+        srv.stop()
+
+
 @pytest.fixture(scope="module")
 def secured(gen):
     srv = LiveServer(ServerState(gen, ServeConfig(max_batch=2, max_prompt_tokens=64, max_tokens=8, api_key=KEY)))

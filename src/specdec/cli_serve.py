@@ -6,7 +6,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from .cli import add_model_args
+from .cli import add_model_args, int_in
 from .errors import SpecdecError
 from .names import DRAFTLESS
 
@@ -24,27 +24,34 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
                        formatter_class=fmt)
     add_model_args(p, default_policy="auto")             # batches come and go: K follows the batch size
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told otherwise)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int_in(0, 65535), default=8000, help="TCP port to listen on")
     p.add_argument("--api-key", default=None,
                    help="require Authorization: Bearer KEY on /v1/* (default: $SPECDEC_API_KEY; unset = no auth)")
-    p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (batch slots)")
-    p.add_argument("--max-waiting", type=int, default=256, help="requests queued for a slot before answering 429")
-    p.add_argument("--max-prompt-tokens", type=int, default=1024)
-    p.add_argument("--max-tokens", type=int, default=512, help="largest max_tokens a request may ask for")
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 beyond)")
-    p.add_argument("--prefill-tokens", type=int, default=256,
+    p.add_argument("--max-batch", type=int_in(1), default=8, help="sequences decoded together (batch slots)")
+    p.add_argument("--max-waiting", type=int_in(0), default=256, help="requests queued for a slot before answering 429")
+    p.add_argument("--max-prompt-tokens", type=int_in(1), default=1024,
+                   help="longest prompt a request may send, in tokens (400 beyond)")
+    p.add_argument("--max-tokens", type=int_in(1), default=512, help="largest max_tokens a request may ask for")
+    p.add_argument("--max-body-bytes", type=int_in(1), default=1 << 20, help="largest request body (413 beyond)")
+    p.add_argument("--prefill-tokens", type=int_in(1), default=256,
                    help="prompt tokens prefilled per step; while sequences decode, prefill and decode steps alternate, "
                         "so this bounds the pause new prompts cause (~0.4 s for 256 on 2 cores)")
-    p.add_argument("--prefix-cache-mb", type=int, default=512,
+    p.add_argument("--prefix-cache-mb", type=int_in(0), default=512,
                    help="memory for the prefix cache: prompts that start like a recent one (the next turn of a chat, a "
                         "shared system prompt) reuse its keys and values in pieces of 128 tokens, bit for bit (0 = off)")
-    p.add_argument("--threads", type=int, default=0,
+    p.add_argument("--threads", type=int_in(0), default=0,
                    help="torch CPU threads for decode steps (0 = torch's default, all cores); the engines run in the "
                         "main thread, the HTTP side in a helper thread that needs little CPU; measured on 2 cores "
                         "(benchmarks/serve_load.py): 2 threads serve 1.2x (batched) to 1.27x (one at a time) the tokens/s of 1")
-    p.add_argument("--prefill-threads", type=int, default=0,
+    p.add_argument("--prefill-threads", type=int_in(0), default=0,
                    help="torch CPU threads while a step prefills new prompts (0 = torch's default, all cores)")
-    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--max-engines", type=int, default=4,
+                   help="engines kept at once, the default method's included: each other (method, K) a request names in "
+                        "`speculative` builds one (its own KV caches and draft weights: 0.6-0.75 GB each for smollm2-135m "
+                        "with the default limits, docs/server.md); past the bound the least recently used idle one is dropped, and a "
+                        "request that finds every engine busy gets a 429 (1 = only the default method)")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (its messages on stderr)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -73,17 +80,13 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from .server import ServeConfig, ServerState, create_app
     from .tree import TreeShape
 
-    if not 0 <= a.port <= 65535:
-        raise SpecdecError(f"--port must be in [0, 65535], got {a.port}")
-    for name in ("threads", "prefill_threads"):
-        if getattr(a, name) < 0:
-            raise SpecdecError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(a, name)}")
     check_address(a.host, a.port)                  # before the model loads: a taken port fails in a second
     cores = torch.get_num_threads()
     key = a.api_key if a.api_key is not None else os.environ.get("SPECDEC_API_KEY") or None
     config = ServeConfig(max_batch=a.max_batch, max_waiting=a.max_waiting, max_prompt_tokens=a.max_prompt_tokens,
                          max_tokens=a.max_tokens, max_body_bytes=a.max_body_bytes, api_key=key,
-                         prefill_tokens=a.prefill_tokens, prefix_cache_mb=a.prefix_cache_mb, prefill_threads=a.prefill_threads or cores)
+                         prefill_tokens=a.prefill_tokens, prefix_cache_mb=a.prefix_cache_mb,
+                         prefill_threads=a.prefill_threads or cores, max_engines=a.max_engines)
     torch.set_num_threads(a.threads or cores)
     own_draft = a.draft_model if a.method not in DRAFTLESS else None   # else: requests' method 'draft' uses it
     gen = specdec.load(a.model, method=a.method, dtype=a.dtype, device=a.device, draft_model=own_draft,

@@ -103,6 +103,10 @@ class QueueFull(Exception):
     """Every slot is busy and the waiting queue is at its bound."""
 
 
+class PoolFull(Exception):
+    """A request names a (method, K) with no engine, and no idle engine can make room for one."""
+
+
 @dataclass(eq=False)
 class Job:
     """One request in flight; only the worker thread mutates it after `submit`."""
@@ -229,8 +233,9 @@ class EnginePool:
             return self.default, False
         return spec, True
 
-    def get(self, key: SpecChoice) -> Engine | None:
-        """The engine for `key`, built if needed; None when the pool is full of busy engines."""
+    def get(self, key: SpecChoice) -> Engine:
+        """The engine for `key`, built if needed; a full pool first evicts its least recently used idle engine
+        (never the default one). Raises PoolFull when every other engine is busy."""
         if key in self.engines:
             eng = self.engines.pop(key)             # re-insert: most recently used last
             self.engines[key] = eng
@@ -238,10 +243,23 @@ class EnginePool:
         if len(self.engines) >= self.max_engines:
             idle = [k for k, e in self.engines.items() if k != self.default and not e.busy]
             if not idle:
-                return None
+                raise PoolFull(self.full_message(key))
             del self.engines[idle[0]]
+            trim_heap()
         self.engines[key] = self._build(key)
         return self.engines[key]
+
+    def full_message(self, key: SpecChoice) -> str:
+        """Why `key` gets no engine: which are loaded, and how to raise the bound."""
+        asked = f"speculative method {key.method} with K={key.num_draft_tokens}"
+        if self.max_engines == 1:
+            ask = "none" if self.default.method == "none" else f"{self.default.method} or none"
+            return (f"{asked} is not available: this server runs only its default method {self.default.method} "
+                    f"(--max-engines 1); ask for {ask}, or start the server with a larger --max-engines")
+        loaded = ", ".join(f"{k.method} K={k.num_draft_tokens}" for k in self.engines)
+        return (f"{asked} needs an engine of its own and all {len(self.engines)} loaded engines are busy "
+                f"({loaded}; --max-engines {self.max_engines}): retry later, ask for a loaded method, or start "
+                f"the server with a larger --max-engines")
 
     def key_of(self, eng: Engine) -> SpecChoice:
         """The (method, K) an engine of this pool serves."""
@@ -362,19 +380,18 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Move waiting jobs into engines while fewer than max_batch run (the engines prefill their
-        prompts in bounded steps between decode steps); jobs whose engine can't be built yet are skipped."""
-        skipped: list[Job] = []
+        prompts in bounded steps between decode steps); a job whose method gets no engine fails with a 429."""
         while self.waiting and len(self.running) < self.max_batch:
             job = self.waiting.popleft()
             key, speculate = self.pool.route(job.spec)
             try:
                 eng = self.pool.get(key)
-                if eng is None:
-                    skipped.append(job)
-                    continue
                 req = job.request
                 job.seq = eng.add(Request(req.prompt, req.max_new_tokens, req.sampling, req.stop, speculate,
                                           req.prediction))
+            except PoolFull as e:
+                self._fail(job, str(e), 429)
+                continue
             except SpecdecError as e:
                 self._fail(job, str(e), 400)
                 continue
@@ -386,7 +403,6 @@ class Scheduler:
             self.running[id(job.seq)] = job
             self.peak_running = max(self.peak_running, len(self.running))
             self.metrics.prompt_tokens.inc(len(req.prompt))
-        self.waiting.extendleft(reversed(skipped))
 
     def _step_all(self) -> None:
         for eng in self.pool.busy():
