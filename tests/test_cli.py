@@ -1,21 +1,23 @@
 """The command line's surface: fast help without torch, the version, a bare or mistyped command, Ctrl-C."""
 from __future__ import annotations
 
+import argparse
 import json
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import pytest
 
 import specdec
-from specdec.cli import main
+from specdec.cli import build_parser, main
 
 # runs `main(argv)` in a fresh interpreter; prints its exit code and whether torch got imported
 RUNNER = """
 import json, sys
-from specdec.cli import main
+from specdec.cli import build_parser, main
 try:
     code = main(json.loads(sys.argv[1]))
 except SystemExit as e:
@@ -109,3 +111,89 @@ def test_the_light_names_equal_the_tables_they_stand_for():
     assert names.PEERS == peers.PEERS and names.EXPORT_FORMATS == export.FORMATS
     assert names.BENCH_FALLBACK_DRAFT == runner.FALLBACK_DRAFT
     assert set(names.DRAFTLESS) < set(names.METHODS)
+
+
+def parsers(parser: argparse.ArgumentParser, name: str = "specdec") -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    """Every (command line, parser) below `parser`, itself included."""
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub, p in action.choices.items():
+                yield from parsers(p, f"{name} {sub}")
+
+
+def test_every_option_has_help_and_shows_its_default_once():
+    checked = 0
+    for name, parser in parsers(build_parser()):
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if action.default == argparse.SUPPRESS or isinstance(action, argparse._SubParsersAction):
+                continue                                            # --help, --version, the command itself
+            flag = f"{name} {'/'.join(action.option_strings) or action.dest}"
+            assert action.help, f"{flag} has no help text"
+            text = formatter._expand_help(action)
+            shown = 0 if action.required or not action.option_strings else 1
+            assert text.count("(default") == shown, f"{flag}: {text!r}"
+            assert "(default: None)" not in text and "(default: [])" not in text, f"{flag}: {text!r}"
+            checked += 1
+        usage = parser.format_help()
+        assert all("(default:" not in line.split("(default:", 1)[1] for line in usage.splitlines()
+                   if "(default:" in line), name
+    assert checked > 100
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "argument --max-new-tokens: must be an integer >= 1, got 0"),
+    (["generate", "--prompt", "hi", "--top-p", "1.5"], "argument --top-p: must be a finite number in (0, 1], got 1.5"),
+    (["generate", "--prompt", "hi", "--temperature", "-1"], "argument --temperature: must be a finite number >= 0"),
+    (["generate", "--prompt", "hi", "--top-k", "-2"], "argument --top-k: must be an integer >= 0, got -2"),
+    (["generate", "--prompt", "hi", "--num-draft-tokens", "0"], "argument --num-draft-tokens: must be an integer in [1, 64]"),
+    (["serve", "--port", "70000"], "argument --port: must be an integer in [0, 65535], got 70000"),
+    (["generate", "--prompt", "hi", "--method", "eagel"], "unknown method 'eagel'; did you mean 'eagle'?"),
+    (["generate", "--prompt", "hi", "--dtype", "flaot32"], "unknown dtype 'flaot32'; did you mean 'float32'?"),
+    (["generate", "--prompt", "hi", "--draft-policy", "atuo"], "unknown draft policy 'atuo'; did you mean 'auto'?"),
+    (["bench", "--draft-policy", "fixd"], "unknown draft policy 'fixd'; did you mean 'fixed'?"),
+    (["bench", "--methods", "none,eagel"], "unknown method 'eagel'; did you mean 'eagle'?"),
+    (["generate", "--prompt", "hi", "--model", "smolm2-135m"], "unknown model 'smolm2-135m'; did you mean 'smollm2-135m'?"),
+])
+def test_cli_errors_name_the_flag_and_the_closest_name(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specdec: error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_prompt_file_dash_reads_standard_input(monkeypatch):
+    import io
+
+    import specdec.cli as cli
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_load(*args, **kw):
+        raise Stop
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("a prompt from a pipe"))
+    monkeypatch.setattr(cli, "read_text", lambda path, what, read=cli.read_text: seen.setdefault(what, read(path, what)))
+    monkeypatch.setattr(specdec, "load", fake_load)
+    with pytest.raises(Stop):
+        main(["generate", "--prompt-file", "-"])
+    assert seen == {"prompt": "a prompt from a pipe"}
+    assert main(["generate", "--prompt-file", "-", "--prediction-file", "-"]) == 2
+
+
+def test_exported_files_get_the_umask_mode(tmp_path):
+    import os
+
+    import torch
+
+    from specdec.export import _write
+
+    umask = os.umask(0o022)
+    os.umask(umask)
+    out = _write(tmp_path / "head", {"architectures": ["X"]}, {"w": torch.zeros(2, 3)}, overwrite=False)
+    for name in ("model.safetensors", "config.json"):
+        assert (out / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]

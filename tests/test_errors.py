@@ -169,7 +169,7 @@ def test_staged_refuses_a_draft_with_another_tokenizer_at_load():
     (["generate"], "exactly one of --prompt"),
     (["generate", "--prompt", "hi", "--method", "ngram", "--draft-model", "smollm2-135m"], "takes no draft_model"),
     (["generate", "--prompt-file", "/nonexistent/file.txt"], "prompt file not found"),
-    (["generate", "--prompt", "hi", "--num-draft-tokens", "0", "--method", "ngram"], "num_draft_tokens"),
+    (["generate", "--prompt", "hi", "--num-draft-tokens", "0", "--method", "ngram"], "--num-draft-tokens"),
     (["generate", "--prompt", "hi", "--method", "ngram", "--tree", "4x16"], "applies to methods 'eagle' and 'eagle3' only"),
     (["generate", "--prompt", "hi", "--method", "eagle", "--tree", "4by16"], "TOPKxBUDGET"),
     (["generate", "--prompt", "hi", "--method", "eagle", "--tree", "4x200"], "tree budget must be in"),

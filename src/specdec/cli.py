@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
+from typing import Callable
 
 from . import names
 from .errors import SpecdecError
@@ -15,28 +17,84 @@ from .errors import SpecdecError
 DEFAULT_METHOD = "none"
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default, once: "(default: X)" is added unless the text states the
+    default itself (options whose default is None or empty say in words what happens)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("(default" in text or action.required or not action.option_strings
+                or action.default is argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high] (argparse names the flag in its error)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"must be an integer {bounds}, got {value}")
+        return value
+    return parse
+
+
+def number_in(low: float, high: float = math.inf, low_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number in [low, high] ((low, high] with low_open)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value) or value < low or value > high or (low_open and value == low):
+            bounds = f"in {'(' if low_open else '['}{low:g}, {high:g}]" if high != math.inf else f">= {low:g}"
+            raise argparse.ArgumentTypeError(f"must be a finite number {bounds}, got {text}")
+        return value
+    return parse
+
+
+def one_of(kind: str, options: tuple[str, ...]) -> Callable[[str], str]:
+    """An argparse type: one of `options`, else an error naming the closest."""
+    def parse(text: str) -> str:
+        if text not in options:
+            raise argparse.ArgumentTypeError(names.unknown(kind, text, options))
+        return text
+    return parse
+
+
 def add_model_args(p: argparse.ArgumentParser, default_method: str = DEFAULT_METHOD,
                    default_policy: str = "fixed") -> None:
     from .models.registry import DEFAULT_MODEL, MODELS
 
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"registered name ({', '.join(MODELS)}) or a .gguf path")
-    p.add_argument("--method", default=default_method, help=f"speculative method: {', '.join(names.METHODS)}")
+    p.add_argument("--method", default=default_method, type=one_of("method", names.METHODS), metavar="METHOD",
+                   help=f"speculative method: {', '.join(names.METHODS)}")
     p.add_argument("--draft-model", default=None,
-                   help="draft for --method draft: registered name, .gguf path, a distilled draft (.safetensors from "
-                        "`specdec train draft`) or self:N (the target's first N layers); default: the distilled draft "
-                        "shipped for the target. For eagle/medusa: their weights file (default: the shipped ones)")
-    p.add_argument("--num-draft-tokens", type=int, default=4, help="drafts per step, K (start value for adaptive policies)")
-    p.add_argument("--draft-policy", default=default_policy, choices=names.POLICIES,
+                   help="what the method drafts with: for draft and staged a registered name, a .gguf path, a "
+                        "distilled draft (.safetensors from `specdec train draft`) or self:N (the target's first N "
+                        "layers); for eagle, eagle3, hybrid, medusa and self a trained weights file (.safetensors); "
+                        "for lookahead its shape W,N,G; none, ngram and suffix take none (serve: then it is the draft "
+                        "of requests asking for method draft) (default: the draft, heads, exit shipped for the "
+                        "target; lookahead 2,3,2)")
+    p.add_argument("--num-draft-tokens", type=int_in(1, names.MAX_DRAFT_TOKENS), default=4,
+                   help="drafts per step, K (start value for adaptive policies)")
+    p.add_argument("--draft-policy", default=default_policy, type=one_of("draft policy", names.POLICIES),
+                   choices=names.POLICIES,
                    help="draft length policy (auto: K from measured acceptance and costs, 0 when a big batch makes "
                         "drafting a loss)")
-    p.add_argument("--tree", default="1", help="EAGLE's draft shape: TOPKxBUDGET for a dynamic tree (e.g. 4x16: "
-                                                "4 children per node, 16 best nodes kept), 1 for a chain of K")
+    p.add_argument("--tree", default="1", help="draft shape of eagle and eagle3: TOPKxBUDGET for a dynamic tree "
+                                                "(e.g. 4x16: 4 children per node, 16 best nodes kept), 1 for a chain "
+                                                "of K")
     add_dtype_arg(p)
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
 
 
 def add_dtype_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default="auto", choices=names.DTYPES,
+    p.add_argument("--dtype", default="auto", choices=names.DTYPES, type=one_of("dtype", names.DTYPES),
                    help="auto: the fastest mode this machine computes exactly: q4 (the GGUF's 4-bit blocks through "
                         "torch's int4 kernel) where it runs, else bfloat16 where the CPU has it natively, else "
                         "float32; `specdec info` shows the choice and the self-check of exactness")
@@ -71,24 +129,28 @@ def cmd_info(a: argparse.Namespace) -> int:
     return 0 if check.passed else 1
 
 
+def read_text(path: str, what: str) -> str:
+    """The text of file `path` ("-": standard input)."""
+    if path == "-":
+        return sys.stdin.read()
+    f = Path(path)
+    if not f.is_file():
+        raise SpecdecError(f"{what} file not found: {f}")
+    try:
+        return f.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise SpecdecError(f"{what} file is not UTF-8 text: {f}") from None
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
     import specdec
 
     if (a.prompt is None) == (a.prompt_file is None):
         raise SpecdecError("give exactly one of --prompt TEXT or --prompt-file FILE")
-    if a.prompt_file is not None:
-        f = Path(a.prompt_file)
-        if not f.is_file():
-            raise SpecdecError(f"prompt file not found: {f}")
-        prompt = f.read_text(encoding="utf-8")
-    else:
-        prompt = a.prompt
-    prediction = ""
-    if a.prediction_file is not None:
-        f = Path(a.prediction_file)
-        if not f.is_file():
-            raise SpecdecError(f"prediction file not found: {f}")
-        prediction = f.read_text(encoding="utf-8")
+    if a.prompt_file == "-" and a.prediction_file == "-":
+        raise SpecdecError("--prompt-file and --prediction-file cannot both read standard input")
+    prompt = read_text(a.prompt_file, "prompt") if a.prompt_file is not None else a.prompt
+    prediction = read_text(a.prediction_file, "prediction") if a.prediction_file is not None else ""
     gen = specdec.load(a.model, method=a.method, dtype=a.dtype, device=a.device, draft_model=a.draft_model,
                        num_draft_tokens=a.num_draft_tokens, draft_policy=a.draft_policy, tree=a.tree)
     chat = gen.tokenizer.has_chat_template if a.chat is None else a.chat
@@ -133,39 +195,47 @@ class VersionAction(argparse.Action):
 
 
 class SpecdecParser(argparse.ArgumentParser):
-    """The top-level parser; `commands` names its subcommands."""
+    """specdec's parsers: a usage error is a SpecdecError (one line, exit 2, see main); `commands` names the
+    top-level parser's subcommands."""
     commands: tuple[str, ...] = ()
+
+    def error(self, message: str) -> None:          # argparse: print the usage, exit 2
+        raise SpecdecError(f"{message} (see {self.prog} --help)")
 
 
 def build_parser() -> SpecdecParser:
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = HelpFormatter
     ap = SpecdecParser(prog="specdec", description="Lossless speculative decoding for LLMs.",
                                  formatter_class=fmt)
     ap.add_argument("--version", action=VersionAction)
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+    from .models.registry import DEFAULT_MODEL
 
     g = sub.add_parser("generate", help="generate text (streams it, then prints metrics)", formatter_class=fmt)
     add_model_args(g)
-    g.add_argument("--prompt", default=None, help="prompt text")
-    g.add_argument("--prompt-file", default=None, help="read the prompt from this file")
+    g.add_argument("--prompt", default=None, help="prompt text (this or --prompt-file) (default: none)")
+    g.add_argument("--prompt-file", default=None, help="read the prompt from this file, - for standard input "
+                                                       "(default: none)")
     g.add_argument("--prediction-file", default=None,
-                   help="the output you expect (e.g. the text being edited): drafted wherever it matches, for any "
-                        "method; the output stays exactly the model's")
+                   help="the output you expect (e.g. the text being edited; - for standard input): drafted wherever "
+                        "it matches, for any method, none included; the output stays exactly the model's "
+                        "(default: no prediction)")
     g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap the prompt in the model's chat template (default: on when the model has one)")
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--max-new-tokens", type=int_in(1), default=128, help="most tokens to generate")
+    g.add_argument("--temperature", type=number_in(0.0), default=0.0, help="sampling temperature, 0 = greedy")
+    g.add_argument("--top-p", type=number_in(0.0, 1.0, low_open=True), default=1.0,
+                   help="nucleus sampling: keep the most likely tokens up to this probability mass, 1 = off")
+    g.add_argument("--top-k", type=int_in(0), default=0, help="keep the K most likely tokens, 0 = off")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable) (default: none)")
     g.add_argument("--truncate", action="store_true", help="keep the end of a prompt that is too long for the context")
     g.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("info", help="this machine, the kernels and dtype chosen, and the self-check of exactness",
                        formatter_class=fmt)
-    i.add_argument("--model", default="smollm2-135m", help="registered name or .gguf path to check")
+    i.add_argument("--model", default=DEFAULT_MODEL, help="registered name or .gguf path to check")
     add_dtype_arg(i)
     i.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     i.add_argument("--json", action="store_true", help="print one JSON object")

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from .bench.suites import CATEGORIES, SUITES, Prompt, load_suite
 from .errors import SpecdecError
 from .models.registry import DEFAULT_MODEL, MODELS, resolve
-from .names import BENCH_FALLBACK_DRAFT, METHODS, PEERS, POLICIES
+from .names import BENCH_FALLBACK_DRAFT, MAX_DRAFT_TOKENS, METHODS, PEERS, POLICIES
 
 if TYPE_CHECKING:
     from .models.base import CausalLM
@@ -31,20 +31,22 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
                         "draft tree (e.g. eagle:4x16; plain eagle drafts a chain); 'none' is always run "
                         "(the baseline)")
     p.add_argument("--suite", default="mini", choices=SUITES, help="prompt suite")
-    p.add_argument("--categories", default=None, help=f"comma-separated subset of: {', '.join(CATEGORIES)}")
-    p.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
+    p.add_argument("--categories", default=None,
+                   help=f"comma-separated subset of: {', '.join(CATEGORIES)} (default: all)")
+    p.add_argument("--limit", type=int, default=None, help="at most N prompts per category (default: all)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs must equal none's)")
     p.add_argument("--repeats", type=int, default=1, help="timed repeats of every (prompt, method)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
-    from .cli import add_dtype_arg
+    from .cli import add_dtype_arg, int_in, one_of
 
     add_dtype_arg(p)
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--draft-model", default=None,
                    help="draft of the 'draft' method: name, .gguf path or self:N (default: the model's registered "
                         f"draft, else {BENCH_FALLBACK_DRAFT})")
-    p.add_argument("--num-draft-tokens", type=int, default=4, help="drafts per step, K")
-    p.add_argument("--draft-policy", default="fixed", choices=POLICIES, help="draft length policy")
+    p.add_argument("--num-draft-tokens", type=int_in(1, MAX_DRAFT_TOKENS), default=4, help="drafts per step, K")
+    p.add_argument("--draft-policy", default="fixed", type=one_of("draft policy", POLICIES), choices=POLICIES,
+                   help="draft length policy")
     p.add_argument("--peers", default="auto", help=f"comma-separated peers to run side by side: {', '.join(PEERS)}; "
                                                    "auto: llamacpp when llama-cpp-python is installed (none otherwise); "
                                                    "'' for none")

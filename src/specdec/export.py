@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -28,16 +29,23 @@ MEDUSA_ARCH = "MedusaModel"
 
 
 def _write(out: Path, config: dict, tensors: dict[str, Tensor], overwrite: bool) -> Path:
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     out.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", "model.safetensors"):
         if (out / name).exists() and not overwrite:
             raise SpecdecError(f"{out / name} exists; pass --overwrite to replace it")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    _write_whole(out / "model.safetensors", save({k: v.contiguous() for k, v in tensors.items()},
+                                                 metadata={"format": "pt"}))
+    _write_whole(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
     return out
+
+
+def _write_whole(path: Path, data: bytes) -> None:
+    """`data` to `path`, whole or not at all (a temporary file renamed), in the umask's usual mode (0644 typically)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
 
 
 def eagle3_config(head: Eagle3Head, fmt: str, dtype: str = "bfloat16") -> dict:

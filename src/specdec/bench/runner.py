@@ -41,6 +41,7 @@ from ..engine import Request, scratch_slots
 from ..errors import SpecdecError
 from ..machine import cpu_model
 from ..metrics import Counters
+from ..names import did_you_mean
 from ..models.base import CausalLM
 from ..sampling import SamplingParams
 from ..tree import TreeShape
@@ -101,7 +102,8 @@ def parse_methods(specs: str | Sequence[str], draft_model: str | None) -> list[M
         if policy and policy not in POLICIES:
             raise SpecdecError(f"unknown draft policy {policy!r} in {item!r}; choose from: {', '.join(POLICIES)}")
         if method not in METHODS:
-            raise SpecdecError(f"unknown method {method!r}; choose from: {', '.join(METHODS)}")
+            raise SpecdecError(f"unknown method {method!r}; {did_you_mean(method, METHODS)}choose from: "
+                               f"{', '.join(METHODS)}")
         if not draft:
             draft = draft_model if method == "draft" else None
         if any(s.label == item for s in out):
