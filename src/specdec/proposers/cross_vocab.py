@@ -53,6 +53,14 @@ def canonical(tok: Tokenizer, text: str, ids: list[int]) -> int:
     return enc[0] if len(enc) == 1 and enc[0] in ids else ids[0]
 
 
+def target_probs(q: Tensor, d2t: Tensor, allowed: Tensor, target_vocab: int) -> Tensor:
+    """The draft's q [B, V_draft] as a distribution over target ids [B, V_target]: a target token's
+    probability is the sum over every draft token mapped onto it (two draft tokens may spell the same
+    text, e.g. "a" and its byte-fallback twin, and map to one target id)."""
+    qt = torch.zeros(q.shape[0], target_vocab, dtype=q.dtype, device=q.device)
+    return qt.index_add_(1, d2t[allowed], q[:, allowed])
+
+
 class VocabMap:
     """Draft id -> target id for the tokens both vocabularies spell the same (-1 elsewhere)."""
 
@@ -172,9 +180,7 @@ class CrossVocabProposer:
             if sampled:
                 q = to_probs(logits[:, None], batch.sampling)[:, 0]            # [B, V_draft]; greedy rows one-hot
                 x = sample(q, u[:, i])
-                qt = torch.zeros(B, self.map.target_vocab, device=dev)
-                qt[:, self.d2t[self.allowed]] = q[:, self.allowed]            # the same q over target ids
-                qs.append(qt)
+                qs.append(target_probs(q, self.d2t, self.allowed, self.map.target_vocab))
             else:
                 x = logits.argmax(-1)
             tokens[:, i] = self.d2t[x]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..models.attention import INVARIANT_MAX_T
 from ..models.base import CausalLM
 from ..sampling import Stream, position_uniforms, sample, step_seeds, to_probs
 from ..tree import PAD
@@ -72,7 +73,7 @@ class DraftModelProposer:
         dev = self.model.device
         rows = batch.rows.to(dev)
         B = rows.numel()
-        logits = self._catch_up(rows, batch.tokens)                             # [B, V] for the first draft
+        logits = self.catch_up(rows, batch.tokens)                             # [B, V] for the first draft
         samples = (batch.sampling.temperature.to(dev) > 0) & self.sample_drafts  # [B] rows that sample drafts
         sampled = bool(samples.any())
         first = torch.tensor([len(t) for t in batch.tokens], device=dev)        # [B] the first draft's position
@@ -106,16 +107,30 @@ class DraftModelProposer:
             probs = torch.cat([probs, torch.zeros(B, k - probs.shape[1], probs.shape[2], device=dev)], 1)
         return Draft(tokens, probs)
 
-    def _catch_up(self, rows: Tensor, histories: list[list[int]]) -> Tensor:
-        """Feed every row the history tokens its cache lacks; the draft's logits [B, V] after the last."""
+    def catch_up(self, rows: Tensor, histories: list[list[int]]) -> Tensor:
+        """Feed every row the history tokens its cache lacks; the draft's logits [B, V] after the last.
+
+        In forwards of at most INVARIANT_MAX_T tokens: longer ones take other kernels (SDPA), whose bits
+        differ from what the target computed for the same tokens one step at a time, and a self-speculative
+        draft hands its keys and values to verification (a long followed prediction, or many steps
+        without drafts, leave that many tokens to catch up)."""
         dev = self.model.device
         new = [t[self.fed[r]:] for r, t in zip(rows.tolist(), histories)]
+        for r, t in zip(rows.tolist(), histories):
+            self.fed[r] = len(t)
+        while True:
+            long = [i for i, n in enumerate(new) if len(n) > INVARIANT_MAX_T]
+            if not long:
+                break
+            idx = torch.tensor(long, device=dev)
+            inp = torch.tensor([new[i][:INVARIANT_MAX_T] for i in long], device=dev)     # [b, T]
+            self._step(inp, rows[idx], torch.full((len(long),), INVARIANT_MAX_T, device=dev))
+            for i in long:
+                new[i] = new[i][INVARIANT_MAX_T:]
         take = torch.tensor([len(n) for n in new], device=dev)
         inp = torch.zeros(len(new), int(take.max()), dtype=torch.long, device=dev)
         for i, n in enumerate(new):
             inp[i, :len(n)] = torch.tensor(n)
-        for r, t in zip(rows.tolist(), histories):
-            self.fed[r] = len(t)
         return self._step(inp, rows, take)
 
     def forget(self) -> None:

@@ -13,7 +13,9 @@ level; each column then yields an N-gram (its levels plus that token) for the po
 token (at most G per key, least recently used out). The pool is seeded with the prompt's n-grams and
 grows with the output's. Every branch is verified by the tree walk, so greedy output is the target's
 and sampling stays exact (the drafts are point masses). The depth budget K bounds the window: W
-shrinks to K - N + 2 columns (none below that), so the draft-length policy can shrink or skip it.
+shrinks to K - N + 2 columns (none below that), so the draft-length policy can shrink or skip it. A tree
+holds at most MAX_TREE_BUDGET nodes (what one forward scores exactly): the window comes first, the
+verification branch takes what room is left.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import torch
 from torch import Tensor
 
 from ..errors import SpecdecError
-from ..tree import PAD
+from ..tree import MAX_TREE_BUDGET, PAD
 from ..verify import ROOT, Draft, Verdict
 from .base import ActiveBatch
 
@@ -98,7 +100,7 @@ class LookaheadProposer:
 
     def propose(self, batch: ActiveBatch, k: int) -> Draft:
         W, N = self.shape.window, self.shape.ngram
-        w = max(0, min(W, k - (N - 2)))                          # columns whose top level fits depth k
+        w = max(0, min(W, k - (N - 2), MAX_TREE_BUDGET // (N - 1)))   # columns whose top level fits depth k and the tree
         trees = []
         for r, hist in zip(batch.rows.tolist(), batch.tokens):
             st = self.rows[r]
@@ -108,21 +110,24 @@ class LookaheadProposer:
             pars: list[int] = []
 
             def add(path: list[int]) -> int:
+                """The path's last node (added where missing, while the tree has room: PAD-free prefixes)."""
                 parent = ROOT
                 for t in path:
                     key = (parent, t)
                     if key not in trie:
+                        if len(toks) == MAX_TREE_BUDGET:
+                            break
                         trie[key] = len(toks)
                         toks.append(t)
                         pars.append(parent)
                     parent = trie[key]
                 return parent
 
-            for rest in reversed(st.pool.get(hist[-1], OrderedDict())):  # the verification branch, newest first
-                add(list(rest)[:k])
-            base = st.levels[0][:w]
+            base = st.levels[0][:w]                              # the lookahead branch first: it always fits
             st.window_nodes = [[add(base[:i + 1] + [st.levels[j][i] for j in range(1, lvl + 1)]) for i in range(w)]
                                for lvl in range(N - 1)]
+            for rest in reversed(st.pool.get(hist[-1], OrderedDict())):  # the verification branch, newest first
+                add(list(rest)[:k])
             trees.append((toks, pars))
         n = max(1, max(len(t) for t, _ in trees))
         dev = batch.rows.device

@@ -48,6 +48,11 @@ class SelfProposer(DraftModelProposer):
         self.streams.append(s[torch.arange(s.shape[0], device=s.device), take - 1])
         return logits
 
+    def catch_up(self, rows: Tensor, histories: list[list[int]]) -> Tensor:
+        logits = super().catch_up(rows, histories)
+        self.streams = self.streams[-1:]                        # the pending token's (a long catch-up takes several steps)
+        return logits
+
     @torch.inference_mode()
     def propose(self, batch: ActiveBatch, k: int) -> Draft:
         self.streams = []

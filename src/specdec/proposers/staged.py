@@ -63,7 +63,7 @@ class StagedProposer:
         dev = d.model.device
         rows = batch.rows.to(dev)
         B = rows.numel()
-        nxt = d._catch_up(rows, batch.tokens).argmax(-1)                        # [B] each row's next draft
+        nxt = d.catch_up(rows, batch.tokens).argmax(-1)                        # [B] each row's next draft
         drafts: list[list[int]] = [[] for _ in range(B)]
         self.fed_drafts = torch.zeros(B, dtype=torch.long, device=dev)
         self.draft_forwards = 1
