@@ -29,6 +29,7 @@ from .base import ActiveBatch
 
 class EagleProposer:
     name = "eagle"
+    feature_layers: tuple[int, ...] = ()                 # the head's (EAGLE-3: low/middle/high target layers)
 
     def __init__(self, head: EagleHead | Eagle3Head, topk: int = 4, depth: int = 5, budget: int = 16,
                  min_confidence: float = 0.0, name: str = "eagle") -> None:
@@ -37,7 +38,7 @@ class EagleProposer:
         target compute and head forwards for nothing. Each sequence's chain is cut by its own
         confidence; the batch drafts until every chain has stopped. Trees use `budget` instead."""
         self.head, self.topk, self.depth, self.budget, self.name = head, topk, depth, budget, name
-        self.feature_layers: tuple[int, ...] = head.feature_layers           # EAGLE-3: low/middle/high target layers
+        self.feature_layers = head.feature_layers
         self.log_min_confidence = math.log(min_confidence) if min_confidence > 0 else -math.inf
         self.pred: dict[int, Tensor] = {}
 

@@ -33,6 +33,7 @@ class Matcher(Proposer, Protocol):
 
 class HybridProposer:
     name = "hybrid"
+    feature_layers: tuple[int, ...] = ()                 # its EAGLE head's
 
     def __init__(self, eagle: EagleProposer, ngram: Matcher, min_match: int = 2) -> None:
         """ngram: prompt lookup, or suffix decoding in its place."""
