@@ -85,6 +85,13 @@ class KVCache:
             raise ValueError(f"slots {start}..{end} are not committed in row {row}")
         return self.k[:, row, :, start:end].clone(), self.v[:, row, :, start:end].clone()
 
+    def gather(self, rows: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values of every layer at slots [B, T] of rows [B] -> ([L, B, n_kv, T, hd], same)."""
+        L, _, n_kv, _, hd = self.k.shape
+        B, T = slots.shape
+        idx = slots[None, :, None, :, None].expand(L, B, n_kv, T, hd)
+        return self.k[:, rows].gather(3, idx), self.v[:, rows].gather(3, idx)
+
     def append(self, row: int, k: Tensor, v: Tensor) -> None:
         """Commit k, v [L, n_kv, T, hd] after `row`'s committed slots (e.g. a cached prompt piece)."""
         at, T = int(self.lengths[row]), k.shape[2]

@@ -67,8 +67,5 @@ class SelfProposer(DraftModelProposer):
             hidden = torch.cat([hidden, hidden.new_zeros(B, K + 1 - hidden.shape[1], hidden.shape[2])], 1)
         start = self.cache.lengths[rows] - 1 - self.drafted                       # [B] the pending token's slot
         slots = (start[:, None] + torch.arange(K + 1, device=rows.device)).clamp(max=self.cache.slots - 1)
-        N = self.cache.k.shape[0]
-        idx = slots[None, :, None, :, None].expand(N, B, self.cache.k.shape[2], K + 1, self.cache.k.shape[4])
-        k = self.cache.k[:, rows].gather(3, idx)                # [N, B, n_kv, K+1, hd]
-        v = self.cache.v[:, rows].gather(3, idx)
-        return Draft(draft.tokens, draft.probs, reuse=Reuse(N, hidden, k, v))
+        k, v = self.cache.gather(rows, slots)                   # [N, B, n_kv, K+1, hd] each
+        return Draft(draft.tokens, draft.probs, reuse=Reuse(k.shape[0], hidden, k, v))
