@@ -197,3 +197,17 @@ def test_exported_files_get_the_umask_mode(tmp_path):
     for name in ("model.safetensors", "config.json"):
         assert (out / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_readme_lists_the_json_keys_there_are():
+    import re
+    from pathlib import Path
+
+    from specdec.metrics import Counters
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    listed = re.search(r'`--json` prints exactly one object: `\{(.*?)\}`', readme, re.S).group(1)
+    metrics = re.search(r'"metrics": \{(.*?)\}', listed, re.S).group(1)
+    assert set(re.findall(r'"(\w+)"', metrics)) == set(Counters().as_dict(True))
+    outer = re.sub(r'"metrics": \{.*?\}', '"metrics"', listed, flags=re.S)
+    assert set(re.findall(r'"(\w+)"', outer)) == {"text", "tokens", "metrics", "finish_reason", "prompt_tokens", "runtime"}

@@ -125,7 +125,7 @@ def test_completion_greedy_equals_offline(gen, client):
     assert got.usage.total_tokens == want.prompt_tokens + len(want.tokens)
     spec = got.speculative
     assert spec["method"] == "ngram" and spec["num_draft_tokens"] == 4 and spec["tau"] >= 1.0
-    assert spec["acceptance_rate"] is not None and isinstance(spec["accepted_per_position"], list)
+    assert spec["acceptance_rate"] is not None and isinstance(spec["acceptance_per_position"], list)
 
 
 def test_completion_token_ids_prompt(gen, client):

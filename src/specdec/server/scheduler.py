@@ -190,7 +190,7 @@ def speculation_report(seq: SequenceState, spec: SpecChoice) -> dict:
     speculative = spec.method != "none"
     m = seq.counters.as_dict(speculative)
     return {"method": spec.method, "num_draft_tokens": spec.num_draft_tokens, "tau": m["tau"],
-            "acceptance_rate": m["acceptance_rate"], "accepted_per_position": m["acceptance_per_position"],
+            "acceptance_rate": m["acceptance_rate"], "acceptance_per_position": m["acceptance_per_position"],
             "draft_tokens": seq.counters.drafted, "accepted_tokens": seq.counters.accepted,
             "target_forwards": m["target_forwards"], "accepted_prediction_tokens": m["accepted_prediction_tokens"],
             "rejected_prediction_tokens": m["rejected_prediction_tokens"]}
