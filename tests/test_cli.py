@@ -211,3 +211,30 @@ def test_readme_lists_the_json_keys_there_are():
     assert set(re.findall(r'"(\w+)"', metrics)) == set(Counters().as_dict(True))
     outer = re.sub(r'"metrics": \{.*?\}', '"metrics"', listed, flags=re.S)
     assert set(re.findall(r'"(\w+)"', outer)) == {"text", "tokens", "metrics", "finish_reason", "prompt_tokens", "runtime"}
+
+
+def test_bench_writes_a_new_run_folder_by_default(monkeypatch, tmp_path, capsys):
+    """Without --out a run's report goes to runs/bench/SUITE-UTCTIME under the working directory, never over
+    the shipped docs/benchmarks reports; --out is taken as given."""
+    import re
+    from pathlib import Path
+
+    import specdec.api
+    import specdec.cli_bench as cli_bench
+    from specdec.bench import report, runner
+
+    written: list[Path] = []
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli_bench, "load_model", lambda model, dtype, device: (None, None, "tiny"))
+    monkeypatch.setattr(cli_bench, "load_suite", lambda suite, categories: [])
+    monkeypatch.setattr(specdec.api, "runtime_info", lambda target: {"dtype": "float32"})
+    monkeypatch.setattr(runner, "build_systems", lambda *a: [])
+    monkeypatch.setattr(runner, "machine_info", lambda dtype: {})
+    monkeypatch.setattr(runner, "benchmark", lambda *a: {"ok": True, "summary": {"equality": {}}})
+    monkeypatch.setattr(report, "write_report", lambda results, out: written.append(out) or [out / "results.json"])
+    monkeypatch.setattr(report, "summary_table", lambda results: "")
+    args = ["bench", "--methods", "none", "--peers", "", "--suite", "mini"]
+    assert main(args) == 0
+    assert main([*args, "--out", "mine"]) == 0
+    assert re.fullmatch(r"runs/bench/mini-\d{8}T\d{6}Z", written[0].as_posix()), written
+    assert written[1] == Path("mine")

@@ -50,7 +50,8 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     p.add_argument("--peers", default="auto", help=f"comma-separated peers to run side by side: {', '.join(PEERS)}; "
                                                    "auto: llamacpp when llama-cpp-python is installed (none otherwise); "
                                                    "'' for none")
-    p.add_argument("--out", default=None, help="output directory (default: docs/benchmarks/<suite>)")
+    p.add_argument("--out", default=None, help="output directory (default: a new one per run, "
+                                               "runs/bench/SUITE-UTCTIME)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
     p.set_defaults(func=cmd_bench)
 
@@ -141,6 +142,14 @@ def default_peers() -> str:
     return "llamacpp" if importlib.util.find_spec("llama_cpp") is not None else ""
 
 
+def default_out(suite: str) -> Path:
+    """A new folder for a run's report: runs/bench/SUITE-YYYYMMDDTHHMMSSZ (UTC), under the working directory."""
+    import datetime
+
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return Path("runs") / "bench" / f"{suite}-{stamp}"
+
+
 def cmd_bench(a: argparse.Namespace) -> int:
     """Validate, load the target once, run methods (and peers) interleaved, write the report."""
     from .api import runtime_info
@@ -172,7 +181,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
               "peer_notes": notes}
     results = runner.benchmark([*systems, *peers], prompts, tokenizer, config, runner.machine_info(runtime["dtype"]),
                                command_line(a), a.repeats, a.temperature, a.seed, a.progress)
-    out = Path(a.out) if a.out else Path("docs") / "benchmarks" / a.suite
+    out = Path(a.out) if a.out else default_out(a.suite)
     paths = report.write_report(results, out)
     print(report.summary_table(results))
     print(f"report: {', '.join(str(p) for p in paths)}", file=sys.stderr)
