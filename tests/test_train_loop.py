@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -70,3 +71,113 @@ def test_train_medusa_end_to_end(tmp_path):
 
     target, _, _ = load_model("smollm2-135m", "float32")
     assert MedusaHeads.load(out, target).n_heads == 2
+
+
+def test_auto_trains_in_bfloat16_only_where_it_is_faster():
+    from specdec.errors import SpecdecError
+    from specdec.train.precision import Timings, choose
+
+    zen3 = Timings(float32=0.154, bfloat16=1.894)              # emulated bfloat16 (AVX2 only)
+    zen4 = Timings(float32=0.41, bfloat16=0.18)                # native bfloat16 dot products
+    assert choose("auto", zen3) == torch.float32
+    assert choose("auto", zen4) == torch.bfloat16
+    assert choose("float32", zen4) == torch.float32 and choose("bfloat16", zen3) == torch.bfloat16
+    with pytest.raises(SpecdecError, match="--train-dtype"):
+        choose("float16", zen4)
+
+
+def test_the_dtype_timings_are_measured_once_per_machine(tmp_path, monkeypatch):
+    from specdec.train import precision
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(precision, "measure", lambda: calls.append(1) or precision.Timings(0.2, 0.1))
+    assert precision.train_dtype("auto") == torch.bfloat16
+    assert precision.train_dtype("auto") == torch.bfloat16
+    assert len(calls) == 1 and list((tmp_path / "train-dtype").glob("*.json"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_training_runs_in_the_chosen_dtype(tmp_path, dtype):
+    m, opt = _toy()
+    x, y = torch.randn(64, 4), torch.randn(64, 1)
+    seen, losses = [], []
+
+    def step_fn():
+        seen.append(torch.is_autocast_enabled("cpu"))
+        loss = torch.nn.functional.mse_loss(m(x).float(), y)
+        losses.append(float(loss.detach()))
+        return loss, {}
+
+    steps, _ = train_loop("toy", list(m.parameters()), opt, 1e-2, 0.01, Checkpoint(tmp_path / "t.safetensors", m, opt),
+                          step_fn, dtype=dtype)
+    assert steps > 10 and set(seen) == {dtype == torch.bfloat16}
+    assert losses[-1] < losses[0]
+
+
+def test_a_slow_report_does_not_overrun_the_budget(tmp_path):
+    """Reports count toward the budget and run only where their cost fits: the run ends within the budget
+    plus one step."""
+    m, opt = _toy()
+    step_s, report_s, budget_s = 0.2, 1.2, 3.0
+    reports = []
+
+    def step_fn():
+        time.sleep(step_s)
+        return m(torch.ones(1, 4)).sum(), {}
+
+    def report(step):
+        reports.append(step)
+        time.sleep(report_s)
+        return "slow"
+
+    t = time.time()
+    train_loop("toy", list(m.parameters()), opt, 1e-2, budget_s / 60, Checkpoint(tmp_path / "t.safetensors", m, opt),
+               step_fn, report, report_every_s=0.0)
+    assert time.time() - t < budget_s + step_s + 0.3
+    assert len(reports) >= 1                                   # it does report where there is time
+
+
+def test_setup_time_counts_toward_the_budget(tmp_path):
+    m, opt = _toy()
+    t = time.time()
+    train_loop("toy", list(m.parameters()), opt, 1e-2, 2.0 / 60, Checkpoint(tmp_path / "t.safetensors", m, opt),
+               lambda: (time.sleep(0.05) or m(torch.ones(1, 4)).sum(), {}), setup_s=1.5)
+    assert time.time() - t < 0.5 + 0.05 + 0.2                  # 1.5 s of the 2 s were spent before the loop
+
+
+def test_eagle3_run_on_a_tiny_target_keeps_a_short_budget(tmp_path):
+    """Feature extraction, steps, progress reports and the learning curve inside `--minutes`; tokens seen
+    survive a checkpoint."""
+    import random
+
+    from helpers import tiny_model
+    from specdec.train.eagle3 import Eagle3Options, fit_eagle3
+    from specdec.train.magpie import Row
+
+    target = tiny_model(layers=6)
+    g = random.Random(0)
+    rows = [Row([g.randrange(97) for _ in range(g.randrange(20, 60))], [], ("chat", "code")[i % 2], f"magpie-000{i % 3}/{i}")
+            for i in range(60)]
+    assert any(r.validation for r in rows) and not all(r.validation for r in rows)
+    out = tmp_path / "head.safetensors"
+    opts = Eagle3Options(minutes=3 / 60, vocab_size=64, window=16, batch=4, max_rows=0, report_minutes=0.3 / 60)
+    t = time.time()
+    report = fit_eagle3(target, "tiny", rows, out, opts, tmp_path / "features", random.Random(0), t)
+    assert time.time() - t < 3 + 1.0
+    assert report["steps"] > 0 and report["tokens_seen"] > 0
+    assert len(list((tmp_path / "features").glob("features3-magpie-000*.pt"))) == 3     # one cache file per shard
+    curve = [json.loads(line) for line in out.with_suffix(".curve.jsonl").read_text().splitlines()]
+    assert len(curve) >= 2 and curve[-1]["tokens"] == report["tokens_seen"]
+    assert set(curve[-1]["agreement"]) == set(report["validation_top1_agreement_per_position"])
+    assert len(curve[-1]["mean"]) == opts.steps
+
+
+def test_tokens_seen_survive_a_checkpoint(tmp_path):
+    m, opt = _toy()
+    ck = Checkpoint(tmp_path / "t.safetensors", m, opt)
+    ck.tokens = 1234
+    ck.save(step=3, seconds=10.0)
+    m2, opt2 = _toy(seed=1)
+    ck2 = Checkpoint(tmp_path / "t.safetensors", m2, opt2)
+    assert ck2.resume() == (3, 10.0) and ck2.tokens == 1234

@@ -53,7 +53,7 @@ def draft_losses(draft: DistilledDraft, toks: torch.Tensor, f: torch.Tensor, len
 
 def train_draft(model: str, data: Path, out: Path, minutes: float, layers: list[int], vocab_size: int,
                 window: int, batch: int, lr: float, max_seq: int, max_rows: int, overwrite: bool,
-                seed: int = 0) -> dict:
+                seed: int = 0, train_dtype: torch.dtype = torch.float32) -> dict:
     target, name, rng = begin(model, out, overwrite, seed)
     bad = [i for i in layers if not 0 <= i < target.config.n_layers]
     if not layers or bad:
@@ -74,7 +74,7 @@ def train_draft(model: str, data: Path, out: Path, minutes: float, layers: list[
         return loss, {"agree": f"{agree:.2f}"}
 
     ckpt = Checkpoint(out, draft, opt)
-    steps, spent_min = train_loop("train draft", params, opt, lr, minutes, ckpt, step_fn)
+    steps, spent_min = train_loop("train draft", params, opt, lr, minutes, ckpt, step_fn, dtype=train_dtype)
     draft.eval()
     with torch.no_grad():
         agrees = [draft_losses(draft, *_windows(seqs, feats, eval_idx[i:i + batch], window, random.Random(1)),

@@ -64,7 +64,8 @@ def head_losses(head: EagleHead, toks, f, lens, w_sub, unroll: int = 2):
 
 
 def train_eagle(model: str, data: Path, out: Path, minutes: float, vocab_size: int, window: int, batch: int,
-                lr: float, max_seq: int, overwrite: bool, max_rows: int = 0, seed: int = 0) -> dict:
+                lr: float, max_seq: int, overwrite: bool, max_rows: int = 0, seed: int = 0,
+                train_dtype: torch.dtype = torch.float32) -> dict:
     target, name, rng = begin(model, out, overwrite, seed)
     seqs, feats = training_set(target, data, max_rows, max_seq, rng)
     n_eval = max(8, len(seqs) // 20)
@@ -82,7 +83,7 @@ def train_eagle(model: str, data: Path, out: Path, minutes: float, vocab_size: i
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     ckpt = Checkpoint(out, head, opt)
-    steps, spent_min = train_loop("train eagle", params, opt, lr, minutes, ckpt, step_fn)
+    steps, spent_min = train_loop("train eagle", params, opt, lr, minutes, ckpt, step_fn, dtype=train_dtype)
     head.eval()
     with torch.no_grad():
         accs_all = []

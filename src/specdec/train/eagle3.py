@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import random
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,14 +25,14 @@ from ..errors import SpecdecError
 from ..models.decoder import Transformer
 from ..models.eagle3 import Eagle3Config, Eagle3Head
 from .features import begin, vocab_subset
-from .loop import Checkpoint, train_loop
+from .loop import Checkpoint, autocast, train_loop
 from .magpie import Row, read_shards
 
 STEP_DECAY = 0.8
 
 
 @torch.inference_mode()
-def extract_aux(target: Transformer, seqs: list[list[int]], piece: int = 256) -> list[Tensor]:
+def extract_aux(target: Transformer, seqs: list[list[int]], layers: tuple[int, ...], piece: int = 256) -> list[Tensor]:
     """Per sequence, the target's final-normed hidden states and aux features [T, H*(1+n)] (bfloat16),
     through the prefill path (one sequence per forward, in pieces of `piece` tokens)."""
     out: list[Tensor] = []
@@ -42,7 +44,7 @@ def extract_aux(target: Transformer, seqs: list[list[int]], piece: int = 256) ->
         parts = []
         for a in range(0, len(s), piece):
             toks = torch.tensor(s[a:a + piece])[None]
-            h = target.prefill(toks, torch.arange(a, a + toks.shape[1])[None], cache, row)
+            h = target.prefill(toks, torch.arange(a, a + toks.shape[1])[None], cache, row, features=layers)
             cache.commit(row, torch.arange(toks.shape[1])[None], torch.tensor([toks.shape[1]]))
             parts.append(h[0].to(torch.bfloat16))
         out.append(torch.cat(parts))
@@ -131,7 +133,7 @@ def _windows(seqs: list[list[int]], feats: list[Tensor], idx: list[int], window:
 @torch.no_grad()
 def validate(head: Eagle3Head, seqs, feats, by_cat: dict[str, list[int]], window: int, w_sub: Tensor,
              steps: int, batch: int = 8) -> dict[str, list[float]]:
-    """Top-1 agreement per draft position, per category, on the validation rows."""
+    """Top-1 agreement per draft position, per category, on the validation rows (fixed windows)."""
     out = {}
     for cat, idx in sorted(by_cat.items()):
         accs = []
@@ -142,12 +144,26 @@ def validate(head: Eagle3Head, seqs, feats, by_cat: dict[str, list[int]], window
     return out
 
 
-def _cached_features(target: Transformer, seqs: list[list[int]], cache_file: Path) -> list[Tensor]:
-    """The target's fused features of every sequence, computed once and kept beside the data shards."""
-    if cache_file.exists():
-        return torch.load(cache_file, weights_only=True)
-    feats = extract_aux(target, seqs)
-    torch.save(feats, cache_file)
+def _shard_features(target: Transformer, rows: list[Row], seqs: list[list[int]], layers: tuple[int, ...],
+                    cache: Path, max_seq: int) -> list[Tensor]:
+    """The target's features of every sequence, extracted once per data shard and kept in `cache` as
+    `features3-SHARD-ROWS-MAXSEQ-LAYERS.pt` (an interrupted extraction resumes at the first missing shard)."""
+    cache.mkdir(parents=True, exist_ok=True)
+    by_shard: dict[str, list[int]] = {}
+    for i, r in enumerate(rows):
+        by_shard.setdefault(r.key.split("/")[0], []).append(i)
+    feats: list[Tensor] = [torch.empty(0)] * len(seqs)
+    tag = "-".join(map(str, layers))
+    for shard, idx in by_shard.items():
+        f = cache / f"features3-{shard}-{len(idx)}-{max_seq}-{tag}.pt"
+        if f.exists():
+            part = torch.load(f, weights_only=True)
+        else:
+            part = extract_aux(target, [seqs[i] for i in idx], layers)
+            torch.save(part, f.with_suffix(".tmp"))
+            f.with_suffix(".tmp").replace(f)                                 # never a half-written cache
+        for i, t in zip(idx, part):
+            feats[i] = t
     return feats
 
 
@@ -160,48 +176,99 @@ def _validation_by_category(rows: list[Row]) -> dict[str, list[int]]:
     return out
 
 
-def train_eagle3(model: str, data: Path, out: Path, minutes: float, vocab_size: int, window: int, batch: int,
-                 lr: float, max_seq: int, steps: int, overwrite: bool, max_rows: int = 0, seed: int = 0) -> dict:
-    target, name, rng = begin(model, out, overwrite, seed)
+@dataclass(frozen=True)
+class Eagle3Options:
+    """What `specdec train eagle3` takes besides the target, data and output."""
+    minutes: float = 40.0            # wall-time budget: feature extraction, steps and progress reports
+    vocab_size: int = 8192
+    window: int = 128
+    batch: int = 8
+    lr: float = 1e-3
+    max_seq: int = 640
+    steps: int = 4                   # training-time-test steps
+    max_rows: int = 0                # 0 = all
+    seed: int = 0
+    train_dtype: torch.dtype = torch.float32
+    report_minutes: float = 10.0     # validation on a fixed sample, appended to OUT.curve.jsonl
+
+
+class Curve:
+    """The learning curve, `OUT.curve.jsonl`: per progress report, training tokens seen, steps, minutes and
+    validation top-1 agreement per category and draft position. A fresh run starts a new one; a resumed
+    run appends (`benchmarks/plot_learning_curve.py` draws it)."""
+
+    def __init__(self, out: Path, resumed: bool) -> None:
+        self.path = Path(out).with_suffix(".curve.jsonl")
+        if not resumed:
+            self.path.unlink(missing_ok=True)
+
+    def add(self, step: int, tokens: int, minutes: float, agreement: dict[str, list[float]]) -> None:
+        n = len(next(iter(agreement.values()), []))
+        mean = [round(sum(a[k] for a in agreement.values()) / len(agreement), 4) for k in range(n)]
+        line = {"step": step, "tokens": tokens, "run_minutes": round(minutes, 2), "mean": mean, "agreement": agreement}
+        with self.path.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def train_eagle3(model: str, data: Path, out: Path, overwrite: bool, opts: Eagle3Options, cache: Path) -> dict:
+    """Train an EAGLE-3 head for `model` on the magpie shards in `data` (features kept in `cache`);
+    the time budget starts now."""
+    started = time.time()
+    target, name, rng = begin(model, out, overwrite, opts.seed)
     if not isinstance(target, Transformer):
         raise SpecdecError("EAGLE-3 training needs a lean GGUF target")
     rows: list[Row] = read_shards(data)
     if not rows:
         raise SpecdecError(f"no magpie-*.npz shards in {data}; write some with `specdec train magpie`")
-    rows = rows[:max_rows] if max_rows > 0 else rows
-    seqs = [r.tokens[:max_seq] for r in rows]
-    cfg = Eagle3Config.for_target(target, min(vocab_size, target.vocab_size))
+    rows = rows[:opts.max_rows] if opts.max_rows > 0 else rows
+    return fit_eagle3(target, name, rows, out, opts, cache, rng, started)
+
+
+def fit_eagle3(target: Transformer, name: str, rows: list[Row], out: Path, opts: Eagle3Options, cache: Path,
+               rng: random.Random, started: float) -> dict:
+    """Extract (or load) features, train within what is left of `opts.minutes` since `started`, validate,
+    write the head and its report."""
+    seqs = [r.tokens[:opts.max_seq] for r in rows]
+    cfg = Eagle3Config.for_target(target, min(opts.vocab_size, target.vocab_size))
     ids = vocab_subset(seqs, cfg.draft_vocab, target.vocab_size)
     head = Eagle3Head(target, cfg, ids).init_from_target()
-    target.features(head.feature_layers)
-    feats = _cached_features(target, seqs, data / f"features3-{len(seqs)}-{max_seq}-{'-'.join(map(str, cfg.aux_layers))}.pt")
+    feats = _shard_features(target, rows, seqs, head.feature_layers, cache, opts.max_seq)
     train_idx = [i for i, r in enumerate(rows) if not r.validation]
     val_by_cat = _validation_by_category(rows)
     w = target.output if target.output.numel() else target.embed
     w_sub = w[ids].float().detach()
     head.train()
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.0)
+    ckpt = Checkpoint(out, head, opt)
+    curve = Curve(out, ckpt.path.exists())
 
     def step_fn() -> tuple[Tensor, dict[str, str]]:
-        idx = rng.sample(train_idx, min(batch, len(train_idx)))
-        toks, f, lens = _windows(seqs, feats, idx, window, rng)
-        loss, accs = ttt_losses(head, toks, f.float(), lens, w_sub, steps)
+        idx = rng.sample(train_idx, min(opts.batch, len(train_idx)))
+        toks, f, lens = _windows(seqs, feats, idx, opts.window, rng)
+        loss, accs = ttt_losses(head, toks, f.float(), lens, w_sub, opts.steps)
+        ckpt.tokens += int((lens - 1).clamp(min=0).sum())
         return loss, {f"acc{k + 1}": f"{a:.2f}" for k, a in enumerate(accs)}
 
-    params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    ckpt = Checkpoint(out, head, opt)
-    def progress() -> str:                     # a quick look: up to 16 validation rows per category
+    def progress(step: int) -> str:            # a quick look: the same 16 validation rows per category each time
         head.eval()
-        acc = validate(head, seqs, feats, {c: v[:16] for c, v in val_by_cat.items()}, window, w_sub, steps)
+        acc = validate(head, seqs, feats, {c: v[:16] for c, v in val_by_cat.items()}, opts.window, w_sub,
+                       opts.steps)
         head.train()
-        return "validation top-1 agreement per position: " + json.dumps(acc)
+        curve.add(step, ckpt.tokens, (time.time() - started) / 60, acc)
+        return f"{ckpt.tokens} tokens; validation top-1 agreement per position: " + json.dumps(acc)
 
-    n_steps, spent = train_loop("train eagle3", params, opt, lr, minutes, ckpt, step_fn, progress)
+    n_steps, spent = train_loop("train eagle3", params, opt, opts.lr, opts.minutes, ckpt, step_fn, progress,
+                                opts.report_minutes * 60, opts.train_dtype, time.time() - started)
     head.eval()
+    with torch.no_grad(), autocast(opts.train_dtype):
+        final = validate(head, seqs, feats, val_by_cat, opts.window, w_sub, opts.steps)
     report = {"target": name, "rows": len(rows), "train_rows": len(train_idx),
-              "tokens": sum(len(s) for s in seqs), "steps": n_steps, "minutes": spent,
-              "draft_vocab": cfg.draft_vocab, "aux_layers": list(cfg.aux_layers), "ttt_steps": steps,
-              "validation_top1_agreement_per_position": validate(head, seqs, feats, val_by_cat, window, w_sub, steps)}
+              "tokens": sum(len(s) for s in seqs), "tokens_seen": ckpt.tokens, "steps": n_steps, "minutes": spent,
+              "train_dtype": str(opts.train_dtype).removeprefix("torch."),
+              "draft_vocab": cfg.draft_vocab, "aux_layers": list(cfg.aux_layers), "ttt_steps": opts.steps,
+              "validation_top1_agreement_per_position": final}
+    curve.add(n_steps, ckpt.tokens, (time.time() - started) / 60, {c: final[c] for c in sorted(final)})
     head.save(out, {"report": json.dumps(report)})
     out.with_suffix(".json").write_text(json.dumps(report, indent=2))
     ckpt.done()

@@ -34,7 +34,8 @@ def exit_losses(draft: EarlyExitDraft, feats: Tensor, w_sub: Tensor) -> tuple[Te
 
 
 def train_exit(model: str, data: Path, out: Path, minutes: float, layers: list[int], vocab_size: int, batch: int,
-               lr: float, max_seq: int, overwrite: bool, max_rows: int = 0, seed: int = 0) -> dict:
+               lr: float, max_seq: int, overwrite: bool, max_rows: int = 0, seed: int = 0,
+               train_dtype: torch.dtype = torch.float32) -> dict:
     """One exit per N in `layers` (features extracted once for all), each trained for `minutes`; written
     to `out` (one N) or OUT-N.safetensors (several). -> the reports by N."""
     target, name, rng = begin(model, out, overwrite, seed)
@@ -49,25 +50,24 @@ def train_exit(model: str, data: Path, out: Path, minutes: float, layers: list[i
     rows = rows[:max_rows] if max_rows > 0 else rows
     seqs = [r.tokens[:max_seq] for r in rows]
     ids = vocab_subset(seqs, min(vocab_size, target.vocab_size), target.vocab_size)
-    target.features(tuple(n - 1 for n in layers))
     cache_file = data / f"features-exit{'-'.join(map(str, layers))}-{len(seqs)}-{max_seq}.pt"
     if cache_file.exists():
         feats = torch.load(cache_file, weights_only=True)
     else:
-        feats = extract_aux(target, seqs)
+        feats = extract_aux(target, seqs, tuple(n - 1 for n in layers))
         torch.save(feats, cache_file)
-    target.features(())
     H = target.config.dim
     reports = {}
     for j, n in enumerate(layers):
         cols = torch.cat([torch.arange(H), torch.arange(H * (1 + j), H * (2 + j))])      # final, layer n's output
         path = out if len(layers) == 1 else out.with_name(f"{out.stem}-{n}{out.suffix}")
-        reports[n] = _train_one(target, name, n, ids, rows, [f[:, cols] for f in feats], path, minutes, batch, lr, rng)
+        reports[n] = _train_one(target, name, n, ids, rows, [f[:, cols] for f in feats], path, minutes, batch, lr, rng,
+                               train_dtype)
     return reports
 
 
 def _train_one(target: Transformer, name: str, n_layers: int, ids: Tensor, rows, feats: list[Tensor], out: Path,
-               minutes: float, batch: int, lr: float, rng) -> dict:
+               minutes: float, batch: int, lr: float, rng, train_dtype: torch.dtype) -> dict:
     draft = EarlyExitDraft(target, n_layers, ids)
     train = torch.cat([f for f, r in zip(feats, rows) if not r.validation])   # [M, 2H] every position
     by_cat: dict[str, list[Tensor]] = {}
@@ -85,7 +85,8 @@ def _train_one(target: Transformer, name: str, n_layers: int, ids: Tensor, rows,
     params = [draft.scale, draft.proj]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     ckpt = Checkpoint(out, draft, opt)
-    steps, spent = train_loop(f"train exit N={n_layers}", params, opt, lr, minutes, ckpt, step_fn)
+    steps, spent = train_loop(f"train exit N={n_layers}", params, opt, lr, minutes, ckpt, step_fn,
+                              dtype=train_dtype)
     draft.eval()
     with torch.no_grad():
         val = {c: round(exit_losses(draft, torch.cat(fs), w_sub)[1], 4) for c, fs in sorted(by_cat.items())}

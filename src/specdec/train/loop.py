@@ -1,13 +1,17 @@
 """Resumable training state beside the output file: weights, optimiser, step and time spent."""
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 from tqdm import tqdm
+
+FIRST_REPORT_STEPS = 10.0         # a report's cost is guessed at this many steps until one has been timed
 
 
 class Checkpoint:
@@ -21,6 +25,7 @@ class Checkpoint:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.module, self.opt, self.every_s = module, opt, every_s
         self.last_save = time.time()
+        self.tokens = 0                                        # training tokens seen (the step function counts)
 
     def resume(self) -> tuple[int, float]:
         """Load the state if a checkpoint exists. -> (step, seconds already spent); (0, 0.0) for a fresh run."""
@@ -29,13 +34,14 @@ class Checkpoint:
         state = torch.load(self.path, weights_only=True)
         self.module.load_state_dict(state["module"])
         self.opt.load_state_dict(state["opt"])
+        self.tokens = int(state.get("tokens", 0))
         print(f"resumed from {self.path} at step {state['step']} ({state['seconds'] / 60:.1f} min spent)")
         return int(state["step"]), float(state["seconds"])
 
     def save(self, step: int, seconds: float) -> None:
         tmp = self.path.with_suffix(".ckpt.tmp")
         torch.save({"module": self.module.state_dict(), "opt": self.opt.state_dict(), "step": step,
-                    "seconds": seconds}, tmp)
+                    "seconds": seconds, "tokens": self.tokens}, tmp)
         tmp.replace(self.path)                                 # never a half-written checkpoint
         self.last_save = time.time()
 
@@ -48,40 +54,76 @@ class Checkpoint:
         self.path.unlink(missing_ok=True)
 
 
+def autocast(dtype: torch.dtype) -> ContextManager:
+    """bfloat16 autocast where training runs in bfloat16 (fp32 master weights); nothing for float32."""
+    if dtype == torch.bfloat16:
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _lr_factor(elapsed: float, budget: float) -> float:
+    """Cosine from 1 to 0.1 over the budget."""
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(elapsed / budget, 1.0)))
+
+
+class _Reports:
+    """When the periodic report runs: every `every_s` seconds, never more than a tenth of the time, and
+    only when its expected cost still fits in the budget (until one is timed, FIRST_REPORT_STEPS steps)."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s, self.cost = every_s, -1.0
+        self.due = time.time() + every_s
+
+    def ready(self, elapsed: float, budget: float, step_s: float) -> bool:
+        cost = self.cost if self.cost >= 0 else FIRST_REPORT_STEPS * step_s
+        return time.time() >= self.due and elapsed + cost < budget
+
+    def ran(self, seconds: float) -> None:
+        self.cost = seconds
+        self.due = time.time() + max(self.every_s, 10 * seconds)
+
+
 def train_loop(desc: str, params: list[torch.nn.Parameter], opt: torch.optim.Optimizer, lr: float, minutes: float,
                ckpt: Checkpoint, step_fn: Callable[[], tuple[torch.Tensor, dict[str, str]]],
-               report: Callable[[], str] = lambda: "", report_every_s: float = 600.0) -> tuple[int, float]:
+               report: Callable[[int], str] = lambda step: "", report_every_s: float = 600.0,
+               dtype: torch.dtype = torch.float32, setup_s: float = 0.0) -> tuple[int, float]:
     """AdamW steps under a cosine learning rate (to 10% of `lr`) until the time budget is spent.
 
     `step_fn` draws a batch and returns (loss, progress-bar fields); it runs under bfloat16 autocast
-    (AVX-512 bf16 matmuls, fp32 master weights). Resumes from and writes `ckpt`. Every `report_every_s`
-    seconds the line `report()` returns (e.g. validation figures) is printed. -> (steps, minutes).
+    when `dtype` is bfloat16 (fp32 master weights), else in float32. Resumes from and writes `ckpt`.
+    The budget is wall time: `setup_s` (this run's feature extraction and loading), the steps, the
+    periodic reports and checkpoints all count, across resumed runs too; the last step may end past it.
+    Every `report_every_s` seconds the line `report(step)` returns (e.g. validation figures) is printed,
+    under the same autocast, where its cost fits in what is left. -> (steps, minutes).
     """
     step, spent = ckpt.resume()
     budget = minutes * 60
-    t0 = time.time() - spent
-    bar = tqdm(desc=desc, unit="step", initial=step)
-    last_report = time.time()
+    t0 = time.time() - spent - setup_s
+    bar = tqdm(desc=desc, unit="step", initial=step, mininterval=0.1 if sys.stderr.isatty() else 60.0)
+    reports, step_s = _Reports(report_every_s), 0.0
     try:
         while (elapsed := time.time() - t0) < budget:
+            a = time.time()
             for g in opt.param_groups:
-                g["lr"] = lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * elapsed / budget)))
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+                g["lr"] = lr * _lr_factor(elapsed, budget)
+            with autocast(dtype):
                 loss, fields = step_fn()
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             step += 1
+            step_s = time.time() - a
             bar.update(1)
             bar.set_postfix(loss=f"{float(loss.detach()):.3f}", **fields)
             ckpt.maybe_save(step, time.time() - t0)
-            if time.time() - last_report >= report_every_s:
-                with torch.no_grad():
-                    line = report()
+            if reports.ready(time.time() - t0, budget, step_s):
+                a = time.time()
+                with torch.no_grad(), autocast(dtype):
+                    line = report(step)
                 if line:
                     tqdm.write(f"step {step}: {line}")
-                last_report = time.time()
+                reports.ran(time.time() - a)
     except KeyboardInterrupt:
         ckpt.save(step, time.time() - t0)
         bar.close()

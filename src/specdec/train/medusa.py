@@ -27,7 +27,8 @@ def medusa_loss(heads: MedusaHeads, f: torch.Tensor, w_sub: torch.Tensor, decay:
 
 
 def train_medusa(model: str, data: Path, out: Path, minutes: float, vocab_size: int, n_heads: int, window: int,
-                 batch: int, lr: float, max_seq: int, max_rows: int, overwrite: bool, seed: int = 0) -> dict:
+                 batch: int, lr: float, max_seq: int, max_rows: int, overwrite: bool, seed: int = 0,
+                 train_dtype: torch.dtype = torch.float32) -> dict:
     target, name, rng = begin(model, out, overwrite, seed)
     seqs, feats = training_set(target, data, max_rows, max_seq, rng)        # the same order as train eagle
     heads = MedusaHeads(target, vocab_subset(seqs, vocab_size, target.vocab_size), n_heads)
@@ -46,7 +47,7 @@ def train_medusa(model: str, data: Path, out: Path, minutes: float, vocab_size: 
     params = [heads.w, heads.b]
     opt = torch.optim.AdamW(params, lr=lr)
     ckpt = Checkpoint(out, heads, opt)
-    steps, spent_min = train_loop("train medusa", params, opt, lr, minutes, ckpt, step_fn)
+    steps, spent_min = train_loop("train medusa", params, opt, lr, minutes, ckpt, step_fn, dtype=train_dtype)
     with torch.no_grad():
         ev = [medusa_loss(heads, feats[i].float()[None], w_sub)[1] for i in range(n_eval) if len(seqs[i]) > n_heads + 2]
     acc = [sum(e[k] for e in ev) / len(ev) for k in range(n_heads)]
