@@ -238,3 +238,29 @@ def test_bench_writes_a_new_run_folder_by_default(monkeypatch, tmp_path, capsys)
     assert main([*args, "--out", "mine"]) == 0
     assert re.fullmatch(r"runs/bench/mini-\d{8}T\d{6}Z", written[0].as_posix()), written
     assert written[1] == Path("mine")
+
+
+def test_training_data_defaults_to_the_shipped_shards_from_any_directory(monkeypatch, tmp_path):
+    """train exit / eagle3 read, and train magpie appends to, the data/MODEL shipped in the source tree when no
+    path is given, whatever the working directory; a given path is taken as given (relative to it)."""
+    from pathlib import Path
+
+    import specdec.cli_train as cli_train
+    import specdec.train.exit
+    import specdec.train.magpie
+
+    shipped = Path(__file__).resolve().parents[1] / "data" / "smollm2-135m"
+    assert list(shipped.glob("magpie-*.npz")), "the repository ships magpie shards"
+    seen: list[Path] = []
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli_train, "_train_dtype", lambda a: None, raising=False)
+    monkeypatch.setattr(specdec.train.exit, "train_exit", lambda model, data, *rest, **kw: seen.append(data) or {})
+    monkeypatch.setattr(specdec.train.magpie, "generate_magpie", lambda model, out, *rest: seen.append(out))
+    monkeypatch.setattr(specdec.train.magpie, "summary", lambda out: {})
+    exit_args = ["train", "exit", "--out", "exit.safetensors", "--layers", "6"]
+    assert main(exit_args) == 0
+    assert main([*exit_args, "--data", "mine"]) == 0
+    assert main(["train", "magpie"]) == 0
+    assert main(["train", "magpie", "--out", "shards"]) == 0
+    assert seen[0].is_absolute() and seen[0].resolve() == seen[2].resolve() == shipped
+    assert seen[1] == Path("mine") and seen[3] == Path("shards")
