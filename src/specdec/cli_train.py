@@ -17,7 +17,7 @@ def _check_target(model: str) -> None:
 def _check_numbers(a: argparse.Namespace) -> None:
     """Sizes and budgets must be positive (max_rows 0 = all)."""
     for name in ("minutes", "vocab_size", "window", "batch", "lr", "max_seq", "heads", "max_prompts",
-                 "max_new_tokens", "shards", "rows", "steps"):
+                 "max_new_tokens", "shards", "rows", "steps", "report_minutes"):
         value = getattr(a, name, 1)
         if not value > 0:
             raise SpecdecError(f"--{name.replace('_', '-')} must be > 0, got {value}")
@@ -25,6 +25,20 @@ def _check_numbers(a: argparse.Namespace) -> None:
         raise SpecdecError(f"--greedy-fraction must be in [0, 1], got {a.greedy_fraction}")
     if getattr(a, "max_rows", 0) < 0:
         raise SpecdecError(f"--max-rows must be >= 0 (0 = all), got {a.max_rows}")
+
+
+def _train_dtype(a: argparse.Namespace):
+    """The resolved --train-dtype (auto measures this machine once, see train/precision.py)."""
+    from .train.precision import train_dtype
+
+    return train_dtype(a.train_dtype)
+
+
+def _threads(a: argparse.Namespace) -> None:
+    if a.threads > 0:
+        import torch
+
+        torch.set_num_threads(a.threads)
 
 
 def magpie_dir(given: str | None, model: str) -> Path:
@@ -64,18 +78,21 @@ def cmd_eagle(a: argparse.Namespace) -> int:
     _check_target(a.model)
     _check_numbers(a)
     report = train_eagle(a.model, Path(a.data or f"runs/data/{a.model}"), Path(a.out), a.minutes, a.vocab_size,
-                         a.window, a.batch, a.lr, a.max_seq, a.overwrite, a.max_rows)
+                         a.window, a.batch, a.lr, a.max_seq, a.overwrite, a.max_rows, train_dtype=_train_dtype(a))
     print(json.dumps(report, indent=2))
     return 0
 
 
 def cmd_eagle3(a: argparse.Namespace) -> int:
-    from .train.eagle3 import train_eagle3
+    from .train.eagle3 import Eagle3Options, train_eagle3
 
     _check_target(a.model)
     _check_numbers(a)
-    report = train_eagle3(a.model, magpie_dir(a.data, a.model), Path(a.out), a.minutes, a.vocab_size,
-                          a.window, a.batch, a.lr, a.max_seq, a.steps, a.overwrite, a.max_rows)
+    _threads(a)
+    opts = Eagle3Options(a.minutes, a.vocab_size, a.window, a.batch, a.lr, a.max_seq, a.steps, a.max_rows,
+                         train_dtype=_train_dtype(a), report_minutes=a.report_minutes)
+    data = magpie_dir(a.data, a.model)
+    report = train_eagle3(a.model, data, Path(a.out), a.overwrite, opts, Path(a.features or data))
     print(json.dumps(report, indent=2))
     return 0
 
@@ -90,7 +107,7 @@ def cmd_exit(a: argparse.Namespace) -> int:
     except ValueError:
         raise SpecdecError(f"--layers takes comma-separated layer counts, got {a.layers!r}") from None
     report = train_exit(a.model, magpie_dir(a.data, a.model), Path(a.out), a.minutes, layers, a.vocab_size,
-                        a.batch, a.lr, a.max_seq, a.overwrite, a.max_rows)
+                        a.batch, a.lr, a.max_seq, a.overwrite, a.max_rows, train_dtype=_train_dtype(a))
     print(json.dumps(report, indent=2))
     return 0
 
@@ -101,7 +118,8 @@ def cmd_medusa(a: argparse.Namespace) -> int:
     _check_target(a.model)
     _check_numbers(a)
     report = train_medusa(a.model, Path(a.data or f"runs/data/{a.model}"), Path(a.out), a.minutes, a.vocab_size,
-                          a.heads, a.window, a.batch, a.lr, a.max_seq, a.max_rows, a.overwrite)
+                          a.heads, a.window, a.batch, a.lr, a.max_seq, a.max_rows, a.overwrite,
+                          train_dtype=_train_dtype(a))
     print(json.dumps(report, indent=2))
     return 0
 
@@ -116,9 +134,15 @@ def cmd_draft(a: argparse.Namespace) -> int:
     except ValueError:
         raise SpecdecError(f"--layers takes comma-separated layer numbers, got {a.layers!r}") from None
     report = train_draft(a.model, Path(a.data or f"runs/data/{a.model}"), Path(a.out), a.minutes, layers,
-                         a.vocab_size, a.window, a.batch, a.lr, a.max_seq, a.max_rows, a.overwrite)
+                         a.vocab_size, a.window, a.batch, a.lr, a.max_seq, a.max_rows, a.overwrite,
+                         train_dtype=_train_dtype(a))
     print(json.dumps(report, indent=2))
     return 0
+
+
+def _dtype_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--train-dtype", choices=("auto", "float32", "bfloat16"), default="auto", help="compute dtype of training: auto = "
+                   "bfloat16 autocast where this CPU runs it faster than float32 (timed once per machine)")
 
 
 def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter]) -> None:
@@ -162,6 +186,7 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     e.add_argument("--max-seq", type=int, default=384, help="keep the last N tokens of each example")
     e.add_argument("--max-rows", type=int, default=0, help="use at most N examples (0 = all)")
     e.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    _dtype_option(e)
     e.set_defaults(func=cmd_eagle)
 
     e3 = tsub.add_parser("eagle3", help="an EAGLE-3 head (fused low/mid/high features, training-time test) "
@@ -171,7 +196,8 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
                                                 "data/MODEL of the specdec source tree, else ./data/MODEL)")
     e3.add_argument("--out", required=True, help="output .safetensors (a .json report lands beside it; "
                                                  "a .ckpt beside it resumes an interrupted run)")
-    e3.add_argument("--minutes", type=float, default=40.0, help="training time budget (after feature extraction)")
+    e3.add_argument("--minutes", type=float, default=40.0, help="wall-time budget, feature extraction and "
+                    "validation included (the last step and the final validation may end past it)")
     e3.add_argument("--steps", type=int, default=4, help="training-time-test steps (draft positions unrolled)")
     e3.add_argument("--vocab-size", type=int, default=8192, help="reduced draft vocabulary (most frequent tokens)")
     e3.add_argument("--window", type=int, default=128, help="tokens per training window")
@@ -180,6 +206,12 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     e3.add_argument("--max-seq", type=int, default=640, help="keep the first N tokens of each conversation")
     e3.add_argument("--max-rows", type=int, default=0, help="use at most N conversations (0 = all)")
     e3.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    e3.add_argument("--features", default=None, help="feature cache directory, one file per data shard "
+                    "(default: the data directory)")
+    e3.add_argument("--report-minutes", type=float, default=10.0, help="validation on a fixed sample every N "
+                    "minutes, appended to OUT.curve.jsonl (the learning curve)")
+    e3.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    _dtype_option(e3)
     e3.set_defaults(func=cmd_eagle3)
 
     x = tsub.add_parser("exit", help="the exit of a self-speculative draft (the target's first N layers; "
@@ -198,6 +230,7 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     x.add_argument("--max-seq", type=int, default=640, help="keep the first N tokens of each conversation")
     x.add_argument("--max-rows", type=int, default=0, help="use at most N conversations (0 = all)")
     x.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    _dtype_option(x)
     x.set_defaults(func=cmd_exit)
 
     m = tsub.add_parser("medusa", help="Medusa heads (one per future position)", formatter_class=fmt)
@@ -214,6 +247,7 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     m.add_argument("--max-seq", type=int, default=384, help="keep the last N tokens of each example")
     m.add_argument("--max-rows", type=int, default=0, help="use at most N examples (0 = all)")
     m.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    _dtype_option(m)
     m.set_defaults(func=cmd_medusa)
 
     r = tsub.add_parser("draft", help="a small draft model distilled from the target (KL to its outputs)",
@@ -231,4 +265,5 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     r.add_argument("--max-seq", type=int, default=256, help="keep the last N tokens of each example")
     r.add_argument("--max-rows", type=int, default=0, help="use at most N examples (0 = all)")
     r.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    _dtype_option(r)
     r.set_defaults(func=cmd_draft)
