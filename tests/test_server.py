@@ -328,7 +328,7 @@ def test_one_engine_serves_only_the_default_method(gen):
 
 @pytest.fixture(scope="module")
 def secured(gen):
-    srv = LiveServer(ServerState(gen, ServeConfig(max_batch=2, max_prompt_tokens=64, max_tokens=8, api_key=KEY)))
+    srv = LiveServer(ServerState(gen, ServeConfig(max_batch=2, max_prompt_tokens=64, max_tokens=8, api_keys=(KEY,))))
     yield srv
     srv.stop()
 
@@ -365,6 +365,29 @@ def test_requests_beyond_the_batch_wait_their_turn(gen, secured):
     assert texts == [w.text for w in wants]
     assert secured.state.scheduler.peak_running == 2
     assert metric(secured.metrics(), "specdec:num_requests_waiting") == 0
+
+
+def test_suffix_decoding_learns_per_api_key(gen):
+    """Suffix decoding's index of earlier outputs is kept per tenant (per API key): a request's acceptance
+    does not depend on another key's requests, and a key still learns from its own earlier ones."""
+    srv = LiveServer(ServerState(gen, ServeConfig(max_batch=2, max_prompt_tokens=64, max_tokens=40,
+                                                  api_keys=(KEY, "other-key"))))
+    try:
+        def ask(key: str) -> dict:
+            got = srv.client(key).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=40, temperature=0,
+                extra_body={"speculative": {"method": "suffix", "num_draft_tokens": 4}})
+            return got.speculative | {"text": got.choices[0].message.content}
+
+        first = ask(KEY)
+        again = ask(KEY)                  # the same key: drafts from its first answer
+        other = ask("other-key")          # another key: as if the server were fresh
+        assert first["text"] == again["text"] == other["text"]
+        assert again["accepted_tokens"] > first["accepted_tokens"] and again["target_forwards"] < first["target_forwards"]
+        for field in ("draft_tokens", "accepted_tokens", "target_forwards", "acceptance_per_position"):
+            assert other[field] == first[field], field
+    finally:
+        srv.stop()
 
 
 def post(url: str, body: bytes | dict, path: str = "/v1/completions") -> requests.Response:

@@ -25,8 +25,9 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     add_model_args(p, default_policy="auto")             # batches come and go: K follows the batch size
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told otherwise)")
     p.add_argument("--port", type=int_in(0, 65535), default=8000, help="TCP port to listen on")
-    p.add_argument("--api-key", default=None,
-                   help="require Authorization: Bearer KEY on /v1/* (default: $SPECDEC_API_KEY; unset = no auth)")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="require Authorization: Bearer KEY on /v1/*; repeat it for several clients, each a tenant of its "
+                        "own for suffix decoding (default: $SPECDEC_API_KEY, keys separated by commas; unset = no auth)")
     p.add_argument("--max-batch", type=int_in(1), default=8, help="sequences decoded together (batch slots)")
     p.add_argument("--max-waiting", type=int_in(0), default=256, help="requests queued for a slot before answering 429")
     p.add_argument("--max-prompt-tokens", type=int_in(1), default=1024,
@@ -45,11 +46,12 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
                         "(benchmarks/serve_load.py): 2 threads serve 1.2x (batched) to 1.27x (one at a time) the tokens/s of 1")
     p.add_argument("--prefill-threads", type=int_in(0), default=0,
                    help="torch CPU threads while a step prefills new prompts (0 = torch's default, all cores)")
-    p.add_argument("--max-engines", type=int, default=4,
-                   help="engines kept at once, the default method's included: each other (method, K) a request names in "
-                        "`speculative` builds one (its own KV caches and draft weights: 0.6-0.75 GB each for smollm2-135m "
-                        "with the default limits, docs/server.md); past the bound the least recently used idle one is dropped, and a "
-                        "request that finds every engine busy gets a 429 (1 = only the default method)")
+    p.add_argument("--max-engines", type=int_in(1), default=4,
+                   help="engines kept at once, the default method's included: each other (method, K) a request names "
+                        "in `speculative` builds one (its own KV caches and draft weights: 0.6-0.75 GB each for "
+                        "smollm2-135m with the default limits, docs/server.md); past the bound the least recently used "
+                        "idle one is dropped, and a request that finds every engine busy gets a 429 (1 = only the "
+                        "default method)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (its messages on stderr)")
     p.set_defaults(func=cmd_serve)
@@ -82,9 +84,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     check_address(a.host, a.port)                  # before the model loads: a taken port fails in a second
     cores = torch.get_num_threads()
-    key = a.api_key if a.api_key is not None else os.environ.get("SPECDEC_API_KEY") or None
+    keys = tuple(a.api_key if a.api_key is not None else
+                 [k.strip() for k in os.environ.get("SPECDEC_API_KEY", "").split(",") if k.strip()])
+    if not all(keys):
+        raise SpecdecError("--api-key must not be empty")
     config = ServeConfig(max_batch=a.max_batch, max_waiting=a.max_waiting, max_prompt_tokens=a.max_prompt_tokens,
-                         max_tokens=a.max_tokens, max_body_bytes=a.max_body_bytes, api_key=key,
+                         max_tokens=a.max_tokens, max_body_bytes=a.max_body_bytes, api_keys=keys,
                          prefill_tokens=a.prefill_tokens, prefix_cache_mb=a.prefix_cache_mb,
                          prefill_threads=a.prefill_threads or cores, max_engines=a.max_engines)
     torch.set_num_threads(a.threads or cores)
@@ -93,13 +98,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
                        num_draft_tokens=a.num_draft_tokens, draft_policy=a.draft_policy, tree=a.tree)
     dtype = str(gen.target.dtype).removeprefix("torch.")      # the activations' dtype: proposers load in it too
     state = ServerState(gen, config, drafts_for_server(a, gen), dtype, TreeShape.parse(a.tree))
-    if a.host not in LOOPBACK and key is None:
+    if a.host not in LOOPBACK and not keys:
         print(f"specdec: warning: listening on {a.host} without an API key (--api-key or SPECDEC_API_KEY)",
               file=sys.stderr)
     print(f"specdec: {gen.target.self_check.summary()}", file=sys.stderr)
+    auth = f"on, {len(keys)} key(s)" if keys else "off"
     compute = state.runtime["dtype"]                         # what /health reports (q4, bfloat16, float32)
     print(f"specdec: serving {gen.name} (method {gen.method}, {compute}) on http://{a.host}:{a.port}/v1 "
-          f"(max batch {a.max_batch}, auth {'on' if key else 'off'})", file=sys.stderr, flush=True)
+          f"(max batch {a.max_batch}, auth {auth})", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(create_app(state), host=a.host, port=a.port, log_level=a.log_level,
                                           access_log=False))
     return run_server(server, state.scheduler)

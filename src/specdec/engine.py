@@ -52,6 +52,7 @@ class Request:
     stop: tuple[str, ...] = ()
     speculate: bool = True            # False: this sequence gets no drafts (plain decoding inside a speculative batch)
     prediction: tuple[int, ...] = ()  # the output the client expects (token ids), a draft source for any method
+    tenant: str = ""                  # who may learn from whose outputs (suffix decoding's index); "": one shared
 
 
 @dataclass(eq=False)
@@ -199,7 +200,7 @@ class Engine:
         dev = self.target.device
         return ActiveBatch(torch.tensor([s.row for s in seqs], device=dev), [s.tokens for s in seqs],
                            BatchSampling.of([s.request.sampling for s in seqs], dev),
-                           seed_tensor([s.request.sampling.seed for s in seqs], dev))
+                           seed_tensor([s.request.sampling.seed for s in seqs], dev), [s.request.tenant for s in seqs])
 
     def _prefill_pieces(self) -> list[SequenceState]:
         """Prefill up to prefill_budget prompt tokens (at least one piece), in rounds of one piece per

@@ -1,7 +1,7 @@
 """What a proposer sees and promises (the contract between proposer and engine)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from torch import Tensor
@@ -17,6 +17,7 @@ class ActiveBatch:
     tokens: list[list[int]]           # full history per sequence: prompt + generated (last one not yet scored)
     sampling: BatchSampling           # per-sequence transform parameters
     seeds: Tensor                     # [B] int64 per-sequence seeds (random numbers: sampling.position_uniforms)
+    tenants: list[str] = field(default_factory=list)   # per sequence, Request.tenant (empty: all one shared tenant)
 
 
 class Proposer(Protocol):

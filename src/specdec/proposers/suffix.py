@@ -1,11 +1,13 @@
 """Suffix decoding (Oliaro et al., NeurIPS 2025): frequent continuations of the output's suffix, no model.
 
-Two indexes of continuation counts: one per sequence over its prompt and output, and one global over
-the outputs of every request this proposer has served (bounded: the least recently used contexts
-are dropped past `max_contexts`). Each maps a context (the last m tokens, m = 1..max_match) to how
+Two indexes of continuation counts: one per sequence over its prompt and output, and one shared over
+the outputs of every request this proposer has served for the same tenant (`Request.tenant`: a server
+keeps one per API key, so that no client's acceptance depends on another's requests; bounded: the
+least recently used contexts are dropped past `max_contexts`, the least recently used tenants past
+MAX_TENANTS). Each maps a context (the last m tokens, m = 1..max_match) to how
 often each token followed it. A step matches the longest suffix of the sequence seen before, then
 grows a token tree best-first by estimated probability (counts of the longest matching context;
-the sequence's own counts weigh `local_weight` times the global ones), keeping nodes whose
+the sequence's own counts weigh `local_weight` times the shared ones), keeping nodes whose
 probability stays above `min_prob`, up to min(`budget`, K) nodes (a step scores no more rows than a
 chain of K would: on a CPU every scored row costs) and depth K; a match of m tokens drafts at most
 `match_factor` * m of them (as SuffixDecoding's `max_spec_factor`: one token of context is weak evidence
@@ -31,6 +33,7 @@ from .base import ActiveBatch
 
 TREE_COST = 1.3      # a tree forward over n nodes / a chain forward over n tokens (benchmarks/forward_cost.py,
                      # smollm2-135m q4: 1.29-1.35x for 3-9 rows: the exact tree's per-node tail key blocks)
+MAX_TENANTS = 64     # shared indexes kept (one per tenant; the least recently used is dropped beyond)
 MATCH_FACTOR = 2.0   # drafts per matched token (benchmarks/replay_drafts.py over the mini suite's greedy outputs:
                      # 1.0 drafts too little on translation, 8.0 (no cap) wastes rows on weak one-token matches)
 
@@ -72,13 +75,15 @@ class SuffixProposer:
                                "local_weight >= 0, max_contexts >= 1, tree_cost >= 1, match_factor > 0")
         self.max_match, self.budget, self.min_prob, self.local_weight = max_match, budget, min_prob, local_weight
         self.tree_cost, self.match_factor = tree_cost, match_factor
-        self.global_index = ContinuationIndex(max_match, max_contexts)      # outlives requests
+        self.max_contexts = max_contexts
+        self.shared: OrderedDict[str, ContinuationIndex] = OrderedDict()   # tenant -> its outputs' index
+        self.row_shared: dict[int, ContinuationIndex] = {}                  # row -> its request's tenant's index
         self.local: dict[int, ContinuationIndex] = {}
         self.seen: dict[int, int] = {}                                        # row -> tokens indexed
         self.prompt_len: dict[int, int] = {}
 
     def allocate(self, rows: int, slots: int) -> None:
-        self.local, self.seen = {}, {}
+        self.local, self.seen, self.row_shared = {}, {}, {}
 
     def start(self, rows: Tensor, prompts: list[list[int]], hidden: Tensor) -> None:
         for r, p in zip(rows.tolist(), prompts):
@@ -87,10 +92,29 @@ class SuffixProposer:
             self.seen[r] = len(p)
             self.prompt_len[r] = len(p) - 1                                   # the first token is output
 
+    def _tenant_index(self, tenant: str) -> ContinuationIndex:
+        """The shared index of `tenant`'s outputs (made on first use; the least recently used tenant's dropped
+        past MAX_TENANTS)."""
+        index = self.shared.get(tenant)
+        if index is None:
+            index = self.shared[tenant] = ContinuationIndex(self.max_match, self.max_contexts)
+            while len(self.shared) > MAX_TENANTS:
+                self.shared.popitem(last=False)
+        else:
+            self.shared.move_to_end(tenant)
+        return index
+
+    def _bind(self, batch: ActiveBatch) -> list[int]:
+        """The batch's rows, each bound to its request's tenant's shared index."""
+        rows = batch.rows.tolist()
+        for r, tenant in zip(rows, batch.tenants or [""] * len(rows)):
+            self.row_shared[r] = self._tenant_index(tenant)
+        return rows
+
     def _catch_up(self, r: int, tokens: list[int]) -> None:
         if len(tokens) > self.seen[r]:
             self.local[r].add(tokens, self.seen[r])
-            self.global_index.add(tokens, max(self.seen[r], self.prompt_len[r]))   # outputs only
+            self.row_shared[r].add(tokens, max(self.seen[r], self.prompt_len[r]))   # outputs only
             self.seen[r] = len(tokens)
 
     def _reach(self, matched: int, k: int) -> int:
@@ -101,7 +125,7 @@ class SuffixProposer:
         """The length of the longest suffix of `context` seen before (0: none)."""
         for m in range(min(self.max_match, len(context)), 0, -1):
             ctx = tuple(context[-m:])
-            if self.local[r].get(ctx) or self.global_index.get(ctx):
+            if self.local[r].get(ctx) or self.row_shared[r].get(ctx):
                 return m
         return 0
 
@@ -110,7 +134,7 @@ class SuffixProposer:
         sequence the matched suffix length [B] and the most probable continuation chain [B, k] (PAD = none)."""
         n = torch.zeros(len(batch.tokens), dtype=torch.long)
         out = torch.full((len(batch.tokens), k), PAD, dtype=torch.long)
-        for i, (r, hist) in enumerate(zip(batch.rows.tolist(), batch.tokens)):
+        for i, (r, hist) in enumerate(zip(self._bind(batch), batch.tokens)):
             self._catch_up(r, hist)
             n[i] = self._longest(r, hist)
             path, prob = list(hist), 1.0
@@ -127,7 +151,7 @@ class SuffixProposer:
         """(probability, token) of what follows the longest matching suffix of `context`."""
         for m in range(min(self.max_match, len(context)), 0, -1):
             ctx = tuple(context[-m:])
-            local, glob = self.local[r].get(ctx), self.global_index.get(ctx)
+            local, glob = self.local[r].get(ctx), self.row_shared[r].get(ctx)
             if not local and not glob:
                 continue
             mixed: Counter = Counter()
@@ -193,7 +217,7 @@ class SuffixProposer:
 
     def propose(self, batch: ActiveBatch, k: int) -> Draft:
         trees = []
-        for r, hist in zip(batch.rows.tolist(), batch.tokens):
+        for r, hist in zip(self._bind(batch), batch.tokens):
             self._catch_up(r, hist)
             trees.append(self._draft(r, hist, k))
         n = max(1, max(len(t) for t, _ in trees))
@@ -206,8 +230,8 @@ class SuffixProposer:
         return Draft(tokens.to(dev), parents=parents.to(dev))
 
     def forget(self) -> None:
-        """Drop the global index (what earlier requests' outputs taught)."""
-        self.global_index = ContinuationIndex(self.max_match, self.global_index.max_contexts)
+        """Drop every tenant's shared index (what earlier requests' outputs taught)."""
+        self.shared, self.row_shared = OrderedDict(), {}
 
     def commit(self, batch: ActiveBatch, verdict: Verdict, hidden: Tensor) -> None:
         pass                          # the indexes catch up lazily in propose

@@ -7,6 +7,7 @@ draft models, tokenizer) here. Every error answers with OpenAI's error JSON.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import random
@@ -47,7 +48,7 @@ class ServeConfig:
     max_prompt_tokens: int = 1024
     max_tokens: int = 512               # cap on a request's max_tokens
     max_body_bytes: int = 1 << 20
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()      # accepted bearer tokens (none: no auth); each key is a suffix tenant
     max_engines: int = 4                # distinct (method, K) engines kept at once
     prefill_tokens: int = 256           # prompt tokens prefilled per step (prefill and decode steps alternate)
     prefix_cache_mb: int = 512          # the prefix cache's budget for keys, values and hidden states (0: off)
@@ -64,8 +65,8 @@ class ServeConfig:
             raise SpecdecError(f"prefix_cache_mb must be an integer >= 0, got {self.prefix_cache_mb!r}")
         if not isinstance(self.max_waiting, int) or self.max_waiting < 0:
             raise SpecdecError(f"max_waiting must be an integer >= 0, got {self.max_waiting!r}")
-        if self.api_key is not None and not self.api_key:
-            raise SpecdecError("the API key must not be empty")
+        if not isinstance(self.api_keys, tuple) or not all(isinstance(k, str) and k for k in self.api_keys):
+            raise SpecdecError("api_keys must be a tuple of non-empty strings")
 
 
 class ServerState:
@@ -302,16 +303,28 @@ class BodyLimit:
         await self.app(scope, limited, send)
 
 
-def authorize(key: str | None) -> Callable[[HttpRequest], None]:
-    """A route dependency: with an API key, /v1/* needs Authorization: Bearer <key> (else 401)."""
-    def check(request: HttpRequest) -> None:
-        if key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+SHARED_TENANT = "shared"               # the one tenant of a server without API keys
+
+
+def tenant_of(key: str) -> str:
+    """The tenant of an API key: a hash of it (the key itself is kept nowhere else)."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def authorize(keys: tuple[str, ...]) -> Callable[[HttpRequest], str]:
+    """A route dependency giving the caller's tenant: with API keys, /v1/* needs Authorization: Bearer <one of
+    them> (else 401) and each key is a tenant of its own; without, every caller is the shared tenant."""
+    def check(request: HttpRequest) -> str:
+        if not keys:
+            return SHARED_TENANT
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        given = token.strip().encode()
+        # every key compared (in constant time each): the time taken says nothing of which one matched
+        matched = [k for k in keys if hmac.compare_digest(given, k.encode())]
+        if scheme.lower() != "bearer" or not matched:
             raise ApiError(401, "Incorrect or missing API key: send Authorization: Bearer <key>", None,
                            "invalid_api_key")
+        return tenant_of(matched[0])
     return check
 
 
@@ -414,11 +427,11 @@ class Routes:
     def model_card(self) -> dict:
         return {"id": self.state.model_name, "object": "model", "created": self.state.created, "owned_by": "specdec"}
 
-    async def run(self, request: HttpRequest, parsed: Parsed, chat: bool) -> Response:
-        """Submit to the scheduler; answer with JSON or an SSE stream."""
+    async def run(self, request: HttpRequest, parsed: Parsed, chat: bool, tenant: str) -> Response:
+        """Submit to the scheduler; answer with JSON or an SSE stream. `tenant`: the caller's (authorize)."""
         scheduler = self.state.scheduler
         job = Job.create(Request(parsed.prompt, parsed.max_tokens, parsed.sampling, parsed.stop,
-                                 prediction=parsed.prediction), parsed.spec)
+                                 prediction=parsed.prediction, tenant=tenant), parsed.spec)
         try:
             scheduler.submit(job)
         except QueueFull as e:
@@ -534,7 +547,8 @@ def add_routes(app: FastAPI, routes: Routes) -> None:
         routes.count(request, 200)
         return Response(generate_latest(routes.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    auth = [Depends(authorize(state.config.api_key))]
+    authorized = authorize(state.config.api_keys)
+    auth = [Depends(authorized)]
 
     @app.get("/v1/models", dependencies=auth)
     async def models(request: HttpRequest) -> dict:
@@ -547,10 +561,11 @@ def add_routes(app: FastAPI, routes: Routes) -> None:
         routes.count(request, 200)
         return routes.model_card()
 
-    @app.post("/v1/completions", dependencies=auth)
-    async def completions(request: HttpRequest, body: CompletionRequest) -> Response:
-        return await routes.run(request, routes.user_input(parse_completion, body), chat=False)
+    @app.post("/v1/completions")
+    async def completions(request: HttpRequest, body: CompletionRequest, tenant: str = Depends(authorized)) -> Response:
+        return await routes.run(request, routes.user_input(parse_completion, body), False, tenant)
 
-    @app.post("/v1/chat/completions", dependencies=auth)
-    async def chat_completions(request: HttpRequest, body: ChatCompletionRequest) -> Response:
-        return await routes.run(request, routes.user_input(parse_chat, body), chat=True)
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: HttpRequest, body: ChatCompletionRequest,
+                               tenant: str = Depends(authorized)) -> Response:
+        return await routes.run(request, routes.user_input(parse_chat, body), True, tenant)

@@ -25,7 +25,7 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
 import torch
@@ -387,8 +387,7 @@ class Scheduler:
             try:
                 eng = self.pool.get(key)
                 req = job.request
-                job.seq = eng.add(Request(req.prompt, req.max_new_tokens, req.sampling, req.stop, speculate,
-                                          req.prediction))
+                job.seq = eng.add(replace(req, speculate=speculate))
             except PoolFull as e:
                 self._fail(job, str(e), 429)
                 continue
