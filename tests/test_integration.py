@@ -168,3 +168,32 @@ def test_cli_json_contract():
                                        "--max-new-tokens", "12", "--json"], capture_output=True, text=True,
                                       timeout=300).stdout)
     assert plain["metrics"]["tau"] == 1.0 and plain["metrics"]["acceptance_rate"] is None
+
+
+@pytest.fixture(scope="module")
+def long_plain(target_auto):
+    """Two real prompts' plain greedy outputs of 160 tokens (the source of the predictions below)."""
+    model, tok = target_auto
+    ps = prompts(8)[3:5]
+    return ps, Generator(model, tok, NoProposer()).generate(ps, max_new_tokens=160)
+
+
+CORNERS = [(2, 0, 40), (4, 60, 72), (7, 150, 160)]        # (K, prediction tokens, new tokens)
+
+
+@pytest.mark.slow            # about 9 min on one core: once per `make test`, not again under SPECDEC_ISA=avx2
+@pytest.mark.parametrize("method", ["ngram", "suffix", "lookahead", "draft", "staged", "self", "eagle", "eagle3",
+                                    "medusa", "hybrid"])
+def test_every_method_at_every_draft_length_and_prediction_is_plain_decoding(target_auto, long_plain, method):
+    """K = 2, 4, 7 with predictions of 0, 60 and 150 tokens (the plain output's beginning, followed and then left),
+    the largest trees at K = 7; two real prompts batched; token-identical to plain decoding."""
+    model, tok = target_auto
+    ps, plain = long_plain
+    for k, n_pred, new in CORNERS:
+        largest = k == 7 and method in ("eagle", "eagle3")
+        tree = TreeShape(4, 64) if largest else TreeShape()
+        source = "16,8,16" if k == 7 and method == "lookahead" else None
+        proposer = make_proposer(method, model, tok, source, "auto", "cpu", tree)
+        preds = [tok.decode(r.tokens[:n_pred]) if n_pred else "" for r in plain]
+        spec = Generator(model, tok, proposer, "fixed", k).generate(ps, max_new_tokens=new, prediction=preds)
+        assert [r.tokens for r in spec] == [r.tokens[:new] for r in plain], (method, k, n_pred)
