@@ -144,26 +144,33 @@ def validate(head: Eagle3Head, seqs, feats, by_cat: dict[str, list[int]], window
     return out
 
 
-def _shard_features(target: Transformer, rows: list[Row], seqs: list[list[int]], layers: tuple[int, ...],
-                    cache: Path, max_seq: int) -> list[Tensor]:
+def shard_features(target: Transformer, rows: list[Row], seqs: list[list[int]], layers: tuple[int, ...],
+                    cache: Path, max_seq: int, deadline: float) -> list[Tensor]:
     """The target's features of every sequence, extracted once per data shard and kept in `cache` as
-    `features3-SHARD-ROWS-MAXSEQ-LAYERS.pt` (an interrupted extraction resumes at the first missing shard)."""
+    `features3-SHARD-ROWS-MAXSEQ-LAYERS.pt` (an interrupted extraction resumes at the first missing shard).
+
+    No shard is started after `deadline` (time.time()) once one has features: the rows of the shards left
+    get empty tensors [0] (a later run extracts them)."""
     cache.mkdir(parents=True, exist_ok=True)
     by_shard: dict[str, list[int]] = {}
     for i, r in enumerate(rows):
         by_shard.setdefault(r.key.split("/")[0], []).append(i)
     feats: list[Tensor] = [torch.empty(0)] * len(seqs)
     tag = "-".join(map(str, layers))
+    some = False
     for shard, idx in by_shard.items():
         f = cache / f"features3-{shard}-{len(idx)}-{max_seq}-{tag}.pt"
         if f.exists():
             part = torch.load(f, weights_only=True)
+        elif some and time.time() >= deadline:
+            continue
         else:
             part = extract_aux(target, [seqs[i] for i in idx], layers)
             torch.save(part, f.with_suffix(".tmp"))
             f.with_suffix(".tmp").replace(f)                                 # never a half-written cache
         for i, t in zip(idx, part):
             feats[i] = t
+        some = True
     return feats
 
 
@@ -232,9 +239,16 @@ def fit_eagle3(target: Transformer, name: str, rows: list[Row], out: Path, opts:
     cfg = Eagle3Config.for_target(target, min(opts.vocab_size, target.vocab_size))
     ids = vocab_subset(seqs, cfg.draft_vocab, target.vocab_size)
     head = Eagle3Head(target, cfg, ids).init_from_target()
-    feats = _shard_features(target, rows, seqs, head.feature_layers, cache, opts.max_seq)
+    feats = shard_features(target, rows, seqs, head.feature_layers, cache, opts.max_seq,
+                            started + opts.minutes * 60)
+    if (left := sum(f.numel() == 0 for f in feats)):
+        print(f"the budget ran out during feature extraction: {left} of {len(rows)} rows left for a later run")
+        keep = [i for i, f in enumerate(feats) if f.numel()]
+        rows, seqs, feats = [rows[i] for i in keep], [seqs[i] for i in keep], [feats[i] for i in keep]
     train_idx = [i for i, r in enumerate(rows) if not r.validation]
     val_by_cat = _validation_by_category(rows)
+    if not train_idx:
+        raise SpecdecError("no training rows (every row read is a validation row); add data or raise --max-rows")
     w = target.output if target.output.numel() else target.embed
     w_sub = w[ids].float().detach()
     head.train()
