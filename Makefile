@@ -23,7 +23,7 @@ install: $(STAMP)
 
 demo: install
 	$(BIN)/specdec info
-	$(BIN)/specdec generate --method hybrid --prompt "Explain speculative decoding in two sentences." --max-new-tokens 128
+	$(BIN)/specdec generate --prompt "Explain speculative decoding in two sentences." --max-new-tokens 128
 
 # the whole suite, then the exactness tests again on the portable AVX2 kernels (SPECDEC_ISA=avx2), unless
 # torch's native kernels here are the AVX2 family already (the first pass ran them)

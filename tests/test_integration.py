@@ -164,10 +164,15 @@ def test_cli_json_contract():
     assert m["new_tokens"] == len(obj["tokens"]) and m["tau"] >= 1.0
     rt = obj["runtime"]                                         # the machine, dtype and self-check are named
     assert rt["dtype"] in ("float32", "bfloat16", "q4") and rt["self_check"]["passed"] and rt["cpu"]
+    assert obj["method"] == "ngram"
     plain = json.loads(subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "--prompt", "Say hello.",
-                                       "--max-new-tokens", "12", "--json"], capture_output=True, text=True,
-                                      timeout=300).stdout)
+                                       "--max-new-tokens", "12", "--method", "none", "--json"], capture_output=True,
+                                      text=True, timeout=300).stdout)
     assert plain["metrics"]["tau"] == 1.0 and plain["metrics"]["acceptance_rate"] is None
+    default = json.loads(subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "--prompt", "Say hello.",
+                                         "--max-new-tokens", "12", "--json"], capture_output=True, text=True,
+                                        timeout=300).stdout)
+    assert default["method"] == "hybrid" and default["tokens"] == plain["tokens"]      # speculation on by default
 
 
 @pytest.fixture(scope="module")

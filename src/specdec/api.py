@@ -117,6 +117,8 @@ def load_model(name_or_path: str, dtype: str = "auto", device: str = "cpu") -> t
     dev = parse_device(device)
     dt, int4 = choose_dtype(parse_dtype(dtype), dev)
     name, path = resolve(name_or_path)
+    logging.getLogger("specdec").info("loading %s (%s) and checking its kernels ...", name,
+                                      "q4" if int4 else str(dt).removeprefix("torch."))
     model = load_gguf(path, dt, dev, name=name, int4=int4)
     model.self_check = self_check(model)
     if not model.self_check.passed and (dt != torch.float32 or int4):
@@ -519,10 +521,24 @@ def _params(m: CausalLM) -> int:
     return sum(p.numel() for p in m.parameters()) if isinstance(m, torch.nn.Module) else 0
 
 
-def load(model: str | Path = DEFAULT_MODEL, method: str = "none", dtype: str = "auto", device: str = "cpu",
+def best_method(target: CausalLM) -> str:
+    """The default method for a target: `hybrid` (prompt lookup, else the EAGLE chain) where an EAGLE head is
+    shipped for it, else `suffix` (no weights: the context's and earlier outputs' continuations). With the
+    `auto` draft policy either drafts nothing where drafting does not pay."""
+    config = getattr(target, "config", None)
+    if config is not None and (WEIGHTS_DIR / SHIPPED.get((config.name, "eagle"), "-")).is_file():
+        return "hybrid"
+    return "suffix"
+
+
+def load(model: str | Path = DEFAULT_MODEL, method: str = names.AUTO_METHOD, dtype: str = "auto", device: str = "cpu",
          draft_model: str | CausalLM | None = None, num_draft_tokens: int = 4,
-         draft_policy: str = "fixed", tree: TreeShape | str = TreeShape()) -> Generator:
+         draft_policy: str = names.DEFAULT_POLICY, tree: TreeShape | str = TreeShape()) -> Generator:
     """Load a target (registered name or .gguf path) with a speculative method.
+
+    `method`: auto (the default: the best lossless method for the target, see best_method), one of METHODS,
+    or none for plain decoding. `draft_policy`: auto (the default: K from measured acceptance and costs, 0
+    where drafting does not pay), fixed (always `num_draft_tokens`) or heuristic.
 
     `dtype`: auto (the fastest mode this machine computes exactly: q4, else native bfloat16, else
     float32; see choose_dtype), float32, bfloat16 or q4.
@@ -531,8 +547,10 @@ def load(model: str | Path = DEFAULT_MODEL, method: str = "none", dtype: str = "
     tree); the default (topk 1) is a chain, the fastest on our CPU measurements."""
     if not isinstance(model, (str, Path)):
         raise SpecdecError(f"model must be a registered name or a .gguf path, got {type(model).__name__}")
-    if method not in METHODS:
-        raise SpecdecError(names.unknown("method", method, METHODS))
+    if method not in names.METHOD_CHOICES:
+        raise SpecdecError(names.unknown("method", method, names.METHOD_CHOICES))
+    if method == names.AUTO_METHOD and (draft_model is not None or tree not in ("1", TreeShape())):
+        raise SpecdecError("draft_model and tree belong to a named method: give method= too (e.g. 'draft', 'eagle')")
     if draft_policy not in POLICIES:
         raise SpecdecError(names.unknown("draft policy", draft_policy, POLICIES))
     if draft_model is not None and method in names.DRAFTLESS:
@@ -543,5 +561,7 @@ def load(model: str | Path = DEFAULT_MODEL, method: str = "none", dtype: str = "
     if tree != TreeShape() and method not in ("eagle", "eagle3"):
         raise SpecdecError(f"a draft tree shape ({tree}) applies to methods 'eagle' and 'eagle3' only, not {method!r}")
     target, tok, name = load_model(str(model), dtype, device)
+    if method == names.AUTO_METHOD:
+        method = best_method(target)
     proposer = make_proposer(method, target, tok, draft_model, dtype, device, tree)
     return Generator(target, tok, proposer, draft_policy, num_draft_tokens, name)

@@ -14,7 +14,7 @@ from typing import Callable
 from . import names
 from .errors import SpecdecError
 
-DEFAULT_METHOD = "none"
+DEFAULT_METHOD = names.AUTO_METHOD
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -67,12 +67,13 @@ def one_of(kind: str, options: tuple[str, ...]) -> Callable[[str], str]:
 
 
 def add_model_args(p: argparse.ArgumentParser, default_method: str = DEFAULT_METHOD,
-                   default_policy: str = "fixed") -> None:
+                   default_policy: str = names.DEFAULT_POLICY) -> None:
     from .models.registry import DEFAULT_MODEL, MODELS
 
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"registered name ({', '.join(MODELS)}) or a .gguf path")
-    p.add_argument("--method", default=default_method, type=one_of("method", names.METHODS), metavar="METHOD",
-                   help=f"speculative method: {', '.join(names.METHODS)}")
+    p.add_argument("--method", default=default_method, type=one_of("method", names.METHOD_CHOICES), metavar="METHOD",
+                   help=f"speculative method: {', '.join(names.METHODS)}; auto: the best lossless one for the "
+                        "model (hybrid where an EAGLE head is shipped for it, else suffix); none: plain decoding")
     p.add_argument("--draft-model", default=None,
                    help="what the method drafts with: for draft and staged a registered name, a .gguf path, a "
                         "distilled draft (.safetensors from `specdec train draft`) or self:N (the target's first N "
@@ -160,7 +161,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         res = gen.generate(prompt, **kw)
         from .api import runtime_info
 
-        print(json.dumps({"text": res.text, "tokens": res.tokens, "metrics": res.metrics,
+        print(json.dumps({"method": gen.method, "text": res.text, "tokens": res.tokens, "metrics": res.metrics,
                           "finish_reason": res.finish_reason, "prompt_tokens": res.prompt_tokens,
                           "runtime": runtime_info(gen.target)}))
         return 0
@@ -265,8 +266,12 @@ def run(argv: list[str]) -> int:
     import logging
 
     log = logging.getLogger("specdec")
-    if not log.handlers:                                     # notes such as a cross-vocabulary draft's overlap
-        handler = logging.StreamHandler(sys.stderr)
+    if not log.handlers:                                     # progress and notes (e.g. a draft vocabulary's overlap)
+        class Stderr(logging.Handler):                       # whatever sys.stderr is when a record comes
+            def emit(self, record: logging.LogRecord) -> None:
+                print(self.format(record), file=sys.stderr, flush=True)
+
+        handler = Stderr()
         handler.setFormatter(logging.Formatter("specdec: %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)

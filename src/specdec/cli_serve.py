@@ -22,7 +22,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter]) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI API (completions, chat, streaming) with speculation",
                        formatter_class=fmt)
-    add_model_args(p, default_policy="auto")             # batches come and go: K follows the batch size
+    add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told otherwise)")
     p.add_argument("--port", type=int_in(0, 65535), default=8000, help="TCP port to listen on")
     p.add_argument("--api-key", action="append", default=None,

@@ -9,6 +9,10 @@ from collections.abc import Iterable
 
 METHODS: tuple[str, ...] = ("none", "ngram", "draft", "eagle", "eagle3", "medusa", "staged", "lookahead", "self",
                             "suffix", "hybrid")
+# the default method: the best lossless method for the model (api.best_method), with the `auto` draft policy
+AUTO_METHOD = "auto"
+METHOD_CHOICES: tuple[str, ...] = (AUTO_METHOD, *METHODS)
+DEFAULT_POLICY = "auto"
 # methods that draft from the context alone (and from a prediction, as every method does): no draft_model
 DRAFTLESS: tuple[str, ...] = ("none", "ngram", "suffix")
 POLICIES: tuple[str, ...] = ("fixed", "heuristic", "auto")
