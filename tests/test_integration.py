@@ -50,6 +50,7 @@ def target_auto():
     """The target in the dtype `auto` picks on this machine (bfloat16 where the CPU has it, else float32)."""
     model, tok, name = load_model("smollm2-135m", "auto")
     assert model.self_check.passed, model.self_check.summary()
+    assert model.self_check.dtype == model.compute                 # one name for the mode: q4 where auto chose it
     return model, tok
 
 

@@ -107,9 +107,21 @@ def cmd_info(a: argparse.Namespace) -> int:
     from .api import load_model, runtime_info
     from .machine import probe
 
+    import resource
+    import time
+
+    from .models.registry import cache_dir
+
     m = probe()
+    t0 = time.perf_counter()
     target, _, name = load_model(a.model, a.dtype, a.device)
-    info = {"model": name, "machine": m.as_dict(), **runtime_info(target)}
+    load_s = time.perf_counter() - t0
+    cache = cache_dir()
+    cache_mb = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file()) / 2**20 if cache.is_dir() else 0.0
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024              # Linux: KiB
+    info = {"model": name, "machine": m.as_dict(), **runtime_info(target),
+            "load_seconds": round(load_s, 2), "cache": {"path": str(cache), "megabytes": round(cache_mb, 1)},
+            "peak_rss_megabytes": round(peak_mb, 1)}
     if a.json:
         print(json.dumps(info))
         return 0
@@ -123,7 +135,10 @@ def cmd_info(a: argparse.Namespace) -> int:
             ("int4 kernel", "yes" if m.int4_kernel else "no"),
             ("model", name), ("dtype", info["dtype"] + (f" (chosen by {a.dtype})" if a.dtype == "auto" else "")),
             ("linear kernels", info["kernels"]),
-            ("self-check", check.summary())]
+            ("self-check", check.summary()),
+            ("load", f"{load_s:.2f} s (this start; the first on a machine converts weights and checks kernels)"),
+            ("cache", f"{cache_mb:.0f} MB in {cache} ($SPECDEC_CACHE)"),
+            ("peak RSS", f"{peak_mb:.0f} MB")]
     rows += [(f"  {k}", v) for k, v in check.linears.items()]
     w = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{w}}  {v}" for k, v in rows))

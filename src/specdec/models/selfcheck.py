@@ -85,5 +85,5 @@ def self_check(model: Transformer) -> SelfCheck:
     ok = (torch.equal(_scores(one, model, prompts, cont, [0], [4, 5]), alone)
           and torch.equal(_scores(one, model, prompts, cont, [0], [SCORED]), alone)
           and torch.equal(_scores(one, model, prompts, cont, [1, 0], [1, 3, 5])[1:], alone))
-    name = str(model.dtype).removeprefix("torch.")
+    name = getattr(model, "compute", str(model.dtype).removeprefix("torch."))     # q4, bfloat16, float32
     return SelfCheck(name, _linear_verdicts(model), ok, time.perf_counter() - t0)
