@@ -201,3 +201,18 @@ def test_feature_extraction_stops_at_a_shard_boundary_when_the_budget_is_out(tmp
                         random.Random(0), time.time())
     assert report["rows"] == 20 and report["steps"] == 0           # the first shard only, no time left to train
     assert len(list(tmp_path.glob("features3-*.pt"))) == 1
+
+
+def test_the_schedule_starts_at_the_peak_after_a_long_setup(tmp_path):
+    """Feature extraction spends budget, not learning rate: the first step runs at the peak, the last near 10%."""
+    m, opt = _toy()
+    lrs = []
+
+    def step_fn():
+        lrs.append(opt.param_groups[0]["lr"])
+        time.sleep(0.02)
+        return m(torch.ones(1, 4)).sum(), {}
+
+    train_loop("toy", list(m.parameters()), opt, 1e-2, 2.0 / 60, Checkpoint(tmp_path / "t.safetensors", m, opt),
+               step_fn, setup_s=1.0)
+    assert lrs[0] > 0.99e-2 and lrs[-1] < 0.2e-2

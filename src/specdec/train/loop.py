@@ -26,6 +26,7 @@ class Checkpoint:
         self.module, self.opt, self.every_s = module, opt, every_s
         self.last_save = time.time()
         self.tokens = 0                                        # training tokens seen (the step function counts)
+        self.setup = 0.0                                       # seconds of the budget spent before the first step
 
     def resume(self) -> tuple[int, float]:
         """Load the state if a checkpoint exists. -> (step, seconds already spent); (0, 0.0) for a fresh run."""
@@ -35,13 +36,15 @@ class Checkpoint:
         self.module.load_state_dict(state["module"])
         self.opt.load_state_dict(state["opt"])
         self.tokens = int(state.get("tokens", 0))
+        self.setup = float(state.get("setup", 0.0))
         print(f"resumed from {self.path} at step {state['step']} ({state['seconds'] / 60:.1f} min spent)")
         return int(state["step"]), float(state["seconds"])
 
     def save(self, step: int, seconds: float) -> None:
         tmp = self.path.with_suffix(".ckpt.tmp")
         torch.save({"module": self.module.state_dict(), "opt": self.opt.state_dict(), "step": step,
-                    "seconds": seconds, "tokens": self.tokens}, tmp)
+                    "seconds": seconds, "tokens": self.tokens,
+                    "setup": self.setup}, tmp)
         tmp.replace(self.path)                                 # never a half-written checkpoint
         self.last_save = time.time()
 
@@ -61,9 +64,10 @@ def autocast(dtype: torch.dtype) -> ContextManager:
     return contextlib.nullcontext()
 
 
-def _lr_factor(elapsed: float, budget: float) -> float:
-    """Cosine from 1 to 0.1 over the budget."""
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(elapsed / budget, 1.0)))
+def _lr_factor(elapsed: float, budget: float, setup: float) -> float:
+    """Cosine from 1 to 0.1 over what the budget left for training after `setup` seconds."""
+    frac = (elapsed - setup) / max(budget - setup, 1e-9)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(max(frac, 0.0), 1.0)))
 
 
 class _Reports:
@@ -93,10 +97,13 @@ def train_loop(desc: str, params: list[torch.nn.Parameter], opt: torch.optim.Opt
     when `dtype` is bfloat16 (fp32 master weights), else in float32. Resumes from and writes `ckpt`.
     The budget is wall time: `setup_s` (this run's feature extraction and loading), the steps, the
     periodic reports and checkpoints all count, across resumed runs too; the last step may end past it.
+    The cosine runs over what the set-up before the first step left of the budget.
     Every `report_every_s` seconds the line `report(step)` returns (e.g. validation figures) is printed,
     under the same autocast, where its cost fits in what is left. -> (steps, minutes).
     """
     step, spent = ckpt.resume()
+    if step == 0:
+        ckpt.setup = spent + setup_s                           # the schedule starts with the first step
     budget = minutes * 60
     t0 = time.time() - spent - setup_s
     bar = tqdm(desc=desc, unit="step", initial=step, mininterval=0.1 if sys.stderr.isatty() else 60.0)
@@ -105,7 +112,7 @@ def train_loop(desc: str, params: list[torch.nn.Parameter], opt: torch.optim.Opt
         while (elapsed := time.time() - t0) < budget:
             a = time.time()
             for g in opt.param_groups:
-                g["lr"] = lr * _lr_factor(elapsed, budget)
+                g["lr"] = lr * _lr_factor(elapsed, budget, ckpt.setup)
             with autocast(dtype):
                 loss, fields = step_fn()
             opt.zero_grad()
