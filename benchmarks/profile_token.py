@@ -1,0 +1,157 @@
+"""Where one decoding (or verification) forward's time goes, on this machine.
+
+Prefills a prompt, then runs N forwards of `--rows` tokens each (1: plain decoding; K+1: verifying
+a chain of K drafts) through the target and its LM head, as the engine does, and prints per forward:
+
+- the wall time without the profiler (median of the forwards), and under torch.profiler:
+- the linear kernels of the layers (int4 `_weight_int4pack_mm_for_cpu`, oneDNN, F.linear),
+- the LM head, attention (`attention.attention`), and everything else,
+- the number of profiler events (aten ops) per forward and the most frequent ones.
+
+The profiler adds a few microseconds per op, so its total exceeds the plain wall time; the split
+shows where the time goes, the plain figure what a user gets.
+
+    .venv/bin/python benchmarks/profile_token.py smollm2-135m --dtype q4 --threads 1 --tokens 32
+    .venv/bin/python benchmarks/profile_token.py smollm2-135m --dtype q4 --rows 5      # a 4-draft verification
+    .venv/bin/python benchmarks/profile_token.py smollm2-135m --dtype q4 --head int4   # force an LM head kernel
+    SPECDEC_ISA=avx2 .venv/bin/python benchmarks/profile_token.py smollm2-135m --dtype q4
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import time
+from collections.abc import Callable
+
+import specdec  # noqa: F401  (applies $SPECDEC_ISA before torch computes)
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from specdec.api import load_model
+from specdec.machine import cpu_model, probe
+from specdec.models import decoder
+from specdec.models.kernels import pack
+
+LINEAR_OPS = ("aten::_weight_int4pack_mm_for_cpu", "mkldnn::_linear_pointwise", "aten::linear", "aten::addmm",
+              "aten::mm", "aten::matmul")
+LABELS = ("forward", "lm_head", "attention")      # record_function labels this script adds
+
+
+def labelled(fn: Callable, label: str) -> Callable:
+    """fn, its calls marked `label` in the profile."""
+    def run(*args, **kw):
+        with record_function(label):
+            return fn(*args, **kw)
+    return run
+
+
+class Run:
+    """A model, a cache holding a prompt, and forwards of `rows` tokens after it."""
+
+    def __init__(self, model, prompt: int, rows: int, tokens: int) -> None:
+        self.model, self.rows = model, rows
+        self.cache = model.new_cache(1, prompt + rows * (tokens + 4) + 8)
+        self.row = torch.tensor([0])
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, model.vocab_size, (1, prompt), generator=g)
+        pos = torch.arange(prompt)[None]
+        model.prefill(ids, pos, self.cache, self.row)
+        self.cache.commit(self.row, pos, torch.tensor([prompt]))
+        self.next = torch.randint(0, model.vocab_size, (1, rows), generator=g)
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """One forward of `rows` tokens, the head, the argmax; all rows committed (the cache grows by `rows`)."""
+        at = int(self.cache.lengths[0])
+        pos = torch.arange(at, at + self.rows)[None]                          # [1, rows]
+        with record_function("forward"):
+            hidden = self.model(self.next, pos, self.cache, self.row)         # [1, rows, H]
+            logits = self.model.lm_head(hidden)                               # [1, rows, V]
+            self.next = torch.cat([self.next[:, 1:], logits[:, -1:].argmax(-1)], 1)
+        self.cache.commit(self.row, torch.arange(self.rows)[None], torch.tensor([self.rows]))
+
+
+def split(prof, n: int) -> tuple[dict[str, float], float, collections.Counter]:
+    """(ms per forward by part, profiler events per forward, op counts) from the profiled forwards."""
+    parts = dict.fromkeys(("linear kernels", "LM head", "attention", "rest"), 0.0)
+    ops: collections.Counter = collections.Counter()
+    total = 0.0
+    for e in prof.events():
+        if e.name == "forward":
+            total += e.cpu_time_total
+            continue
+        if e.name in LABELS[1:]:
+            parts["LM head" if e.name == "lm_head" else "attention"] += e.cpu_time_total
+            continue
+        ops[e.name] += 1
+        up, inside = e.cpu_parent, False
+        while up is not None:
+            if up.name in LABELS[1:] or up.name in LINEAR_OPS:
+                inside = True
+                break
+            up = up.cpu_parent
+        if e.name in LINEAR_OPS and not inside:
+            parts["linear kernels"] += e.cpu_time_total
+    parts["rest"] = total - sum(parts.values())
+    return {k: v / 1000 / n for k, v in parts.items()}, ops.total() / n, ops
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", nargs="?", default="smollm2-135m")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--tokens", type=int, default=32, help="forwards timed (and as many profiled)")
+    ap.add_argument("--rows", type=int, default=1, help="tokens per forward (K+1 to verify K drafts)")
+    ap.add_argument("--prompt", type=int, default=64, help="prompt tokens before the first forward")
+    ap.add_argument("--top", type=int, default=12, help="most frequent ops to list")
+    ap.add_argument("--head", choices=("chosen", "dense", "int4"), default="chosen",
+                    help="the LM head kernel: the one chosen on this machine, or force one of the candidates")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    model, _, _ = load_model(a.model, a.dtype)
+    m = probe()
+    if a.head == "dense":
+        model.packed["lm_head"] = pack(model.output if model.output.numel() else model.embed)
+    elif a.head == "int4":
+        model.packed["lm_head"] = model.head_kernels["int4"]
+    decoder.attention = labelled(decoder.attention, "attention")
+    model.lm_head = labelled(model.lm_head, "lm_head")
+
+    run = Run(model, a.prompt, a.rows, 3 * a.tokens + 4)
+    for _ in range(4):
+        run.step()                                                            # warm-up
+    times = []
+    for _ in range(a.tokens):
+        t = time.perf_counter()
+        run.step()
+        times.append(time.perf_counter() - t)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(a.tokens):
+            run.step()
+    for _ in range(a.tokens):                                                 # timed again: noise hits both halves
+        t = time.perf_counter()
+        run.step()
+        times.append(time.perf_counter() - t)
+    parts, n_ops, ops = split(prof, a.tokens)
+
+    head = model.packed["lm_head"]
+    print(f"{a.model} {model.compute} (LM head: {type(head).__name__} {str(head.dtype).removeprefix('torch.')}), "
+          f"{a.threads} thread(s), {a.rows} row(s) per forward, {a.tokens} forwards after {a.prompt} prompt tokens")
+    print(f"CPU: {cpu_model()}, torch {torch.__version__} kernels {m.torch_capability}"
+          f"{', ISA limit ' + m.isa_limit if m.isa_limit else ''}")
+    wall = statistics.median(times) * 1000
+    print(f"wall time per forward (no profiler): median {wall:.2f} ms, fastest {min(times) * 1000:.2f} ms "
+          f"({1000 / wall * a.rows:.1f} rows/s at the median)")
+    profiled = sum(parts.values())
+    print(f"under the profiler: {profiled:.2f} ms per forward")
+    for k, v in parts.items():
+        print(f"  {k:<15} {v:7.2f} ms  {100 * v / profiled:5.1f}%")
+    print(f"profiler events per forward: {n_ops:.0f}; most frequent:")
+    for name, c in ops.most_common(a.top):
+        print(f"  {c / a.tokens:7.1f}  {name}")
+
+
+if __name__ == "__main__":
+    main()
