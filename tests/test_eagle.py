@@ -89,3 +89,40 @@ def test_weights_roundtrip_and_errors(tmp_path):
         EagleHead.load(bad, target)
     with pytest.raises(SpecdecError, match="not found"):
         EagleHead.load(tmp_path / "missing.safetensors", target)
+
+
+@pytest.mark.slow        # 20,000 sequences: `make test`
+@pytest.mark.parametrize("params", [SamplingParams(0.7, 5, 0.9), SamplingParams(1.0, 6, 0.95)], ids=["t0.7", "t1.0"])
+def test_eagle_sampled_drafts_match_exact_distribution(params):
+    """Drafts drawn from the head's own q (reduced vocabulary, the row's transform) and verified by the rejection
+    rule: the output is the target's distribution."""
+    target = tiny_model(seed=20, vocab=V, std=0.5)
+    prompt = [1, 2, 3]
+    prop = EagleProposer(head_for(target, vocab=torch.arange(0, V, 2)), 1, 3, 3, sample_drafts=True)
+    samples = sample_engine(target, prop, params, prompt, n=20_000, k=3)
+    assert check_joint(samples, exact_joint(target, prompt, params)) > 1e-3
+
+
+def test_eagle_sampled_drafts_are_reproducible_and_greedy_rows_stay_plain():
+    target = tiny_model(seed=21)
+    head = head_for(target)
+    gen = tiny_generator(target, EagleProposer(head, 1, 4, 4, sample_drafts=True), "fixed", 4)
+    a = gen.generate(PROMPTS, max_new_tokens=24, temperature=0.9, seed=3)
+    b = gen.generate(PROMPTS, max_new_tokens=24, temperature=0.9, seed=3)
+    assert [r.tokens for r in a] == [r.tokens for r in b]
+    assert all(r.metrics["acceptance_rate"] is not None for r in a)                # it drafted
+    greedy = gen.generate(PROMPTS, max_new_tokens=24)
+    assert [r.tokens for r in greedy] == [reference_greedy(target, p, 24) for p in PROMPTS]
+    with pytest.raises(SpecdecError, match="chains"):
+        EagleProposer(head, 2, 4, 8, sample_drafts=True)
+
+
+def test_sample_drafts_is_refused_where_it_does_not_apply():
+    from specdec.api import make_proposer
+    from specdec.tree import TreeShape
+
+    target = tiny_model(seed=2)
+    with pytest.raises(SpecdecError, match="applies to the chains of eagle and eagle3"):
+        make_proposer("ngram", target, None, None, "float32", "cpu", TreeShape(), sample_drafts=True)
+    with pytest.raises(SpecdecError, match="with a tree"):
+        make_proposer("eagle", target, None, None, "float32", "cpu", TreeShape(4, 16), sample_drafts=True)

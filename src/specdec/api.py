@@ -327,15 +327,23 @@ class ProposerInputs:
     dtype: str
     device: str
     tree: TreeShape
+    sample_drafts: bool = False       # eagle, eagle3: sampling rows draw drafts from the head's q
+
+
+SAMPLED_HEADS = ("eagle", "eagle3")   # methods whose drafts may be sampled from their own q (sample_drafts)
 
 
 def make_proposer(method: str, target: CausalLM, target_tok: Tokenizer, source: DraftSource,
-                  dtype: str, device: str, tree: TreeShape = TreeShape()) -> Proposer:
+                  dtype: str, device: str, tree: TreeShape = TreeShape(), sample_drafts: bool = False) -> Proposer:
     """The proposer of `method` for `target`, drafting with `source` (see DraftSource)."""
     build = PROPOSER_BUILDERS.get(method)
     if build is None:
         raise SpecdecError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
-    return build(ProposerInputs(target, target_tok, source, dtype, device, tree))
+    if sample_drafts and (method not in SAMPLED_HEADS or tree.topk != 1):
+        raise SpecdecError(f"sample_drafts (--sample-drafts) applies to the chains of {' and '.join(SAMPLED_HEADS)} "
+                           f"(method 'draft' samples its drafts always), not {method!r}"
+                           + (f" with a tree ({tree})" if tree.topk != 1 else ""))
+    return build(ProposerInputs(target, target_tok, source, dtype, device, tree, sample_drafts))
 
 
 def _draft_proposer(x: ProposerInputs) -> Proposer:
@@ -442,8 +450,8 @@ PROPOSER_BUILDERS: dict[str, Callable[[ProposerInputs], Proposer]] = {
     "none": lambda x: NoProposer(),
     "ngram": lambda x: NgramProposer(),
     "draft": _draft_proposer,
-    "eagle": lambda x: eagle_proposer(x.target, x.source, x.tree),
-    "eagle3": lambda x: eagle3_proposer(x.target, x.source, x.tree),
+    "eagle": lambda x: eagle_proposer(x.target, x.source, x.tree, x.sample_drafts),
+    "eagle3": lambda x: eagle3_proposer(x.target, x.source, x.tree, x.sample_drafts),
     "medusa": _medusa_proposer,
     "staged": _staged_proposer,
     "lookahead": _lookahead_proposer,
@@ -459,7 +467,7 @@ METHODS = tuple(PROPOSER_BUILDERS)
 EAGLE_CHAIN_MIN_CONFIDENCE = 0.1
 
 
-def eagle_proposer(target: CausalLM, head: DraftSource, tree: TreeShape) -> EagleProposer:
+def eagle_proposer(target: CausalLM, head: DraftSource, tree: TreeShape, sample_drafts: bool = False) -> EagleProposer:
     """The EAGLE proposer for a lean target: the head whose weights file is `head`, or the one we ship."""
     from .models.decoder import Transformer
     from .models.eagle import EagleHead
@@ -469,10 +477,10 @@ def eagle_proposer(target: CausalLM, head: DraftSource, tree: TreeShape) -> Eagl
         raise SpecdecError("EAGLE drafting (methods 'eagle', 'hybrid') needs a lean GGUF target")
     path = head if isinstance(head, str) else shipped(target.config.name, "eagle")
     return EagleProposer(EagleHead.load(Path(path), target), tree.topk, MAX_DRAFT_TOKENS, tree.budget,
-                         EAGLE_CHAIN_MIN_CONFIDENCE)
+                         EAGLE_CHAIN_MIN_CONFIDENCE, sample_drafts=sample_drafts)
 
 
-def eagle3_proposer(target: CausalLM, head: DraftSource, tree: TreeShape) -> EagleProposer:
+def eagle3_proposer(target: CausalLM, head: DraftSource, tree: TreeShape, sample_drafts: bool = False) -> EagleProposer:
     """The EAGLE-3 proposer for a lean target (an engine with it asks the target's forwards for the head's
     feature layers too)."""
     from .models.decoder import Transformer
@@ -488,7 +496,8 @@ def eagle3_proposer(target: CausalLM, head: DraftSource, tree: TreeShape) -> Eag
         h = import_eagle3(path, target)
     else:
         h = Eagle3Head.load(path, target)
-    return EagleProposer(h, tree.topk, MAX_DRAFT_TOKENS, tree.budget, EAGLE_CHAIN_MIN_CONFIDENCE, name="eagle3")
+    return EagleProposer(h, tree.topk, MAX_DRAFT_TOKENS, tree.budget, EAGLE_CHAIN_MIN_CONFIDENCE, name="eagle3",
+                         sample_drafts=sample_drafts)
 
 
 # the head `hybrid` drafts with where prompt lookup has no match: the one with the better mini-suite
@@ -533,7 +542,8 @@ def best_method(target: CausalLM) -> str:
 
 def load(model: str | Path = DEFAULT_MODEL, method: str = names.AUTO_METHOD, dtype: str = "auto", device: str = "cpu",
          draft_model: str | CausalLM | None = None, num_draft_tokens: int = 4,
-         draft_policy: str = names.DEFAULT_POLICY, tree: TreeShape | str = TreeShape()) -> Generator:
+         draft_policy: str = names.DEFAULT_POLICY, tree: TreeShape | str = TreeShape(),
+         sample_drafts: bool = False) -> Generator:
     """Load a target (registered name or .gguf path) with a speculative method.
 
     `method`: auto (the default: the best lossless method for the target, see best_method), one of METHODS,
@@ -544,7 +554,10 @@ def load(model: str | Path = DEFAULT_MODEL, method: str = names.AUTO_METHOD, dty
     float32; see choose_dtype), float32, bfloat16 or q4.
     `draft_model`: what the method drafts with (see DraftSource); methods none, ngram and suffix take none.
     `tree` shapes the drafts of eagle and eagle3: a TreeShape or "TOPKxBUDGET" (e.g. "4x16" for a dynamic
-    tree); the default (topk 1) is a chain, the fastest on our CPU measurements."""
+    tree); the default (topk 1) is a chain, the fastest on our CPU measurements.
+    `sample_drafts` (eagle, eagle3 chains): rows that sample draw their drafts from the head's own q; accepted
+    with probability 1 - TV(p, q) instead of p(argmax q), exact by the rejection rule, but the sampled output
+    is then not token-identical to `none`'s for the same seed (reproducible for a fixed seed, K and batch)."""
     if not isinstance(model, (str, Path)):
         raise SpecdecError(f"model must be a registered name or a .gguf path, got {type(model).__name__}")
     if method not in names.METHOD_CHOICES:
@@ -563,5 +576,5 @@ def load(model: str | Path = DEFAULT_MODEL, method: str = names.AUTO_METHOD, dty
     target, tok, name = load_model(str(model), dtype, device)
     if method == names.AUTO_METHOD:
         method = best_method(target)
-    proposer = make_proposer(method, target, tok, draft_model, dtype, device, tree)
+    proposer = make_proposer(method, target, tok, draft_model, dtype, device, tree, sample_drafts)
     return Generator(target, tok, proposer, draft_policy, num_draft_tokens, name)

@@ -90,6 +90,10 @@ def add_model_args(p: argparse.ArgumentParser, default_method: str = DEFAULT_MET
     p.add_argument("--tree", default="1", help="draft shape of eagle and eagle3: TOPKxBUDGET for a dynamic tree "
                                                 "(e.g. 4x16: 4 children per node, 16 best nodes kept), 1 for a chain "
                                                 "of K")
+    p.add_argument("--sample-drafts", action="store_true",
+                   help="eagle and eagle3 chains: when sampling (--temperature > 0), draw the drafts from the head's "
+                        "own distribution instead of its argmax (higher acceptance where the head is close to the "
+                        "model; exact, but the sampled text differs from --method none's for the same seed)")
     add_dtype_arg(p)
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
 
@@ -168,7 +172,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     prompt = read_text(a.prompt_file, "prompt") if a.prompt_file is not None else a.prompt
     prediction = read_text(a.prediction_file, "prediction") if a.prediction_file is not None else ""
     gen = specdec.load(a.model, method=a.method, dtype=a.dtype, device=a.device, draft_model=a.draft_model,
-                       num_draft_tokens=a.num_draft_tokens, draft_policy=a.draft_policy, tree=a.tree)
+                       num_draft_tokens=a.num_draft_tokens, draft_policy=a.draft_policy, tree=a.tree,
+                       sample_drafts=a.sample_drafts)
     chat = gen.tokenizer.has_chat_template if a.chat is None else a.chat
     kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
               seed=a.seed, stop=tuple(a.stop), chat=chat, truncate=a.truncate, prediction=prediction)

@@ -93,6 +93,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
                          prefill_tokens=a.prefill_tokens, prefix_cache_mb=a.prefix_cache_mb,
                          prefill_threads=a.prefill_threads or cores, max_engines=a.max_engines)
     torch.set_num_threads(a.threads or cores)
+    if a.sample_drafts:
+        raise SpecdecError("--sample-drafts is an option of generate and specdec.load; the server's engines draft "
+                           "point masses (their sampled output equals plain sampling's for the same seed)")
     own_draft = a.draft_model if a.method not in DRAFTLESS else None   # else: requests' method 'draft' uses it
     gen = specdec.load(a.model, method=a.method, dtype=a.dtype, device=a.device, draft_model=own_draft,
                        num_draft_tokens=a.num_draft_tokens, draft_policy=a.draft_policy, tree=a.tree)

@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..errors import SpecdecError
 from ..models.eagle import EagleHead
 from ..models.eagle3 import Eagle3Head
+from ..sampling import Stream, position_uniforms, sample, step_seeds, to_probs
 from ..tree import PAD
 from ..verify import ROOT, Draft, Verdict
 from .base import ActiveBatch
@@ -32,12 +34,18 @@ class EagleProposer:
     feature_layers: tuple[int, ...] = ()                 # the head's (EAGLE-3: low/middle/high target layers)
 
     def __init__(self, head: EagleHead | Eagle3Head, topk: int = 4, depth: int = 5, budget: int = 16,
-                 min_confidence: float = 0.0, name: str = "eagle") -> None:
+                 min_confidence: float = 0.0, name: str = "eagle", sample_drafts: bool = False) -> None:
         """min_confidence: a chain stops where the head's cumulative probability of its drafts falls
         below it (0 = always draft `depth` tokens); drafts that would rarely be accepted cost
         target compute and head forwards for nothing. Each sequence's chain is cut by its own
-        confidence; the batch drafts until every chain has stopped. Trees use `budget` instead."""
+        confidence; the batch drafts until every chain has stopped. Trees use `budget` instead.
+        sample_drafts: a chain's rows that sample draw their drafts from the head's own q (through the
+        row's sampling transform) instead of drafting its argmax: accepted with probability 1 - TV(p, q)
+        rather than p(argmax q), still exact by the rejection rule, but not seed-equal to plain decoding."""
+        if sample_drafts and topk != 1:
+            raise SpecdecError("sampled drafts are chains: a draft tree (topk > 1) drafts point masses")
         self.head, self.topk, self.depth, self.budget, self.name = head, topk, depth, budget, name
+        self.sample_drafts = sample_drafts
         self.feature_layers = head.feature_layers
         self.log_min_confidence = math.log(min_confidence) if min_confidence > 0 else -math.inf
         self.pred: dict[int, Tensor] = {}
@@ -86,6 +94,8 @@ class EagleProposer:
         chain (topk 1) is the draft, cut where its confidence falls too low, a tree keeps the best nodes."""
         rows = batch.rows
         pred = torch.stack([self.pred[r] for r in rows.tolist()])  # [B, H]
+        if self.sample_drafts and bool((batch.sampling.temperature > 0).any()):
+            return self._sampled_chain(batch, pred, min(self.depth, k))
         grown = self._first_level(pred)
         for d in range(1, min(self.depth, k)):                     # feed depth-d frontier -> depth d+1 children
             if self.topk == 1 and bool((grown.score[-1] < self.log_min_confidence).all()):
@@ -97,6 +107,36 @@ class EagleProposer:
             low = score < self.log_min_confidence                  # cumulative: a suffix of each chain
             return Draft(tok.masked_fill(low, PAD))                # [B, depth], one node per depth in order
         return self._select(tok, par, score, depth)
+
+    def _sampled_chain(self, batch: ActiveBatch, pred: Tensor, k: int) -> Draft:
+        """A chain of k drafts drawn from the head's q (greedy rows: its argmax), with q [B, k, V]. Depth d
+        feeds the d drafts so far (each with its predecessor's head output as feature) causally after the
+        head's cache, as the point-mass chain does; a row stops where its cumulative q falls below
+        min_confidence (a stopping rule on drafted tokens only: the rejection rule stays exact)."""
+        rows, dev = batch.rows, pred.device
+        B = pred.shape[0]
+        first = torch.tensor([len(t) for t in batch.tokens], device=dev)                # [B] the first draft's position
+        u = position_uniforms(step_seeds(batch.seeds.to(dev), first), first[:, None] + torch.arange(k, device=dev),
+                              Stream.DRAFT)                                              # [B, k]
+        vocab_ids = self.head.vocab_ids.to(dev)
+        V = self.head.tgt.vocab_size
+        base = self.cache.lengths[rows]
+        out, feats, toks, qs = pred, [pred], [], []
+        for d in range(k):
+            logits = torch.full((B, V), float("-inf"), device=dev)
+            logits[:, vocab_ids] = self.head.logits(out).float()                         # [B, V], -inf off the head's vocab
+            q = to_probs(logits[:, None], batch.sampling)[:, 0]                          # [B, V]; greedy rows one-hot
+            toks.append(sample(q, u[:, d]))
+            qs.append(q)
+            if d == k - 1:
+                break
+            tok = torch.stack(toks, 1)                                                    # [B, d+1]
+            h = self.head(tok, torch.stack(feats, 1), base[:, None] + torch.arange(d + 1, device=dev), self.cache, rows)
+            out = h[:, -1]
+            feats.append(out)
+        tokens, probs = torch.stack(toks, 1), torch.stack(qs, 1)                          # [B, k], [B, k, V]
+        logq = probs.gather(-1, tokens[..., None])[..., 0].clamp(min=1e-30).log().cumsum(-1)
+        return Draft(tokens.masked_fill(logq < self.log_min_confidence, PAD), probs)
 
     def _first_level(self, pred: Tensor) -> "Candidates":
         """The topk children of the pending token from the head's prediction pred [B, H]."""
