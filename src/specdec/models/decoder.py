@@ -16,7 +16,8 @@ from torch import Tensor, nn
 from ..cache import KVCache
 from .attention import INVARIANT_MAX_T, KV_BLOCK, AttentionMask, attention
 from .config import ModelConfig
-from .kernels import DenseLinear, Kernel, linear, pack, packed_linear_available
+from .int4 import HEAD
+from .kernels import DenseLinear, Kernel, fastest, linear, pack, packed_linear_available
 
 if TYPE_CHECKING:
     from ..verify import Reuse
@@ -135,6 +136,7 @@ class Transformer(nn.Module):
         self.output = nn.Parameter(torch.empty(0))          # empty: tied to `embed`
         self.packed: dict[str, Kernel] = {}
         self.int4 = False                                   # decoding runs 4-bit kernels (see use_int4)
+        self.head_kernels: dict[str, Kernel] = {}           # LM head candidates besides the dense one (see pack)
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_base, cfg.max_seq_len)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -208,17 +210,30 @@ class Transformer(nn.Module):
             layer.packed = {n: layer.packed[n] if n in layer.int4 else pack(getattr(layer, n)) for n in LINEARS}
             layer.prefill_kernels = ({n: pack(getattr(layer, n).float(), 128) for n in LINEARS} if copies
                                  else {n: DenseLinear(getattr(layer, n)) for n in layer.int4})
-        self.packed = {"lm_head": pack(self.output if self.output.numel() else self.embed)}
+        self.packed = {"lm_head": self._head_kernel()}
         return self
+
+    def _head_kernel(self) -> Kernel:
+        """The LM head's kernel: the prepacked dense head, or where `use_int4` gave others (an 8-bit head as
+        4-bit halves) the fastest of them on this machine, measured at its first start (`kernels.fastest`)."""
+        w = self.output if self.output.numel() else self.embed
+        if not self.head_kernels:
+            return pack(w)
+        makers = {"dense": lambda: pack(w), **{n: (lambda k=k: k) for n, k in self.head_kernels.items()}}
+        return fastest(("lm_head", *w.shape, cfg_dtype_name(w.dtype), *sorted(makers)), makers, w)
 
     def use_int4(self, kernels: dict[tuple[int, str], Kernel]) -> "Transformer":
         """Decode and verify through 4-bit kernels ((layer, linear name) -> kernel, e.g. `int4.Int4Linear`);
         prefills of those layers run F.linear on the dequantized weights (faster for many rows, no packed
-        copy). Call before `pack`."""
+        copy). The key `int4.HEAD` names an LM head candidate (timed against the dense head by `pack`).
+        Call before `pack`."""
         for (i, name), k in kernels.items():
+            if (i, name) == HEAD:
+                self.head_kernels["int4"] = k
+                continue
             self.layers[i].int4.add(name)
             self.layers[i].packed[name] = k
-        self.int4 = self.int4 or bool(kernels)
+        self.int4 = self.int4 or bool(kernels.keys() - {HEAD})
         return self
 
     def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache, rows: Tensor,

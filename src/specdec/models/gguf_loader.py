@@ -11,7 +11,7 @@ import torch
 from ..errors import SpecdecError
 from .config import ModelConfig
 from .decoder import Transformer
-from .int4 import INT4_TYPES, Blocks4, Int4Linear, read_blocks
+from .int4 import HEAD, HEAD_TYPES, INT4_TYPES, Blocks4, Int4Linear, read_blocks, read_head
 from .kernels import Kernel
 
 SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
@@ -22,7 +22,7 @@ class Weights:
     """A model converted from its file: what `build` makes a decoder of, and the cache stores."""
     config: ModelConfig                        # the file's own (full context)
     state: dict[str, torch.Tensor]             # Transformer parameter name -> dequantized weight (CPU)
-    int4: dict[tuple[int, str], Kernel]        # (layer, fused linear name) -> 4-bit kernel (`Int4Linear`)
+    int4: dict[tuple[int, str], Kernel]        # (layer, fused linear name) or int4.HEAD -> 4-bit kernel (`Int4Linear`)
 
 
 def open_gguf(path: str | Path):
@@ -129,6 +129,10 @@ def read_gguf(path: Path, dtype: torch.dtype, int4: bool) -> Weights:
 
     arch_interleaved = field(reader, "general.architecture") == "llama"
     blocks4 = int4_blocks(raw, cfg, arch_interleaved) if int4 else {}
+    head = "output.weight" if "output.weight" in raw else "token_embd.weight"
+    kernels4 = {key: Int4Linear.of(b) for key, b in blocks4.items()}
+    if int4 and head in raw and raw[head].tensor_type.name in HEAD_TYPES:   # an 8-bit head as 4-bit halves (int4.py)
+        kernels4[HEAD] = Int4Linear.of(read_head(raw[head]), copies=2)
     sd: dict[str, torch.Tensor] = {"embed": take("token_embd.weight"), "norm": take("output_norm.weight")}
     sd["output"] = take("output.weight") if "output.weight" in raw else torch.empty(0, dtype=dtype)
     for i in range(cfg.n_layers):
@@ -141,7 +145,7 @@ def read_gguf(path: Path, dtype: torch.dtype, int4: bool) -> Weights:
         for src, dst in _LAYER_MAP.items():
             if p + src + ".weight" in raw:
                 sd[f"layers.{i}.{dst}"] = take(p + src + ".weight")
-    return Weights(cfg, sd, {key: Int4Linear.of(b) for key, b in blocks4.items()})
+    return Weights(cfg, sd, kernels4)
 
 
 def build(weights: Weights, device: str | torch.device, name: str, max_seq_len: int | None) -> Transformer:

@@ -12,6 +12,12 @@ to bfloat16:
 - Q4_K (256-weight super-blocks, fp16 d and dmin, 6-bit sub-scales sc_j and mins m_j per 32):
   w = d sc_j q - dmin m_j, so scale = d sc_j, zero = 8 d sc_j - dmin m_j.
 Tensors in other formats keep a dequantized kernel (see `Transformer.pack`).
+
+An 8-bit Q8_0 LM head (32 int8 codes q and an fp16 d per block: w = d q) is exactly two 4-bit
+halves, q = 16 hi + lo with hi in [-8, 7] and lo in [0, 16): one int4 call over K doubled,
+[x | x] against [hi | lo], hi with scale 16 d and zero 0, lo with scale d and zero 8 d. It reads
+half the bytes of a bfloat16 head; whether it is faster than the dense head depends on the CPU
+and the row count, so `Transformer.pack` measures both once per machine (`kernels.fastest`).
 """
 from __future__ import annotations
 
@@ -25,6 +31,8 @@ from .kernels import RowCheck, checked
 
 GROUP = 32
 INT4_TYPES = ("Q4_1", "Q4_K")
+HEAD_TYPES = ("Q8_0",)    # LM head formats computed as 4-bit halves
+HEAD = (-1, "lm_head")    # the LM head's key among the (layer, linear name) keys of 4-bit kernels
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,26 @@ def blocks_q4_k(data: np.ndarray, shape: tuple[int, int]) -> Blocks4:
     return Blocks4(q.reshape(N, K), scale.reshape(N, nb * 8), zero.reshape(N, nb * 8))
 
 
+def blocks_q8_0_halves(data: np.ndarray, shape: tuple[int, int]) -> Blocks4:
+    """Q8_0 rows (N rows of K // 32 blocks: fp16 d, 32 int8 codes) -> the [N, 2K] Blocks4 of its two
+    4-bit halves [hi | lo]: d q = 16 d hi + d lo, q = 16 hi + lo, hi in [-8, 7], lo in [0, 16)."""
+    N, K = shape
+    b = np.ascontiguousarray(data).reshape(N, K // 32, 34)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)     # [N, K / 32]
+    q = b[..., 2:].copy().view(np.int8)                                     # [N, K / 32, 32]
+    hi, lo = q >> 4, q & 15                                                 # arithmetic shift: floor(q / 16)
+    codes = np.concatenate([(hi + 8).reshape(N, K), lo.reshape(N, K)], 1).astype(np.uint8)
+    return Blocks4(codes, np.concatenate([16 * d, d], 1), np.concatenate([np.zeros_like(d), 8 * d], 1))
+
+
+def read_head(tensor) -> Blocks4:
+    """A GGUF LM head stored as Q8_0 -> the Blocks4 of its two 4-bit halves, [N, 2K]."""
+    shape = (int(tensor.shape[1]), int(tensor.shape[0]))
+    if tensor.tensor_type.name != "Q8_0":
+        raise ValueError(f"not an LM head format computed as 4-bit halves: {tensor.tensor_type.name}")
+    return blocks_q8_0_halves(tensor.data, shape)
+
+
 def read_blocks(tensor) -> Blocks4:
     """A GGUF tensor stored as Q4_1 or Q4_K -> Blocks4 (rows = the weight's output dimension)."""
     shape = (int(tensor.shape[1]), int(tensor.shape[0]))                   # GGUF lists dims innermost first
@@ -92,28 +120,33 @@ def read_blocks(tensor) -> Blocks4:
 
 @dataclass(frozen=True)
 class Int4Linear:
-    """A linear layer [N, K] in torch's packed int4 layout, bfloat16 scales and zeros."""
+    """A linear layer [N, K] in torch's packed int4 layout, bfloat16 scales and zeros; with copies = 2, a
+    layer [N, K / 2] whose weight is the sum of the two halves of K (an 8-bit head: `blocks_q8_0_halves`)."""
     packed: Tensor        # [N, K / 2] uint8
     scale_zero: Tensor    # [K / GROUP, N, 2] bfloat16
     check: RowCheck
+    copies: int = 1       # the input enters this many times along K: x [M, K / copies]
 
     dtype = torch.bfloat16  # of its inputs and outputs
     pair = False          # rows are bit-identical for any row count, a lone one included (checked)
 
     def __call__(self, x: Tensor) -> Tensor:
-        """x [M, K] bfloat16 -> [M, N] bfloat16"""
+        """x [M, K / copies] bfloat16 -> [M, N] bfloat16"""
+        if self.copies > 1:
+            x = x.repeat(1, self.copies)                                    # [M, K]
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scale_zero)
 
     @staticmethod
-    def of(blocks: Blocks4) -> "Int4Linear":
+    def of(blocks: Blocks4, copies: int = 1) -> "Int4Linear":
         q = torch.from_numpy(blocks.q.astype(np.int32))
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         sz = torch.stack([torch.from_numpy(blocks.scale).t(), torch.from_numpy(blocks.zero).t()], -1)
-        return Int4Linear.packed_as(packed, sz.to(torch.bfloat16).contiguous())
+        return Int4Linear.packed_as(packed, sz.to(torch.bfloat16).contiguous(), copies)
 
     @staticmethod
-    def packed_as(packed: Tensor, scale_zero: Tensor) -> "Int4Linear":
+    def packed_as(packed: Tensor, scale_zero: Tensor, copies: int = 1) -> "Int4Linear":
         """The kernel of weights already in torch's int4 layout, its rows checked on this machine."""
-        unchecked = Int4Linear(packed, scale_zero, RowCheck(True, True))
-        n_out, n_in = scale_zero.shape[1], scale_zero.shape[0] * GROUP
-        return Int4Linear(packed, scale_zero, checked(("int4", n_out, n_in), unchecked, n_in, torch.bfloat16))
+        unchecked = Int4Linear(packed, scale_zero, RowCheck(True, True), copies)
+        n_out, n_in = scale_zero.shape[1], scale_zero.shape[0] * GROUP // copies
+        key = ("int4", n_out, n_in) if copies == 1 else ("int4", n_out, n_in, "copies", copies)
+        return Int4Linear(packed, scale_zero, checked(key, unchecked, n_in, torch.bfloat16), copies)

@@ -89,7 +89,9 @@ def packed_linear_available(device: torch.device) -> bool:
     return device.type == "cpu" and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-_BOOKS: dict[Path, dict[str, list[bool]]] = {}    # book file -> repr(key) -> [many_rows, lone_row]
+_BOOKS: dict[Path, dict[str, list]] = {}    # book file -> repr(key) -> [many_rows, lone_row, max_rows] or [choice]
+TIMED_ROWS = (1, 4, 8)    # row counts `fastest` times: plain decoding, and verifying 3 or 7 drafts
+TIMED_REPEATS = 5         # calls per candidate and row count (interleaved; the median counts)
 
 
 def book_path() -> Path:
@@ -107,20 +109,65 @@ def checked(key: tuple, kernel: Callable[[Tensor], Tensor], n_in: int, dtype: to
     """`check_rows` of `kernel`, run once per machine for each `key` (a kernel family and its shape: kernels
     are chosen by those, not by the values) and kept in `book_path()`, so a start does not pay for it again
     (the LM head's check alone took ~0.4 s)."""
-    from .registry import write_atomic
+    book, name = _book(), repr(key)
+    if len(book.get(name, ())) != len(RowCheck.__dataclass_fields__):        # absent, or kept by an older layout
+        c = check_rows(kernel, check_inputs(n_in, dtype))
+        book[name] = [c.many_rows, c.lone_row, c.max_rows]
+        _write_book()
+    return RowCheck(*book[name])
 
+
+def _book() -> dict[str, list]:
+    """This machine's book of checks and choices (read once per process)."""
     path = book_path()
     if path not in _BOOKS:
         try:
             _BOOKS[path] = json.loads(path.read_text())
         except (OSError, ValueError):
             _BOOKS[path] = {}
-    book, name = _BOOKS[path], repr(key)
-    if len(book.get(name, ())) != len(RowCheck.__dataclass_fields__):        # absent, or kept by an older layout
-        c = check_rows(kernel, check_inputs(n_in, dtype))
-        book[name] = [c.many_rows, c.lone_row, c.max_rows]
-        write_atomic(path, json.dumps(book, indent=1).encode())
-    return RowCheck(*book[name])
+    return _BOOKS[path]
+
+
+def _write_book() -> None:
+    from .registry import write_atomic
+
+    write_atomic(book_path(), json.dumps(_book(), indent=1).encode())
+
+
+def seconds_per_call(kernels: dict[str, Kernel], w: Tensor) -> dict[str, float]:
+    """Per kernel of x [M, in] @ w.T (w [out, in]), called through `linear` as a model calls it: the sum over
+    M in TIMED_ROWS of its median time (TIMED_REPEATS calls each, the kernels interleaved)."""
+    import time
+
+    x = check_inputs(w.shape[1], w.dtype)
+    times: dict[str, dict[int, list[float]]] = {n: {m: [] for m in TIMED_ROWS} for n in kernels}
+    for name, k in kernels.items():
+        linear(x[:1], w, {name: k}, name)                                   # warm-up
+    for _ in range(TIMED_REPEATS):
+        for m in TIMED_ROWS:
+            for name, k in kernels.items():
+                t0 = time.perf_counter()
+                linear(x[:m], w, {name: k}, name)
+                times[name][m].append(time.perf_counter() - t0)
+    return {n: sum(sorted(ts)[len(ts) // 2] for ts in by_m.values()) for n, by_m in times.items()}
+
+
+def fastest(key: tuple, makers: dict[str, Callable[[], Kernel]], w: Tensor) -> Kernel:
+    """The kernel for w [out, in] (dense, the values the kernels compute with) among those `makers` build:
+    the fastest (`seconds_per_call`) of those whose rows passed their check (the first if none did). Timed
+    once per machine for each `key` (the candidates and their shape) and kept in `book_path()`, so every
+    start of the same machine runs the same kernel, hence gives the same bits."""
+    book, name = _book(), repr(("fastest", *key))
+    kept = book.get(name, [""])[0]
+    if kept in makers:
+        return makers[kept]()
+    built = {n: make() for n, make in makers.items()}
+    valid = {n: k for n, k in built.items() if k.check.many_rows} or dict([next(iter(built.items()))])
+    cost = seconds_per_call(valid, w) if len(valid) > 1 else {n: 0.0 for n in valid}
+    choice = min(cost, key=cost.__getitem__)
+    book[name] = [choice, {n: round(c * 1000, 2) for n, c in cost.items()}]   # the choice, and ms per TIMED_ROWS
+    _write_book()
+    return built[choice]
 
 
 def pack(w: Tensor, rows: int = PACK_ROWS) -> PackedLinear:

@@ -21,7 +21,7 @@ from .config import ModelConfig
 from .int4 import Int4Linear
 from .registry import cache_dir, write_atomic
 
-FORMAT = 1
+FORMAT = 2               # 2: the 4-bit kernels' `copies` (an 8-bit LM head as two 4-bit halves)
 
 
 def _hashes_file() -> Path:
@@ -63,6 +63,7 @@ def write(where: Path, weights) -> None:
     for (i, name), k in weights.int4.items():
         tensors[f"int4.{i}.{name}.packed"] = k.packed
         tensors[f"int4.{i}.{name}.scale_zero"] = k.scale_zero
+        tensors[f"int4.{i}.{name}.copies"] = torch.tensor([k.copies])
     meta = {"format": str(FORMAT), "config": json.dumps(dataclasses.asdict(weights.config))}
     write_atomic(where, save(tensors, metadata=meta))
 
@@ -90,5 +91,6 @@ def read(where: Path):
         if k.startswith("int4.") and k.endswith(".packed"):
             _, i, name, _ = k.split(".")
             stem = f"int4.{i}.{name}"
-            int4[(int(i), name)] = Int4Linear.packed_as(tensors[f"{stem}.packed"], tensors[f"{stem}.scale_zero"])
+            int4[(int(i), name)] = Int4Linear.packed_as(tensors[f"{stem}.packed"], tensors[f"{stem}.scale_zero"],
+                                                        int(tensors[f"{stem}.copies"]))
     return Weights(cfg, state, int4)

@@ -1,0 +1,137 @@
+"""The LM head's kernels: an 8-bit head as two 4-bit halves, and the per-machine choice of the fastest head."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from torch import Tensor
+
+from specdec.machine import probe
+from specdec.models import kernels
+from specdec.models.kernels import RowCheck
+
+W = torch.randn(96, 64, generator=torch.Generator().manual_seed(0))
+needs_int4 = pytest.mark.skipif(not probe().int4_kernel, reason="no int4 kernel in this torch build")
+
+
+def q8_0(n: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(Q8_0 bytes of a random [n, k] weight, what gguf dequantizes them to)."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize, quantize
+
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    w[0, :32] = np.linspace(-1, 1, 32)                       # a block whose codes reach -127 and 127
+    data = quantize(w, T.Q8_0)
+    return data, dequantize(data, T.Q8_0).reshape(n, k)
+
+
+def test_q8_0_halves_sum_to_what_gguf_dequantizes():
+    """hi and lo halves in the int4 kernel's convention add up to the 8-bit weight exactly."""
+    from specdec.models.int4 import blocks_q8_0_halves
+
+    data, ref = q8_0(8, 256)
+    b = blocks_q8_0_halves(data, (8, 256))
+    assert b.q.shape == (8, 512) and b.q.min() >= 0 and b.q.max() <= 15 and b.q[:, :256].min() == 0
+    halves = b.dequantize()                                                    # [8, 512]
+    assert np.array_equal(halves[:, :256] + halves[:, 256:], ref)
+
+
+@needs_int4
+def test_the_halves_kernel_computes_the_head_with_rows_independent_of_their_count():
+    from specdec.models.int4 import Int4Linear, blocks_q8_0_halves
+
+    data, ref = q8_0(192, 256, seed=1)
+    head = Int4Linear.of(blocks_q8_0_halves(data, (192, 256)), copies=2)
+    assert head.check == RowCheck(many_rows=True, lone_row=True)
+    x = torch.randn(5, 256).bfloat16()
+    want = x.float() @ torch.from_numpy(ref).T
+    torch.testing.assert_close(head(x).float(), want, atol=0.01 * float(want.abs().max()), rtol=0)
+    assert all(torch.equal(head(x[i:i + 1]), head(x)[i:i + 1]) for i in range(5))
+
+
+@dataclass(frozen=True)
+class Slow:
+    """An exact kernel that takes `delay` seconds per call (and may claim a failed row check)."""
+    delay: float
+    check: RowCheck = RowCheck(True, True)
+
+    dtype = torch.float32
+    pair = False
+
+    def __call__(self, x: Tensor) -> Tensor:
+        time.sleep(self.delay)
+        return x @ W.T
+
+
+def test_fastest_times_once_per_machine_and_keeps_its_choice(monkeypatch, tmp_path):
+    """The faster kernel is kept; a new process (an emptied memo) builds only the kept one, so every start
+    of the machine runs the same head."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "_BOOKS", {})
+    built = []
+
+    def maker(name: str, delay: float):
+        return lambda: built.append(name) or Slow(delay)
+
+    makers = {"slow": maker("slow", 0.004), "fast": maker("fast", 0.0)}
+    assert kernels.fastest(("test", 96, 64), makers, W) == Slow(0.0) and sorted(built) == ["fast", "slow"]
+    monkeypatch.setattr(kernels, "_BOOKS", {})
+    built.clear()
+    swapped = {"slow": maker("slow", 0.0), "fast": maker("fast", 0.004)}    # timing again would pick "slow"
+    assert kernels.fastest(("test", 96, 64), swapped, W) == Slow(0.004) and built == ["fast"]
+
+
+def test_fastest_never_picks_a_kernel_that_failed_its_row_check(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "_BOOKS", {})
+    broken = Slow(0.0, RowCheck(False, False, 1))
+    makers = {"checked": lambda: Slow(0.002), "broken": lambda: broken}
+    assert kernels.fastest(("test", 96, 64), makers, W) == Slow(0.002)
+
+
+@pytest.fixture(scope="module")
+def q4_int4_head():
+    """smollm2-135m in q4, its LM head forced to the 8-bit-as-4-bit-halves kernel (whatever this machine chose),
+    and the logits of a few hidden states through the dense head."""
+    from specdec.api import load_model
+
+    if not probe().int4_kernel:
+        pytest.skip("no int4 kernel in this torch build")
+    model, tok, _ = load_model("smollm2-135m", "q4")
+    assert set(model.head_kernels) == {"int4"}                 # its head is Q8_0
+    hidden = torch.randn(6, model.config.dim, generator=torch.Generator().manual_seed(0)).to(model.dtype)
+    dense = kernels.linear(hidden, model.embed, {"d": kernels.pack(model.embed)}, "d").float()
+    model.packed["lm_head"] = model.head_kernels["int4"]      # shared with the early-exit draft below
+    return model, tok, hidden, dense
+
+
+@pytest.mark.integration
+def test_the_int4_head_is_the_dense_head_up_to_its_scales_rounding(q4_int4_head):
+    model, _, hidden, dense = q4_int4_head
+    logits = model.lm_head(hidden)
+    assert float((logits - dense).abs().max() / dense.abs().max()) < 0.01
+    assert model.packed["lm_head"].check.many_rows
+
+
+@pytest.mark.integration
+@pytest.mark.exactness
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculation_with_the_int4_head_is_token_identical_to_plain_greedy(q4_int4_head, method):
+    from specdec.api import Generator, early_exit_draft
+    from specdec.bench.suites import load_suite
+    from specdec.models.selfcheck import self_check
+    from specdec.proposers.base import NoProposer
+    from specdec.proposers.draft_model import DraftModelProposer
+    from specdec.proposers.ngram import NgramProposer
+
+    model, tok, _, _ = q4_int4_head
+    assert self_check(model).passed
+    ps = [p.turns[0] for p in load_suite("mini")][:6]
+    plain = Generator(model, tok, NoProposer()).generate(ps, max_new_tokens=40)
+    proposer = NgramProposer() if method == "ngram" else DraftModelProposer(early_exit_draft(model, "self:10"))
+    spec = Generator(model, tok, proposer, "fixed", 4).generate(ps, max_new_tokens=40)
+    assert [r.tokens for r in spec] == [r.tokens for r in plain]
+    assert sum(r.metrics["acceptance_rate"] for r in spec) > 0
