@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,6 +103,9 @@ def load_gguf(path: str | Path, dtype: torch.dtype, device: str | torch.device =
     where = weight_cache.entry(path, dtype, int4) if use_cache else None
     weights = weight_cache.read(where) if where is not None else None
     if weights is None:
+        if where is not None:
+            logging.getLogger("specdec").info("converting %s for this machine (once; kept in %s) ...", path.name,
+                                              where.parent)
         weights = read_gguf(path, dtype, int4)
         if where is not None:
             weight_cache.write(where, weights)

