@@ -33,7 +33,7 @@ test: install
 		echo "torch's native kernels on this CPU are AVX2: the exactness tests already ran on them"; \
 	else \
 		echo "SPECDEC_ISA=avx2 pytest -m exactness"; \
-		SPECDEC_ISA=avx2 $(BIN)/python -m pytest -q -n 2 -m exactness --durations=5; \
+		SPECDEC_ISA=avx2 $(BIN)/python -m pytest -q -m exactness --durations=5; \
 	fi
 
 # the developer loop: unit tests on tiny models, no real GGUF models, no long statistical tests

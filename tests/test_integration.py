@@ -195,11 +195,12 @@ def test_every_method_at_every_draft_length_and_prediction_is_plain_decoding(tar
     the largest trees at K = 7; two real prompts batched; token-identical to plain decoding."""
     model, tok = target_auto
     ps, plain = long_plain
+    proposer = make_proposer(method, model, tok, None, "auto", "cpu")
     for k, n_pred, new in CORNERS:
-        largest = k == 7 and method in ("eagle", "eagle3")
-        tree = TreeShape(4, 64) if largest else TreeShape()
-        source = "16,8,16" if k == 7 and method == "lookahead" else None
-        proposer = make_proposer(method, model, tok, source, "auto", "cpu", tree)
+        if k == 7 and method in ("eagle", "eagle3", "lookahead"):          # the largest trees
+            source = "16,8,16" if method == "lookahead" else None
+            tree = TreeShape(4, 64) if method != "lookahead" else TreeShape()
+            proposer = make_proposer(method, model, tok, source, "auto", "cpu", tree)
         preds = [tok.decode(r.tokens[:n_pred]) if n_pred else "" for r in plain]
         spec = Generator(model, tok, proposer, "fixed", k).generate(ps, max_new_tokens=new, prediction=preds)
         assert [r.tokens for r in spec] == [r.tokens[:new] for r in plain], (method, k, n_pred)
