@@ -52,6 +52,13 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
                         "smollm2-135m with the default limits, docs/server.md); past the bound the least recently used "
                         "idle one is dropped, and a request that finds every engine busy gets a 429 (1 = only the "
                         "default method)")
+    p.add_argument("--learn", action="store_true",
+                   help="learn from traffic: the EAGLE-3 head of eagle3 requests is distilled from the target's features "
+                        "of what they commit, between batches, and its learnt weights swapped in between steps (outputs "
+                        "unchanged, acceptance rises on recurring traffic; docs/server.md, Learning from traffic)")
+    p.add_argument("--learn-checkpoint", metavar="PATH", default="",
+                   help="with --learn: the learnt head's file, written every 5 minutes and at shutdown and drafted with "
+                        "at the next start (default: $SPECDEC_CACHE/learn/MODEL-eagle3.safetensors)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (its messages on stderr)")
     p.set_defaults(func=cmd_serve)
@@ -80,6 +87,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     import specdec
     from .server import ServeConfig, ServerState, create_app
+    from .server.learn import LearnConfig
     from .tree import TreeShape
 
     check_address(a.host, a.port)                  # before the model loads: a taken port fails in a second
@@ -91,7 +99,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
     config = ServeConfig(max_batch=a.max_batch, max_waiting=a.max_waiting, max_prompt_tokens=a.max_prompt_tokens,
                          max_tokens=a.max_tokens, max_body_bytes=a.max_body_bytes, api_keys=keys,
                          prefill_tokens=a.prefill_tokens, prefix_cache_mb=a.prefix_cache_mb,
-                         prefill_threads=a.prefill_threads or cores, max_engines=a.max_engines)
+                         prefill_threads=a.prefill_threads or cores, max_engines=a.max_engines,
+                         learn=LearnConfig(enabled=a.learn, checkpoint=a.learn_checkpoint))
+    if a.learn_checkpoint and not a.learn:
+        raise SpecdecError("--learn-checkpoint goes with --learn")
     torch.set_num_threads(a.threads or cores)
     if a.sample_drafts:
         raise SpecdecError("--sample-drafts is an option of generate and specdec.load; the server's engines draft "
@@ -107,6 +118,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
     print(f"specdec: {gen.target.self_check.summary()}", file=sys.stderr)
     auth = f"on, {len(keys)} key(s)" if keys else "off"
     compute = state.runtime["dtype"]                         # what /health reports (q4, bfloat16, float32)
+    if a.learn:
+        print(f"specdec: learning from eagle3 requests (head kept in {config.learn.checkpoint_path(gen.name)})",
+              file=sys.stderr)
     print(f"specdec: serving {gen.name} (method {gen.method}, {compute}) on http://{a.host}:{a.port}/v1 "
           f"(max batch {a.max_batch}, auth {auth})", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(create_app(state), host=a.host, port=a.port, log_level=a.log_level,

@@ -32,6 +32,7 @@ from ..errors import SpecdecError
 from ..prefix_cache import PrefixCache
 from ..sampling import SamplingParams
 from ..tree import TreeShape
+from .learn import LearnConfig, Learner, NoLearning, OnlineLearner
 from .schema import (ChatCompletionRequest, CommonRequest, CompletionRequest, Prediction, Speculative, TextPart,
                      describe)
 from .scheduler import (Done, EnginePool, Event, Failed, Job, QueueFull, Scheduler, ServerMetrics, SpecChoice,
@@ -54,6 +55,7 @@ class ServeConfig:
     prefix_cache_mb: int = 512          # the prefix cache's budget for keys, values and hidden states (0: off)
     # torch threads while prefilling (default: torch's own count); decode steps use the process's setting
     prefill_threads: int = field(default_factory=torch.get_num_threads)
+    learn: LearnConfig = LearnConfig()  # online distillation of the EAGLE-3 head (off unless learn.enabled)
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_prompt_tokens", "max_tokens", "max_body_bytes", "max_engines",
@@ -85,11 +87,22 @@ class ServerState:
         self.max_draft_tokens = min(MAX_DRAFT_TOKENS, max(16, k))
         prefix_cache = PrefixCache(config.prefix_cache_mb << 20)           # one for every engine of the pool
         self.metrics = ServerMetrics(prefix_cache)
-        self.pool = EnginePool(generator, self.drafts, dtype, self.default, config.max_batch,
+        self.learner = self._learner(generator)
+        self.pool = EnginePool(generator, self.learner.source(self.drafts), dtype, self.default, config.max_batch,
                                config.max_prompt_tokens + config.max_tokens, config.max_engines, tree,
-                               prefix_cache, config.prefill_tokens)
+                               prefix_cache, config.prefill_tokens, self.learner)
         self.scheduler = Scheduler(self.pool, self.metrics, config.max_batch, config.max_waiting,
                                    config.prefill_threads)
+
+    def _learner(self, generator: Generator) -> Learner:
+        """The eagle3 head's online learner with --learn (a lean GGUF target only), else none."""
+        from ..models.decoder import Transformer
+
+        if not self.config.learn.enabled:
+            return NoLearning()
+        if not isinstance(generator.target, Transformer):
+            raise SpecdecError("learning from traffic (--learn) needs a lean GGUF target (EAGLE-3 heads do)")
+        return OnlineLearner(self.config.learn, generator.target, self.model_name, self.metrics.registry)
 
 
 # ---- errors ------------------------------------------------------------------------------

@@ -13,6 +13,9 @@ threads than cores belong to OpenMP teams, so a second thread driving parallel r
 thread's team from loading, plus the worker's) makes every parallel region of a step sleep and wake on
 a futex. Measured on 2 cores with 2 torch threads, a decode step of 8 sequences took 130 ms from a
 second thread vs 74-81 ms from the thread that loaded the model (README, Server: Threads).
+
+With --learn, the worker also learns between steps (server/learn.py): `Learner.tick` at every step
+boundary, back to back while idle; the same thread, so no step ever sees a head's weights change.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from ..tree import TreeShape
 from ..engine import Engine, Request, SequenceState, scratch_slots
 from ..errors import SpecdecError
 from ..prefix_cache import PrefixCache
+from .learn import Learner, NoLearning
 
 TRIM_EVERY_SECONDS = 20.0
 IDLE_WAKE_SECONDS = 0.25
@@ -205,9 +209,11 @@ class EnginePool:
 
     def __init__(self, generator: Generator, drafts: dict[str, DraftSource], dtype: str, default: SpecChoice,
                  rows: int, base_slots: int, max_engines: int, tree: TreeShape = TreeShape(),
-                 prefix_cache: PrefixCache | None = None, prefill_budget: int = 256) -> None:
+                 prefix_cache: PrefixCache | None = None, prefill_budget: int = 256,
+                 learner: Learner = NoLearning()) -> None:
         """prefix_cache: shared by all engines (one target; not given: a disabled one of this pool's own);
-        prefill_budget: prompt tokens per prefill step."""
+        prefill_budget: prompt tokens per prefill step; learner: taps the proposers it learns from (--learn)."""
+        self.learner = learner
         self.gen, self.drafts, self.dtype, self.default, self.tree = generator, drafts, dtype, default, tree
         self.rows, self.base_slots, self.max_engines = rows, base_slots, max_engines
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(0)
@@ -221,8 +227,9 @@ class EnginePool:
 
     def _build(self, spec: SpecChoice) -> Engine:
         device = str(self.gen.target.device)
-        proposer = make_proposer(spec.method, self.gen.target, self.gen.tokenizer, self.drafts.get(spec.method),
-                                 self.dtype, device, self.tree)
+        proposer = self.learner.adopt(spec.method, make_proposer(spec.method, self.gen.target, self.gen.tokenizer,
+                                                                 self.drafts.get(spec.method), self.dtype, device,
+                                                                 self.tree))
         k = max(spec.num_draft_tokens, 1)
         gen = Generator(self.gen.target, self.gen.tokenizer, proposer, self.gen.policy_name, k, self.gen.name)
         return gen.engine(self.rows, self.slots(k), self.prefix_cache, self.prefill_budget)
@@ -281,6 +288,7 @@ class Scheduler:
         """prefill_threads: torch threads for steps that prefill (compute-bound GEMMs over whole prompts,
         which a stalled thread slows less than the short decode steps; those keep the process's setting)."""
         self.pool, self.metrics = pool, metrics
+        self.learner = pool.learner                  # learns between steps (server/learn.py)
         self.max_batch, self.max_waiting = max_batch, max_waiting
         self.prefill_threads = prefill_threads
         self.inbox: queue.Queue = queue.Queue()
@@ -339,15 +347,26 @@ class Scheduler:
                         trim_heap()
                         trimmed = time.monotonic()
                     was_idle = idle
-                    if not self._drain(block=idle):
+                    if not self._drain(block=idle and not self.learner.wants_time()):
                         break
                     self._admit()
                     self._step_all()
                     self._gauges()
+                    idle = not self.pool.busy() and not self.waiting
+                    self._learn(lambda: self.learner.tick(idle))
         finally:
             self.looping = False
             for job in list(self.waiting) + list(self.running.values()):
                 self._fail(job, "the server is shutting down", 503)
+            self._learn(lambda: self.learner.close())
+
+    def _learn(self, call: Callable[[], None]) -> None:
+        """A learner call at a step boundary; a failure stops learning, never serving (it is logged)."""
+        try:
+            call()
+        except Exception:  # noqa: BLE001 - learning is an extra: the server goes on without it
+            log.exception("learning from traffic failed: it stops, serving goes on")
+            self.learner = self.pool.learner = NoLearning()
 
     def _drain(self, block: bool) -> bool:
         """Handle every inbox command (waiting up to IDLE_WAKE_SECONDS for one when idle); False on stop.
@@ -447,6 +466,9 @@ class Scheduler:
             self._gauges()                  # before the client hears it is done: a scrape then sees it gone
             self.metrics.e2e.observe(now - job.arrived)
             self.metrics.record_speculation(seq)
+            if job.engine is not None:
+                proposer = job.engine.proposer
+                self._learn(lambda: self.learner.finished(proposer, seq))
             self._send(job, Done(seq.text, seq.finish_reason, len(seq.request.prompt), len(seq.generated),
                                  speculation_report(seq, job.spec)))
             self._close(job)

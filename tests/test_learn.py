@@ -1,0 +1,166 @@
+"""Learning from traffic (`specdec serve --learn`): the EAGLE-3 head learns between steps, outputs do not change."""
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import tiny_generator, tiny_model
+from specdec.engine import Request
+from specdec.errors import SpecdecError
+from specdec.models.eagle3 import Eagle3Config, Eagle3Head
+from specdec.proposers.base import NoProposer
+from specdec.proposers.eagle import EagleProposer
+from specdec.reference import reference_greedy
+from specdec.sampling import SamplingParams
+from specdec.server import ServeConfig, ServerState
+from specdec.server.learn import AcceptanceStats, LearnConfig, TrafficBuffer
+from specdec.server.scheduler import Done, Job, SpecChoice
+
+PROMPTS = [[5, 17, 3, 44, 90, 12, 7], [61, 33, 2, 80, 15, 9, 9, 4, 71], [3, 5, 7, 9, 11], [42, 1, 42, 1, 42, 8]]
+NEW = 24
+GREEDY = SamplingParams(0.0)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(seed=3, layers=6).pack()
+
+
+@pytest.fixture(scope="module")
+def head_file(target, tmp_path_factory) -> Path:
+    """A tiny random EAGLE-3 head for the tiny target, as a weights file (what the server loads)."""
+    torch.manual_seed(0)
+    ids = torch.arange(0, 80, 2)
+    head = Eagle3Head(target, Eagle3Config.for_target(target, len(ids)), ids).init_from_target()
+    path = tmp_path_factory.mktemp("head") / "eagle3-tiny.safetensors"
+    head.save(path, {})
+    return path
+
+
+def state_for(target, head_file: Path, learn: LearnConfig) -> ServerState:
+    head = Eagle3Head.load(head_file, target)
+    gen = tiny_generator(target, EagleProposer(head, 1, 4, 4, name="eagle3"), "fixed", 4)
+    return ServerState(gen, ServeConfig(max_batch=4, max_prompt_tokens=32, max_tokens=NEW, prefix_cache_mb=0,
+                                        learn=learn), drafts={"eagle3": str(head_file)})
+
+
+def serve(state: ServerState, requests: list[Request], method: str = "eagle3") -> list[list[int]]:
+    """Each request's output tokens, the requests submitted together to the running scheduler."""
+    async def run() -> list[Done]:
+        jobs = [Job.create(r, SpecChoice(method, 4 if method != "none" else 0)) for r in requests]
+        for j in jobs:
+            state.scheduler.submit(j)
+        out = []
+        for j in jobs:
+            while not isinstance(event := await j.events.get(), Done):
+                assert not hasattr(event, "status"), event
+            out.append(event)
+        return out
+    return [[int(t) for t in d.text.split()] for d in asyncio.run(run())]
+
+
+def requests(sampling: SamplingParams) -> list[Request]:
+    return [Request(p, NEW, sampling) for p in PROMPTS]
+
+
+def wait_for(cond, seconds: float = 60.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def live_head(state: ServerState) -> Eagle3Head:
+    return state.pool.engines[state.default].proposer.head
+
+
+def learn_config(path: Path, **kw) -> LearnConfig:
+    return LearnConfig(enabled=True, checkpoint=str(path), train_dtype="float32", lr=1e-2, window=12, **kw)
+
+
+def test_outputs_are_unchanged_while_the_head_learns(target, head_file, tmp_path):
+    """Greedy output equals plain decoding and seeded sampling equals plain sampling (point-mass drafts),
+    before and after the head learnt from the same traffic; the live head's weights changed."""
+    plain = state_for(target, head_file, LearnConfig())
+    seeded = SamplingParams(1.0, 0, 1.0, seed=11)
+    want_greedy = [reference_greedy(target, p, NEW) for p in PROMPTS]
+    plain.scheduler.start()
+    try:                                                          # one worker at a time: they share the cores
+        want_sampled = serve(plain, requests(seeded), method="none")
+        assert serve(plain, requests(GREEDY)) == want_greedy
+        assert serve(plain, requests(seeded)) == want_sampled     # point-mass drafts: seed-equal to plain
+    finally:
+        plain.scheduler.stop()
+    learning = state_for(target, head_file, learn_config(tmp_path / "learnt.safetensors"))
+    before = {k: v.clone() for k, v in live_head(learning).state_dict().items()}
+    learner = learning.learner
+    learning.scheduler.start()
+    try:
+        for round in range(2):
+            assert serve(learning, requests(GREEDY)) == want_greedy, round
+            assert serve(learning, requests(seeded)) == want_sampled, round
+            updates = learner.updates
+            wait_for(lambda: learner.updates >= updates + 5)      # the idle worker learns
+    finally:
+        learning.scheduler.stop()
+    assert learner.tokens_learnt > 0 and learner.buffer.tokens > 0
+    after = live_head(learning).state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before if k != "vocab_ids")
+    assert torch.equal(before["vocab_ids"], after["vocab_ids"])
+    rates = learner.stats.rates()
+    assert rates["before"] and rates["recent"]
+    assert learner.stats.requests["before"] >= 1                  # those that finished before the first update
+
+
+def test_the_learnt_head_is_kept_and_drafted_with_after_a_restart(target, head_file, tmp_path):
+    path = tmp_path / "learnt.safetensors"
+    first = state_for(target, head_file, learn_config(path))
+    first.scheduler.start()
+    try:
+        serve(first, requests(GREEDY))
+        wait_for(lambda: first.learner.updates >= 3)
+    finally:
+        first.scheduler.stop()                                   # the worker's last act writes the checkpoint
+    assert path.exists()
+    learnt = {k: v.to(torch.bfloat16) for k, v in first.learner.trainer.head.state_dict().items()}
+    again = state_for(target, head_file, learn_config(path))      # drafts with the checkpoint at once
+    shipped = Eagle3Head.load(head_file, target).state_dict()
+    loaded = live_head(again).state_dict()
+    weights = [k for k in learnt if k != "vocab_ids"]
+    assert all(torch.equal(loaded[k].to(torch.bfloat16), learnt[k]) for k in weights)
+    assert any(not torch.equal(loaded[k], shipped[k]) for k in weights)
+    again.scheduler.start()
+    try:
+        assert serve(again, requests(GREEDY)) == [reference_greedy(target, p, NEW) for p in PROMPTS]
+    finally:
+        again.scheduler.stop()
+
+
+def test_a_checkpoint_of_another_target_is_refused_at_start(target, head_file, tmp_path):
+    other = tiny_model(seed=9, layers=6).pack()
+    with pytest.raises(SpecdecError, match="another target"):
+        state_for(other, head_file, LearnConfig(enabled=True, checkpoint=str(head_file), train_dtype="float32"))
+
+
+def test_the_buffer_keeps_the_most_recent_tokens():
+    buf = TrafficBuffer(10)
+    for n in (4, 4, 4):
+        buf.add(list(range(n)), torch.zeros(n, 3))
+    assert buf.tokens == 8 and len(buf.seqs) == 2
+    buf.add(list(range(30)), torch.arange(30.0)[:, None].expand(30, 3))
+    assert buf.tokens == 10 and buf.seqs[0][1][0, 0] == 20
+
+
+def test_acceptance_before_learning_and_over_recent_requests():
+    stats = AcceptanceStats(recent=2)
+    stats.add([4, 2], [2, 1], learnt=False)
+    stats.add([], [], learnt=False)                               # drafted nothing: not counted
+    stats.add([4, 4], [4, 4], learnt=True)
+    stats.add([2], [2], learnt=True)
+    r = stats.rates()
+    assert r["before"] == [0.5, 0.5] and stats.requests["before"] == 1
+    assert r["recent"] == [1.0, 1.0]
