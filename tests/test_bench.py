@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
-from specdec.bench import report, runner
+from specdec.bench import peers, report, runner
 from specdec.bench.peers import parse_peers
 from specdec.bench.suites import Prompt
 from specdec.cli import main
@@ -230,3 +231,125 @@ def test_method_specs():
     with pytest.raises(SpecdecError, match="TOPKxBUDGET"):
         runner.parse_methods("eagle:wide", None)
     assert parse_peers("") == [] and parse_peers("transformers") == ["transformers"]
+
+
+# --------------------------------------------------------------------------- llama.cpp's decode loop
+
+
+class FakeDecoder:
+    """The llama.cpp calls of the greedy loop on a fake model: the argmax after token t at position p is
+    (3 t + p) % vocab; every call is recorded."""
+
+    def __init__(self, vocab: int = 50, n_batch: int = 4) -> None:
+        self.vocab, self.n_batch = vocab, n_batch
+        self.calls: list[tuple] = []
+        self.length = 0
+
+    def truncate(self, length: int) -> None:
+        self.calls.append(("truncate", length))
+        self.length = min(self.length, length)
+
+    def decode(self, tokens, start, every_row=False):
+        assert 0 < len(tokens) <= self.n_batch and start == self.length and not every_row
+        self.calls.append(("decode", list(tokens), start))
+        self.length += len(tokens)
+
+    def last_logits(self):
+        _, tokens, start = self.calls[-1]
+        logits = np.zeros(self.vocab, dtype=np.float32)
+        logits[(3 * tokens[-1] + start + len(tokens) - 1) % self.vocab] = 1.0
+        return logits
+
+
+def expected_greedy(ids: list[int], n: int, vocab: int, eos: frozenset[int]) -> list[int]:
+    out: list[int] = []
+    last, pos = ids[-1], len(ids) - 1
+    while len(out) < n:
+        last, pos = (3 * last + pos) % vocab, pos + 1
+        out.append(last)
+        if last in eos:
+            break
+    return out
+
+
+def test_greedy_loop_prefills_in_pieces_then_one_token_per_decode():
+    dec = FakeDecoder(n_batch=4)
+    ids = [5, 6, 7, 8, 9, 10, 11]
+    tokens = peers.greedy_loop(dec, ids, 5, frozenset())
+    assert tokens == expected_greedy(ids, 5, dec.vocab, frozenset())
+    assert dec.calls[:3] == [("truncate", 0), ("decode", [5, 6, 7, 8], 0), ("decode", [9, 10, 11], 4)]
+    # one decode of one token per new token but the last, at consecutive positions
+    assert dec.calls[3:] == [("decode", [t], 7 + i) for i, t in enumerate(tokens[:-1])]
+
+
+def test_greedy_loop_stops_at_eos_and_budget():
+    ids = [1, 2, 3]
+    free = expected_greedy(ids, 12, 50, frozenset())
+    eos = frozenset({free[3]})
+    assert free[3] not in free[:3]
+    assert peers.greedy_loop(FakeDecoder(), ids, 12, eos) == free[:4]              # the EOS is kept, as ours
+    assert peers.greedy_loop(FakeDecoder(), ids, 1, frozenset()) == free[:1]
+    dec = FakeDecoder()
+    assert peers.greedy_loop(dec, ids, 0, frozenset()) == [] and dec.calls[-1] == ("decode", ids, 0)
+
+
+def test_loop_peer_times_the_loop_and_runs_greedy_only():
+    peer = peers.LlamaCppLoopPeer("llama.cpp-loop", "fake", FakeDecoder(), frozenset())
+    out = peer.generate([4, 5], 6, runner.SamplingParams())
+    assert out.tokens == expected_greedy([4, 5], 6, 50, frozenset()) and out.seconds > 0 and out.counters is None
+    peer.generate([9], 3, runner.SamplingParams())
+    assert peer.decoder.calls.count(("truncate", 0)) == 2                       # every call starts afresh
+    with pytest.raises(SpecdecError, match="greedy only"):
+        peer.generate([4, 5], 6, runner.SamplingParams(temperature=1.0))
+
+
+class ScaledPeer(FakePeer):
+    """A yardstick peer giving our plain decoding's tokens (one changed when ``wrong``) in ``scale`` x its time."""
+
+    yardstick = True
+
+    def __init__(self, system, name: str, scale: float, wrong: bool = False) -> None:
+        super().__init__(system)
+        self.name, self.scale, self.wrong = name, scale, wrong
+
+    def generate(self, ids, max_new_tokens, params, prediction=""):
+        out = super().generate(ids, max_new_tokens, params)
+        if self.wrong and len(ids) > 15:                                      # the mt_bench prompt's second turn
+            out.tokens[0] += 1
+        return runner.Generation(out.tokens, out.seconds * self.scale, None)
+
+
+def test_report_compares_every_method_with_the_fastest_yardstick(target, tmp_path):
+    found = systems(target, "none,ngram")
+    slow, fast = ScaledPeer(found[0], "plain-slow", 3.0), ScaledPeer(found[0], "plain-fast", 0.5, wrong=True)
+    results = bench(target, [*found, slow, fast, FakePeer(found[0])], repeats=1)
+    yard = results["summary"]["yardstick"]
+    assert yard["peers"] == ["plain-slow", "plain-fast"] and yard["fastest"] == "plain-fast"
+    assert yard["runs"] == len(PROMPTS) and yard["same_output"] == len(PROMPTS) - 1
+    assert yard["tokens_per_second"]["plain-fast"] > 4 * yard["tokens_per_second"]["plain-slow"]
+    text = report.markdown(results)
+    assert "## Speedup over `plain-fast`, the fastest plain peer" in text
+    assert "`plain-slow` and `plain-fast` gave the same tokens on 1/2 runs." in text
+    section = text.split("## Speedup over `plain-fast`")[1].split("\n## ")[0]
+    none_row = next(line for line in section.splitlines() if line.startswith("| `none` |"))
+    ratio = results["summary"]["peers"]["plain-fast"]["overall"]["speedup_of"]["none"]
+    assert 0.3 < ratio < 0.8 and none_row.endswith(f"{ratio:.2f}× |")
+    assert bench(target, found, repeats=1)["summary"]["yardstick"] == {}
+
+
+@pytest.mark.integration
+def test_llamacpp_loop_gives_llamacpp_generate_tokens():
+    """llama.cpp's decode loop through the low-level API and its Llama.generate agree, greedy, on real prompts."""
+    pytest.importorskip("llama_cpp")
+    from specdec.models.registry import resolve
+    from specdec.models.tokenizer import Tokenizer
+
+    path = resolve("smollm2-135m")[1]
+    tok = Tokenizer.from_gguf(path)
+    llm = peers.load_llama(path, 1)
+    plain = peers.LlamaCppPeer("llama.cpp", "", llm, tok.eos_ids, yardstick=True)
+    loop = peers.LlamaCppLoopPeer("llama.cpp-loop", "", peers.LlamaCppDecoder(llm), tok.eos_ids)
+    for text in ("Write a haiku about the sea.", "What is 17 times 23? Explain step by step."):
+        ids = tok.encode(text, True)
+        want = plain.generate(ids, 40, runner.SamplingParams()).tokens
+        assert len(want) > 5 and loop.generate(ids, 40, runner.SamplingParams()).tokens == want

@@ -47,6 +47,9 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     p.add_argument("--num-draft-tokens", type=int_in(1, MAX_DRAFT_TOKENS), default=4, help="drafts per step, K")
     p.add_argument("--draft-policy", default="fixed", type=one_of("draft policy", POLICIES), choices=POLICIES,
                    help="draft length policy")
+    p.add_argument("--threads", type=int_in(0), default=0,
+                   help="CPU threads of our methods and of every peer (llama.cpp: decoding and prefill alike); "
+                        "0 = torch's default")
     p.add_argument("--peers", default="auto", help=f"comma-separated peers to run side by side: {', '.join(PEERS)}; "
                                                    "auto: llamacpp when llama-cpp-python is installed (none otherwise); "
                                                    "'' for none")
@@ -113,7 +116,7 @@ def command_line(a: argparse.Namespace) -> str:
              "--temperature", str(a.temperature), "--repeats", str(a.repeats), "--seed", str(a.seed),
              "--dtype", a.dtype, "--num-draft-tokens", str(a.num_draft_tokens), "--draft-policy", a.draft_policy]
     for flag, value in (("--categories", a.categories), ("--limit", a.limit), ("--draft-model", a.draft_model),
-                        ("--peers", a.peers or None), ("--out", a.out)):
+                        ("--threads", a.threads or None), ("--peers", a.peers or None), ("--out", a.out)):
         if value is not None:
             parts += [flag, str(value)]
     return " ".join([*env, shlex.join(parts)])
@@ -164,6 +167,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
     if peer_names and a.temperature != 0:
         raise SpecdecError("--peers runs greedy only; use --temperature 0")
     prompts = limit_prompts(load_suite(a.suite, categories), a.limit)
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)                           # peers read torch's thread count
     target, tokenizer, name = load_model(a.model, a.dtype, a.device)
     draft = a.draft_model or runner.default_draft(name)
     specs = runner.parse_methods(a.methods, draft)

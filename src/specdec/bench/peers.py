@@ -9,8 +9,11 @@ Every peer is a runner *system* (``name``, ``kind = "peer"``, ``description``,
   (``self:N`` = a copy of the transformers target truncated to its first N layers; a registered name
   or .gguf path is loaded from its GGUF) and the same fixed draft length K (constant schedule, no
   confidence cut-off), so the algorithm is ours and only the implementation differs;
-* ``llama.cpp`` and ``llama.cpp-lookup`` (its prompt-lookup draft, 10 tokens) through
-  ``llama_cpp`` - only if that optional extra is importable (``pip install specdec[llamacpp]``).
+* ``llama.cpp`` (llama-cpp-python's ``Llama.generate``), ``llama.cpp-loop`` (llama.cpp's own decode loop
+  through the low-level API: one ``llama_decode`` per token, argmax of the last logits in numpy) and
+  ``llama.cpp-lookup`` (its prompt-lookup draft, 10 tokens) through ``llama_cpp`` - only if that optional
+  extra is importable (``pip install specdec[llamacpp]``). Every llama.cpp peer runs on torch's thread count
+  (prefill too). The two plain ones are *yardsticks*: the report compares every method with the faster.
 """
 from __future__ import annotations
 
@@ -20,7 +23,9 @@ import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
+import numpy as np
 import torch
 
 from ..errors import SpecdecError
@@ -59,6 +64,7 @@ class TransformersPeer:
     """transformers ``generate`` on one prompt; ``assistant`` / ``lookup`` select its speculative modes."""
 
     kind = "peer"
+    yardstick = False
 
     def __init__(self, name: str, description: str, model, eos_ids: frozenset[int], pad_id: int,
                  lookup: int = 0, assistant=None) -> None:
@@ -154,25 +160,37 @@ def transformers_peers(path: Path, draft: str | None, num_draft_tokens: int, eos
 # --------------------------------------------------------------------------- llama.cpp
 
 
+def llamacpp_version() -> str:
+    """The installed llama-cpp-python's version."""
+    from importlib.metadata import version
+
+    return version("llama-cpp-python")
+
+
+def load_llama(path: Path, threads: int, lookup: int = 0):
+    """A ``llama_cpp.Llama`` on the GGUF at ``path``: ``threads`` for decoding and prefill alike, optionally with
+    its prompt-lookup draft of ``lookup`` tokens."""
+    from llama_cpp import Llama
+
+    draft = None
+    if lookup:
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup)
+    # with a draft, llama-cpp-python keeps the scores of every position it verifies (logits_all);
+    # without it, a verification of 11 tokens overflows its score buffer
+    return Llama(model_path=str(path), n_ctx=LLAMACPP_CTX, n_threads=threads, n_threads_batch=threads,
+                 draft_model=draft, logits_all=draft is not None, verbose=False)
+
+
 class LlamaCppPeer:
-    """llama.cpp (llama-cpp-python) greedy decoding, optionally with its prompt-lookup draft."""
+    """llama.cpp's high-level greedy generation (``Llama.generate``), optionally with its prompt-lookup draft."""
 
     kind = "peer"
 
-    def __init__(self, name: str, description: str, path: Path, eos_ids: frozenset[int], threads: int,
-                 lookup: int = 0) -> None:
-        from llama_cpp import Llama
-
-        draft = None
-        if lookup:
-            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
-            draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup)
-        self.name, self.description, self.eos_ids = name, description, eos_ids
-        # with a draft, llama-cpp-python keeps the scores of every position it verifies (logits_all);
-        # without it, a verification of 11 tokens overflows its score buffer
-        self.llm = Llama(model_path=str(path), n_ctx=LLAMACPP_CTX, n_threads=threads, draft_model=draft,
-                         logits_all=draft is not None, verbose=False)
+    def __init__(self, name: str, description: str, llm, eos_ids: frozenset[int], yardstick: bool) -> None:
+        self.name, self.description, self.llm, self.eos_ids = name, description, llm, eos_ids
+        self.yardstick = yardstick
 
     def forget(self) -> None:
         pass                                                      # every call starts afresh
@@ -184,19 +202,121 @@ class LlamaCppPeer:
         self.llm.reset()                                          # no KV reuse across calls
         tokens: list[int] = []
         start = time.perf_counter()
-        for token in self.llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
-            tokens.append(int(token))
-            if token in self.eos_ids or len(tokens) >= max_new_tokens:
-                break
+        if max_new_tokens > 0:
+            for token in self.llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
+                tokens.append(int(token))
+                if token in self.eos_ids or len(tokens) >= max_new_tokens:
+                    break
         return Generation(tokens, time.perf_counter() - start, None)
 
 
-def llamacpp_peers(path: Path, eos_ids: frozenset[int]) -> list[LlamaCppPeer]:
+class Decoder(Protocol):
+    """The llama.cpp calls a greedy decode loop makes, on one sequence (seq 0) of one context."""
+
+    n_batch: int                  # most tokens one decode call takes
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` positions of the KV cache (0: empty it)."""
+        ...
+
+    def decode(self, tokens: Sequence[int], start: int, every_row: bool = False) -> None:
+        """One ``llama_decode`` of ``tokens`` at positions ``start``...; logits of the last (or of every) row."""
+        ...
+
+    def last_logits(self) -> np.ndarray:
+        """The last decoded row's logits, (vocab,) float32 (a view: valid until the next decode)."""
+        ...
+
+
+class LlamaCppDecoder:
+    """:class:`Decoder` on a ``llama_cpp.Llama``'s context through llama-cpp-python's low-level API."""
+
+    def __init__(self, llm) -> None:
+        import llama_cpp
+
+        self._api, self._llm, self._ctx = llama_cpp, llm, llm.ctx  # llm keeps the model and context alive
+        self._memory = llama_cpp.llama_get_memory(self._ctx)
+        self.n_batch, self.n_vocab = int(llm.n_batch), int(llm.n_vocab())
+        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+
+    def __del__(self) -> None:
+        batch, self._batch = getattr(self, "_batch", None), None
+        if batch is not None:
+            self._api.llama_batch_free(batch)
+
+    def truncate(self, length: int) -> None:
+        self._api.llama_memory_seq_rm(self._memory, 0, length, -1)
+
+    def decode(self, tokens: Sequence[int], start: int, every_row: bool = False) -> None:
+        if not 0 < len(tokens) <= self.n_batch:
+            raise SpecdecError(f"a llama.cpp decode takes 1 to {self.n_batch} tokens, got {len(tokens)}")
+        batch = self._batch
+        batch.n_tokens = len(tokens)
+        for i, token in enumerate(tokens):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, start + i, 1
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = every_row or i == len(tokens) - 1
+        code = self._api.llama_decode(self._ctx, batch)
+        if code != 0:
+            raise SpecdecError(f"llama_decode failed with code {code} at position {start}")
+
+    def synchronize(self) -> None:
+        """Wait for the last decode's computation (for timing)."""
+        self._api.llama_synchronize(self._ctx)
+
+    def last_logits(self) -> np.ndarray:
+        return np.ctypeslib.as_array(self._api.llama_get_logits_ith(self._ctx, -1), shape=(self.n_vocab,))
+
+
+def greedy_loop(decoder: Decoder, ids: Sequence[int], max_new_tokens: int, eos_ids: frozenset[int]) -> list[int]:
+    """Greedy decoding as llama.cpp's own examples do it: the prompt in ``n_batch`` pieces, then one decode of one
+    token per new token, each the argmax of the last logits; stops after an EOS (kept) or ``max_new_tokens``."""
+    decoder.truncate(0)
+    for i in range(0, len(ids), decoder.n_batch):
+        decoder.decode(ids[i:i + decoder.n_batch], i)
+    tokens: list[int] = []
+    while len(tokens) < max_new_tokens:
+        token = int(np.argmax(decoder.last_logits()))
+        tokens.append(token)
+        if token in eos_ids or len(tokens) == max_new_tokens:
+            break
+        decoder.decode([token], len(ids) + len(tokens) - 1)
+    return tokens
+
+
+class LlamaCppLoopPeer:
+    """llama.cpp's own greedy decode loop (:func:`greedy_loop`) through the low-level API."""
+
+    kind = "peer"
+    yardstick = True
+
+    def __init__(self, name: str, description: str, decoder: Decoder, eos_ids: frozenset[int]) -> None:
+        self.name, self.description, self.decoder, self.eos_ids = name, description, decoder, eos_ids
+
+    def forget(self) -> None:
+        pass                                                      # every call starts from an empty cache
+
+    def generate(self, ids: list[int], max_new_tokens: int, params: SamplingParams,
+                 prediction: str = "") -> Generation:
+        """Plain greedy decoding, prefill included in the time (a prediction is not used)."""
+        _check_greedy(params)
+        start = time.perf_counter()
+        tokens = greedy_loop(self.decoder, ids, max_new_tokens, self.eos_ids)
+        return Generation(tokens, time.perf_counter() - start, None)
+
+
+def llamacpp_peers(path: Path, eos_ids: frozenset[int]) -> list:
+    """``llama.cpp`` (Llama.generate), ``llama.cpp-loop`` (its decode loop, on the same context) and
+    ``llama.cpp-lookup``, all on torch's thread count."""
     threads = torch.get_num_threads()
+    version = f"llama-cpp-python {llamacpp_version()}, GGUF as is, {threads} threads"
+    llm = load_llama(path, threads)
     return [
-        LlamaCppPeer("llama.cpp", "llama.cpp (llama-cpp-python, GGUF as is)", path, eos_ids, threads),
-        LlamaCppPeer("llama.cpp-lookup", f"llama.cpp prompt lookup ({LOOKUP_TOKENS} tokens)", path, eos_ids,
-                     threads, lookup=LOOKUP_TOKENS),
+        LlamaCppPeer("llama.cpp", f"llama.cpp `Llama.generate` ({version})", llm, eos_ids, yardstick=True),
+        LlamaCppLoopPeer("llama.cpp-loop", f"llama.cpp decode loop: one `llama_decode` per token, argmax in "
+                         f"numpy ({version})", LlamaCppDecoder(llm), eos_ids),
+        LlamaCppPeer("llama.cpp-lookup", f"llama.cpp prompt lookup ({LOOKUP_TOKENS} tokens; {version})",
+                     load_llama(path, threads, LOOKUP_TOKENS), eos_ids, yardstick=False),
     ]
 
 

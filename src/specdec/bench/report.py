@@ -121,6 +121,27 @@ def _peers_table(results: dict) -> list[str]:
     return lines + [f"- {note}" for note in notes]
 
 
+def _yardstick_table(results: dict) -> list[str]:
+    """Every method's speedup over the faster of the plain-decoding peers (llama.cpp's two ways)."""
+    yard = results["summary"].get("yardstick") or {}
+    if not yard:
+        return []
+    fastest, speed = yard["fastest"], yard["tokens_per_second"]
+    cols = _columns(results)
+    cells = results["summary"]["peers"][fastest]
+    rows = [[f"`{name}`", *(_times(cells[c]["speedup_of"].get(name)) for c in cols)]
+            for name in results["summary"]["methods"]]
+    measured = ", ".join(f"`{n}` {_num(speed[n], 1)}" for n in yard["peers"])
+    lines = [f"## Speedup over `{fastest}`, the fastest plain peer", "",
+             f"Plain decoding peers, median tokens/s: {measured}.", "", *_table(["method", *cols], rows), "",
+             f"Speedup: median over prompts and repeats of tokens/s(method) / tokens/s(`{fastest}`), each pair "
+             "measured back to back in the same repeat."]
+    if len(yard["peers"]) > 1:
+        lines.append(f"{' and '.join(f'`{n}`' for n in yard['peers'])} gave the same tokens on "
+                     f"{yard['same_output']}/{yard['runs']} runs.")
+    return lines
+
+
 def _failures(results: dict) -> list[str]:
     eq = results["summary"]["equality"]
     lines: list[str] = []
@@ -152,7 +173,7 @@ def _machine(results: dict) -> list[str]:
 def markdown(results: dict) -> str:
     """The whole report.md text."""
     sections = [_heading(results), _speedup_table(results), _detail_table(results), _tps_table(results),
-                _peers_table(results), _failures(results), _machine(results),
+                _peers_table(results), _yardstick_table(results), _failures(results), _machine(results),
                 ["## Command", "", "```bash", results["command"], "```"]]
     return "\n\n".join("\n".join(s) for s in sections if s) + "\n"
 

@@ -19,6 +19,10 @@ Summary per method x category (and ``overall``):
   ``acceptance_per_position``: per draft position, accepted / drafted, pooled over all runs;
 * greedy only: ``equal`` - every output equals ``none``'s for the same prompt and repeat.
   A mismatch is a failure (``results["ok"]`` is False).
+
+Peers with ``yardstick = True`` (llama.cpp's plain decoding, high-level and its own decode loop) are one
+engine's plain speed measured two ways: ``summary["yardstick"]`` names the faster of them overall (the one
+every method is compared with) and counts the runs where they all gave the same tokens.
 """
 from __future__ import annotations
 
@@ -393,8 +397,23 @@ def nondeterministic(records: list[dict]) -> list[dict]:
     return out
 
 
+def yardstick_summary(records: list[dict], yardsticks: Sequence[str]) -> dict:
+    """The fastest of the ``yardsticks`` peers overall (median tokens/s) and how many (prompt, repeat) runs
+    they all answered with the same tokens; {} without yardsticks."""
+    if not yardsticks:
+        return {}
+    speed = {name: _median([r["tokens_per_second"] for r in _by(records, name, None)]) or 0.0 for name in yardsticks}
+    outputs: dict[tuple[str, int], list[list[list[int]]]] = {}
+    for r in records:
+        if r["system"] in yardsticks:
+            outputs.setdefault(_key(r), []).append(r["tokens"])
+    agree = sum(len(outs) == len(yardsticks) and all(o == outs[0] for o in outs) for outs in outputs.values())
+    return {"peers": list(yardsticks), "fastest": max(yardsticks, key=lambda n: speed[n]),
+            "tokens_per_second": speed, "same_output": agree, "runs": len(outputs)}
+
+
 def summarize(records: list[dict], methods: Sequence[str], peers: Sequence[str], categories: Sequence[str],
-              greedy: bool) -> dict:
+              greedy: bool, yardsticks: Sequence[str] = ()) -> dict:
     """Per method and per peer, per category and ``overall``: the numbers the report shows."""
     if BASELINE not in methods:
         raise SpecdecError(f"the summary needs the {BASELINE!r} baseline among the methods")
@@ -416,6 +435,7 @@ def summarize(records: list[dict], methods: Sequence[str], peers: Sequence[str],
         "mismatches": wrong,
         "nondeterministic": nondeterministic(records) if greedy else [],
     }
+    summary["yardstick"] = yardstick_summary(records, yardsticks)
     return summary
 
 
@@ -463,10 +483,11 @@ def benchmark(systems: Sequence[System], prompts: Sequence[Prompt], tokenizer: C
         raise SpecdecError("no prompts to benchmark")
     methods = [s.name for s in systems if s.kind == "method"]
     peers = [s.name for s in systems if s.kind == "peer"]
+    yardsticks = [s.name for s in systems if s.kind == "peer" and getattr(s, "yardstick", False)]
     started = time.perf_counter()
     records = run(systems, prompts, tokenizer, repeats, temperature, seed, progress, warmup)
     greedy = temperature == 0
-    summary = summarize(records, methods, peers, categories_of(prompts), greedy)
+    summary = summarize(records, methods, peers, categories_of(prompts), greedy, yardsticks)
     return {
         "schema": SCHEMA,
         "command": command,
