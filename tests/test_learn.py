@@ -164,3 +164,47 @@ def test_acceptance_before_learning_and_over_recent_requests():
     r = stats.rates()
     assert r["before"] == [0.5, 0.5] and stats.requests["before"] == 1
     assert r["recent"] == [1.0, 1.0]
+
+
+def test_collected_features_are_the_targets_features_of_each_position(target, head_file, tmp_path):
+    """What the tap collects from prefill and verification equals a fresh prefill of the finished sequence,
+    position by position (the pairs training reads are aligned)."""
+    from specdec.train.eagle3 import extract_aux
+
+    state = state_for(target, head_file, learn_config(tmp_path / "l.safetensors", passes=1e-9))
+    state.scheduler.start()
+    try:
+        outs = serve(state, requests(GREEDY))
+    finally:
+        state.scheduler.stop()
+    layers = live_head(state).feature_layers
+    seen = {tuple(t) for t, _ in state.learner.buffer.seqs}
+    assert seen == {tuple(p + o)[:-1] for p, o in zip(PROMPTS, outs)}     # every token but the unscored last
+    for tokens, feats in state.learner.buffer.seqs:
+        want = extract_aux(target, [tokens], layers)[0]                   # [T, H*(1+3)] bfloat16
+        assert feats.shape == want.shape == (len(tokens), 4 * target.config.dim)
+        assert torch.allclose(feats.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_a_step_drafts_and_commits_with_one_set_of_weights(target, head_file, tmp_path, monkeypatch):
+    """Learning as often as it may (busy_share 1: an update at every step boundary): the head's weights
+    changed between steps, never between a step's drafting and its commit."""
+    from specdec.server.learn import FeatureTap
+
+    seen: list[tuple[str, float]] = []
+    checksum = lambda tap: float(tap.head.fc.weight.float().sum())      # noqa: E731
+    propose, commit = FeatureTap.propose, FeatureTap.commit
+    monkeypatch.setattr(FeatureTap, "propose", lambda self, b, k: seen.append(("propose", checksum(self)))
+                        or propose(self, b, k))
+    monkeypatch.setattr(FeatureTap, "commit", lambda self, b, v, h: seen.append(("commit", checksum(self)))
+                        or commit(self, b, v, h))
+    state = state_for(target, head_file, learn_config(tmp_path / "l.safetensors", busy_share=1.0))
+    state.scheduler.start()
+    try:
+        serve(state, requests(GREEDY)[:1])                     # the buffer gets traffic; then a busy round
+        serve(state, [Request(p, NEW, GREEDY) for p in PROMPTS] * 2)
+    finally:
+        state.scheduler.stop()
+    steps = [(a[1], b[1]) for a, b in zip(seen, seen[1:]) if a[0] == "propose" and b[0] == "commit"]
+    assert steps and all(a == b for a, b in steps)
+    assert len({c for _, c in seen}) > 2                      # the weights did change, between steps
