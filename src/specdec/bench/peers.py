@@ -309,7 +309,7 @@ def llamacpp_peers(path: Path, eos_ids: frozenset[int]) -> list:
     """``llama.cpp`` (Llama.generate), ``llama.cpp-loop`` (its decode loop, on the same context) and
     ``llama.cpp-lookup``, all on torch's thread count."""
     threads = torch.get_num_threads()
-    version = f"llama-cpp-python {llamacpp_version()}, GGUF as is, {threads} threads"
+    version = f"llama-cpp-python {llamacpp_version()}, GGUF as is, {threads} thread{'s' * (threads > 1)}"
     llm = load_llama(path, threads)
     return [
         LlamaCppPeer("llama.cpp", f"llama.cpp `Llama.generate` ({version})", llm, eos_ids, yardstick=True),
