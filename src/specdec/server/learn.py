@@ -123,7 +123,10 @@ class FeatureTap:
     def take(self, seq: SequenceState) -> tuple[list[int], Tensor]:
         """A finished sequence's tokens and the features of its positions [T, H*(1+3)] (the last token,
         never scored, and tokens cut after an EOS or the length limit are left out)."""
-        f = torch.cat(self.feats.pop(seq.row))
+        parts = self.feats.pop(seq.row, [])                  # none: the row was reallocated meanwhile
+        if not parts:
+            return [], torch.empty(0)
+        f = torch.cat(parts)
         n = min(len(f), len(seq.tokens))
         return seq.tokens[:n], f[:n]
 
