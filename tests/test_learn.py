@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import generate_latest
 
 from helpers import tiny_generator, tiny_model
 from specdec.engine import Request
@@ -23,6 +24,16 @@ from specdec.server.scheduler import Done, Job, SpecChoice
 PROMPTS = [[5, 17, 3, 44, 90, 12, 7], [61, 33, 2, 80, 15, 9, 9, 4, 71], [3, 5, 7, 9, 11], [42, 1, 42, 1, 42, 8]]
 NEW = 24
 GREEDY = SamplingParams(0.0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models on one torch thread: a worker thread driving OpenMP teams beside the main thread's makes
+    every parallel region sleep and wake (server/scheduler.py), several times slower on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +125,12 @@ def test_outputs_are_unchanged_while_the_head_learns(target, head_file, tmp_path
     rates = learner.stats.rates()
     assert rates["before"] and rates["recent"]
     assert learner.stats.requests["before"] >= 1                  # those that finished before the first update
+    text = generate_latest(learning.metrics.registry).decode()      # what /metrics serves
+    assert f"specdec:learn_updates_total {float(learner.updates)}" in text
+    assert f"specdec:learn_tokens_total {float(learner.tokens_learnt)}" in text
+    for phase in ("before", "recent"):
+        assert f'specdec:learn_acceptance_first{{phase="{phase}"}} {rates[phase][0]}' in text
+        assert f'specdec:learn_acceptance_per_pos{{phase="{phase}",position="0"}}' in text
 
 
 def test_the_learnt_head_is_kept_and_drafted_with_after_a_restart(target, head_file, tmp_path):
