@@ -191,3 +191,24 @@ def test_eagle3_sampling_matches_exact_distribution():
     samples = sample_engine(target, EagleProposer(head, topk, depth, budget, name="eagle3"), params, prompt,
                             n=20_000, k=depth)
     assert check_joint(samples, exact_joint(target, prompt, params)) > 1e-3
+
+
+@torch.no_grad()
+def test_served_agreement_counts_answer_positions_against_the_whole_vocabulary():
+    """With the whole vocabulary as draft vocabulary and every token an answer, it is training's agreement;
+    rows without answer tokens count nothing; a smaller draft vocabulary can only lose agreement."""
+    from specdec.train.eagle3 import served_agreement, ttt_losses
+    from specdec.train.magpie import Row
+
+    target, head = _head(seed=4, vocab=97, ids=torch.arange(97))
+    toks = torch.randint(0, 97, (3, 20), generator=torch.Generator().manual_seed(0))
+    feats = [_target_features(target, t[None], head)[0] for t in toks]
+    seqs = [t.tolist() for t in toks]
+    w = target.output if target.output.numel() else target.embed
+    rows = [Row(s, [1] * len(s), "chat", f"r{i}") for i, s in enumerate(seqs)]
+    served = served_agreement(head, rows, seqs, feats, {"chat": [0, 1, 2]}, w.float(), 3, 64)["chat"]
+    # lengths 19: the last token's successor is unknown, so served agreement cannot count it either
+    _, accs = ttt_losses(head, toks, torch.stack(feats).float(), torch.full((3,), 19), w.float(), 3)
+    assert served == pytest.approx(accs, abs=1e-4)
+    none = [Row(s, [0] * len(s), "chat", f"r{i}") for i, s in enumerate(seqs)]
+    assert served_agreement(head, none, seqs, feats, {"chat": [0, 1, 2]}, w.float(), 3, 64)["chat"] == [0.0] * 3

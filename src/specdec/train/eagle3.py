@@ -144,6 +144,34 @@ def validate(head: Eagle3Head, seqs, feats, by_cat: dict[str, list[int]], window
     return out
 
 
+@torch.no_grad()
+def served_agreement(head: Eagle3Head, rows: list[Row], seqs: list[list[int]], feats: list[Tensor],
+                     by_cat: dict[str, list[int]], w_full: Tensor, steps: int, window: int) -> dict[str, list[float]]:
+    """Top-1 agreement per draft position and category counted as drafting meets it: answer positions only
+    (not the prompt, template and question tokens `validate` counts too), against the target's argmax over
+    its whole vocabulary (a token outside the draft vocabulary is a miss). Each row's last `window` tokens."""
+    H, out = head.cfg.dim, {}
+    for cat, idx in sorted(by_cat.items()):
+        hits, counted = [0] * steps, [0] * steps
+        for i in idx:
+            a = max(0, len(seqs[i]) - window)
+            toks = torch.tensor(seqs[i][a:])[None]                                  # [1, T]
+            f = feats[i][a:][None].float()                                          # [1, T, F]
+            T = toks.shape[1]
+            if T < 3:
+                continue
+            full = (f[0, 1:T - 1, :H] @ w_full.T).argmax(-1)                        # [T-2] target's token j + 2
+            answer = torch.tensor(rows[i].answer_mask[a + 2:a + T], dtype=torch.bool)   # [T-2]
+            j = torch.arange(T - 2)
+            for s, h in enumerate(ttt_unroll(head, toks, f, steps)):
+                draft = head.vocab_ids[head.logits(h[0, :T - 2]).float().argmax(-1)]
+                m = answer & (j >= s)
+                hits[s] += int((draft == full)[m].sum())
+                counted[s] += int(m.sum())
+        out[cat] = [round(h / max(c, 1), 4) for h, c in zip(hits, counted)]
+    return out
+
+
 def shard_features(target: Transformer, rows: list[Row], seqs: list[list[int]], layers: tuple[int, ...],
                     cache: Path, max_seq: int, deadline: float) -> list[Tensor]:
     """The target's features of every sequence, extracted once per data shard and kept in `cache` as
@@ -277,11 +305,13 @@ def fit_eagle3(target: Transformer, name: str, rows: list[Row], out: Path, opts:
     head.eval()
     with torch.no_grad(), autocast(opts.train_dtype):
         final = validate(head, seqs, feats, val_by_cat, opts.window, w_sub, opts.steps)
+        served = served_agreement(head, rows, seqs, feats, val_by_cat, w.float().detach(), opts.steps, opts.window)
     report = {"target": name, "rows": len(rows), "train_rows": len(train_idx),
               "tokens": sum(len(s) for s in seqs), "tokens_seen": ckpt.tokens, "steps": n_steps, "minutes": spent,
               "train_dtype": str(opts.train_dtype).removeprefix("torch."),
               "draft_vocab": cfg.draft_vocab, "aux_layers": list(cfg.aux_layers), "ttt_steps": opts.steps,
-              "validation_top1_agreement_per_position": final}
+              "validation_top1_agreement_per_position": final,
+              "served_top1_agreement_per_position": served}
     curve.add(n_steps, ckpt.tokens, (time.time() - started) / 60, {c: final[c] for c in sorted(final)})
     head.save(out, {"report": json.dumps(report)})
     out.with_suffix(".json").write_text(json.dumps(report, indent=2))
