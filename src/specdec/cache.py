@@ -40,7 +40,8 @@ class KVCache:
         """Write k, v [B, n_kv, T, hd] at the scratch slots of `rows` [B]."""
         T = k.shape[2]
         if rows.numel() == 1:                                                  # the common case: plain slices
-            r, at = int(rows[0]), int(self.lengths[rows[0]])
+            r = int(rows.item())                                                # item, not select + item: per layer
+            at = int(self.lengths[r])
             self.k[layer, r, :, at:at + T] = k[0]
             self.v[layer, r, :, at:at + T] = v[0]
             return
