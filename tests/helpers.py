@@ -182,3 +182,20 @@ def stream_engine(target, proposer: Proposer, requests: list[Request], policy: s
                 seqs.append(eng.add(waiting.pop()))
             eng.step()
     return seqs
+
+
+class Stateless:
+    """A test proposer's no-op bookkeeping: it keeps no state between steps (subclasses define propose)."""
+    feature_layers: tuple[int, ...] = ()
+
+    def allocate(self, rows, slots):
+        pass
+
+    def start(self, rows, prompts, hidden):
+        pass
+
+    def commit(self, batch, verdict, hidden):
+        pass
+
+    def forget(self):
+        pass

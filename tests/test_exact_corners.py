@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from helpers import PROMPTS, tiny_generator, tiny_model
+from helpers import PROMPTS, Stateless, tiny_generator, tiny_model
 from specdec.draft_length import make_policy
 from specdec.engine import Engine, Request
 from specdec.models.early_exit import EarlyExitDraft
@@ -79,27 +79,14 @@ def test_lookahead_trees_stay_within_the_exact_budget():
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
 
 
-class WideTree:
+class WideTree(Stateless):
     """Always MAX_TREE_BUDGET nodes: the first draft's candidates, all hanging from the root."""
     name = "wide-tree"
-    feature_layers: tuple[int, ...] = ()
-
-    def allocate(self, rows, slots):
-        pass
-
-    def start(self, rows, prompts, hidden):
-        pass
 
     def propose(self, batch, k):
         B = len(batch.tokens)
         toks = torch.arange(MAX_TREE_BUDGET).expand(B, MAX_TREE_BUDGET).clone()
         return Draft(toks, parents=torch.full((B, MAX_TREE_BUDGET), -1))
-
-    def commit(self, batch, verdict, hidden):
-        pass
-
-    def forget(self):
-        pass
 
 
 def test_the_largest_tree_fits_the_cache_a_generator_allocates():
