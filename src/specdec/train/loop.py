@@ -122,7 +122,7 @@ def train_loop(desc: str, params: list[torch.nn.Parameter], opt: torch.optim.Opt
             step += 1
             step_s = time.time() - a
             bar.update(1)
-            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", **fields)
+            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", **fields, refresh=False)
             ckpt.maybe_save(step, time.time() - t0)
             if reports.ready(time.time() - t0, budget, step_s):
                 a = time.time()
