@@ -161,7 +161,8 @@ def served_agreement(head: Eagle3Head, rows: list[Row], seqs: list[list[int]], f
             if T < 3:
                 continue
             full = (f[0, 1:T - 1, :H] @ w_full.T).argmax(-1)                        # [T-2] target's token j + 2
-            answer = torch.tensor(rows[i].answer_mask[a + 2:a + T], dtype=torch.bool)   # [T-2]
+            seg = list(rows[i].answer_mask[a + 2:a + T])                            # a row may lack a mask
+            answer = torch.tensor(seg + [0] * (T - 2 - len(seg)), dtype=torch.bool)   # [T-2]
             j = torch.arange(T - 2)
             for s, h in enumerate(ttt_unroll(head, toks, f, steps)):
                 draft = head.vocab_ids[head.logits(h[0, :T - 2]).float().argmax(-1)]
