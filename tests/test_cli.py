@@ -97,14 +97,8 @@ def test_ctrl_c_while_the_model_loads_is_one_line():
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     first = proc.stderr.readline()                    # past the parser and torch's import: loading the model
     assert first.startswith("specdec: loading smollm2-135m")
-    for _ in range(5):                                # a native call may drop a signal: press again, as a user would
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=3)
-            break
-        except subprocess.TimeoutExpired:
-            pass
-    out, err = proc.communicate(timeout=60)
+    proc.send_signal(signal.SIGINT)                   # once: a native read that mangles it must not drop it
+    out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and err.endswith("specdec: interrupted\n") and "Traceback" not in err
 
 

@@ -48,3 +48,29 @@ def test_a_damaged_entry_is_converted_again(tmp_path, monkeypatch):
     assert weight_cache.read(where) is None
     model = load_gguf(path, torch.float32)
     assert model.compute == "float32" and weight_cache.read(where) is not None
+
+
+def test_ctrl_c_during_a_read_is_an_interruption_not_a_damaged_entry(tmp_path, monkeypatch):
+    """A native read interrupted by Ctrl-C may surface as another exception (safetensors: ValueError,
+    SystemError); that must stop the program, not be taken for an unreadable entry and converted again."""
+    import os
+    import signal
+    import time
+
+    import safetensors
+
+    entry = tmp_path / "entry.safetensors"
+    entry.write_bytes(b"x")
+
+    def interrupted_read(*args, **kwargs):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1.0)
+        except KeyboardInterrupt:
+            raise ValueError("could not determine the shape of object type 'torch.storage.UntypedStorage'") from None
+
+    monkeypatch.setattr(safetensors, "safe_open", interrupted_read)
+    with pytest.raises(KeyboardInterrupt):
+        weight_cache.read(entry)
+    monkeypatch.setattr(safetensors, "safe_open", lambda *a, **k: (_ for _ in ()).throw(ValueError("damaged")))
+    assert weight_cache.read(entry) is None                                      # a damaged entry: convert again

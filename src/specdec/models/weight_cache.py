@@ -13,6 +13,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -68,6 +72,27 @@ def write(where: Path, weights) -> None:
     write_atomic(where, save(tensors, metadata=meta))
 
 
+@contextmanager
+def interrupts_noted(noted: list[int]) -> Iterator[None]:
+    """Note a Ctrl-C (in `noted`) while the block runs, besides raising KeyboardInterrupt: inside a native
+    call (safetensors' reads) it can surface as another exception (ValueError, SystemError). Only the main
+    thread with Python's default handler is watched."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+
+    def note(signum: int, frame: object) -> None:
+        noted.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, note)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def read(where: Path):
     """The `gguf_loader.Weights` stored at `where`, or None when there is no readable entry."""
     from safetensors import safe_open
@@ -76,14 +101,17 @@ def read(where: Path):
 
     if not where.is_file():
         return None
+    noted: list[int] = []
     try:
-        with safe_open(str(where), "pt") as f:
+        with interrupts_noted(noted), safe_open(str(where), "pt") as f:
             meta = f.metadata() or {}
             if meta.get("format") != str(FORMAT):
                 return None
             cfg = ModelConfig(**json.loads(meta["config"]))
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception:                     # any unreadable or foreign entry: convert again
+        if noted:                         # ... unless it was Ctrl-C, mangled by the native read
+            raise KeyboardInterrupt from None
         return None
     state = {k[len("state."):]: v for k, v in tensors.items() if k.startswith("state.")}
     int4 = {}
