@@ -91,8 +91,8 @@ def test_weights_roundtrip_and_errors(tmp_path):
         EagleHead.load(tmp_path / "missing.safetensors", target)
 
 
-@pytest.mark.slow        # 20,000 sequences: `make test`
-@pytest.mark.parametrize("params", [SamplingParams(0.7, 5, 0.9), SamplingParams(1.0, 6, 0.95)], ids=["t0.7", "t1.0"])
+@pytest.mark.slow        # 20,000 sequences: `make test`; at 1.0, where sampled drafts matter most
+@pytest.mark.parametrize("params", [SamplingParams(1.0, 6, 0.95)], ids=["t1.0"])
 def test_eagle_sampled_drafts_match_exact_distribution(params):
     """Drafts drawn from the head's own q (reduced vocabulary, the row's transform) and verified by the rejection
     rule: the output is the target's distribution."""
