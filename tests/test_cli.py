@@ -94,7 +94,8 @@ def test_keyboard_interrupt_is_one_line_exit_130(monkeypatch, capsys):
 def test_ctrl_c_while_the_model_loads_is_one_line():
     proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "generate", "--prompt", "1, 2, 3, 4,", "--no-chat",
                              "--max-new-tokens", "2000", "--method", "none"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))   # xdist workers ignore it
     first = proc.stderr.readline()                    # past the parser and torch's import: loading the model
     assert first.startswith("specdec: loading smollm2-135m")
     proc.send_signal(signal.SIGINT)                   # once: a native read that mangles it must not drop it

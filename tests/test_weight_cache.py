@@ -70,7 +70,11 @@ def test_ctrl_c_during_a_read_is_an_interruption_not_a_damaged_entry(tmp_path, m
             raise ValueError("could not determine the shape of object type 'torch.storage.UntypedStorage'") from None
 
     monkeypatch.setattr(safetensors, "safe_open", interrupted_read)
-    with pytest.raises(KeyboardInterrupt):
-        weight_cache.read(entry)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)   # xdist workers ignore SIGINT
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            weight_cache.read(entry)
+    finally:
+        signal.signal(signal.SIGINT, before)
     monkeypatch.setattr(safetensors, "safe_open", lambda *a, **k: (_ for _ in ()).throw(ValueError("damaged")))
     assert weight_cache.read(entry) is None                                      # a damaged entry: convert again
