@@ -123,6 +123,6 @@ def test_sample_drafts_is_refused_where_it_does_not_apply():
 
     target = tiny_model(seed=2)
     with pytest.raises(SpecdecError, match="applies to the chains of eagle and eagle3"):
-        make_proposer("ngram", target, None, None, "float32", "cpu", TreeShape(), sample_drafts=True)
+        make_proposer("ngram", target, None, None, "float32", "cpu", TreeShape(), sample_drafts="on")
     with pytest.raises(SpecdecError, match="with a tree"):
-        make_proposer("eagle", target, None, None, "float32", "cpu", TreeShape(4, 16), sample_drafts=True)
+        make_proposer("eagle", target, None, None, "float32", "cpu", TreeShape(4, 16), sample_drafts="on")

@@ -333,17 +333,37 @@ class ProposerInputs:
 SAMPLED_HEADS = ("eagle", "eagle3")   # methods whose drafts may be sampled from their own q (sample_drafts)
 
 
+def sampled_drafts(setting: str, method: str, tree: TreeShape = TreeShape()) -> bool:
+    """Whether `method`'s proposer draws the drafts of rows that sample (temperature > 0) from its own q, for
+    the setting `sample_drafts` (names.SAMPLE_DRAFTS): `on` for the chains of eagle and eagle3 (an error for
+    any other method or a tree), `off` never (point masses: the head's argmax), `auto` (the default) where it
+    pays (point masses, as `off`, until measured). Greedy rows draft point masses whatever the setting."""
+    if setting not in names.SAMPLE_DRAFTS:
+        raise SpecdecError(names.unknown("sample_drafts setting", setting, names.SAMPLE_DRAFTS))
+    applies = method in SAMPLED_HEADS and tree.topk == 1
+    if setting == "on" and not applies:
+        raise SpecdecError(f"sample_drafts='on' (--sample-drafts on) applies to the chains of "
+                           f"{' and '.join(SAMPLED_HEADS)} (method 'draft' samples its drafts always), not {method!r}"
+                           + (f" with a tree ({tree})" if tree.topk != 1 else ""))
+    return applies and setting == "on"
+
+
+def serve_sample_drafts(setting: str, method: str) -> str:
+    """A server's `setting` for its engines of `method`: as given for eagle and eagle3, and `on` is `off` for
+    the methods it does not apply to (a server runs several; requests choose theirs)."""
+    return "off" if setting == "on" and method not in SAMPLED_HEADS else setting
+
+
 def make_proposer(method: str, target: CausalLM, target_tok: Tokenizer, source: DraftSource,
-                  dtype: str, device: str, tree: TreeShape = TreeShape(), sample_drafts: bool = False) -> Proposer:
-    """The proposer of `method` for `target`, drafting with `source` (see DraftSource)."""
+                  dtype: str, device: str, tree: TreeShape = TreeShape(),
+                  sample_drafts: str = names.DEFAULT_SAMPLE_DRAFTS) -> Proposer:
+    """The proposer of `method` for `target`, drafting with `source` (see DraftSource); `sample_drafts`: see
+    sampled_drafts."""
     build = PROPOSER_BUILDERS.get(method)
     if build is None:
         raise SpecdecError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
-    if sample_drafts and (method not in SAMPLED_HEADS or tree.topk != 1):
-        raise SpecdecError(f"sample_drafts (--sample-drafts) applies to the chains of {' and '.join(SAMPLED_HEADS)} "
-                           f"(method 'draft' samples its drafts always), not {method!r}"
-                           + (f" with a tree ({tree})" if tree.topk != 1 else ""))
-    return build(ProposerInputs(target, target_tok, source, dtype, device, tree, sample_drafts))
+    sample = sampled_drafts(sample_drafts, method, tree)
+    return build(ProposerInputs(target, target_tok, source, dtype, device, tree, sample))
 
 
 def _draft_proposer(x: ProposerInputs) -> Proposer:
@@ -543,7 +563,7 @@ def best_method(target: CausalLM) -> str:
 def load(model: str | Path = DEFAULT_MODEL, method: str = names.AUTO_METHOD, dtype: str = "auto", device: str = "cpu",
          draft_model: str | CausalLM | None = None, num_draft_tokens: int = 4,
          draft_policy: str = names.DEFAULT_POLICY, tree: TreeShape | str = TreeShape(),
-         sample_drafts: bool = False) -> Generator:
+         sample_drafts: str = names.DEFAULT_SAMPLE_DRAFTS) -> Generator:
     """Load a target (registered name or .gguf path) with a speculative method.
 
     `method`: auto (the default: the best lossless method for the target, see best_method), one of METHODS,
@@ -555,9 +575,11 @@ def load(model: str | Path = DEFAULT_MODEL, method: str = names.AUTO_METHOD, dty
     `draft_model`: what the method drafts with (see DraftSource); methods none, ngram and suffix take none.
     `tree` shapes the drafts of eagle and eagle3: a TreeShape or "TOPKxBUDGET" (e.g. "4x16" for a dynamic
     tree); the default (topk 1) is a chain, the fastest on our CPU measurements.
-    `sample_drafts` (eagle, eagle3 chains): rows that sample draw their drafts from the head's own q; accepted
-    with probability 1 - TV(p, q) instead of p(argmax q), exact by the rejection rule, but the sampled output
-    is then not token-identical to `none`'s for the same seed (reproducible for a fixed seed, K and batch)."""
+    `sample_drafts`: auto (the default), on or off (see sampled_drafts): whether the eagle and eagle3 chains
+    draw the drafts of rows that sample from the head's own q. A sampled draft is accepted with probability
+    1 - TV(p, q) instead of p(argmax q); exact in distribution by the rejection rule, but the sampled output is
+    then not token-identical to `none`'s for the same seed (reproducible for a fixed seed, K and batch). Greedy
+    rows are unaffected (token-identical to `none`); `off` keeps seeded sampling equal to `none`'s."""
     if not isinstance(model, (str, Path)):
         raise SpecdecError(f"model must be a registered name or a .gguf path, got {type(model).__name__}")
     if method not in names.METHOD_CHOICES:
@@ -566,6 +588,8 @@ def load(model: str | Path = DEFAULT_MODEL, method: str = names.AUTO_METHOD, dty
         raise SpecdecError("draft_model and tree belong to a named method: give method= too (e.g. 'draft', 'eagle')")
     if draft_policy not in POLICIES:
         raise SpecdecError(names.unknown("draft policy", draft_policy, POLICIES))
+    if not isinstance(sample_drafts, str) or sample_drafts not in names.SAMPLE_DRAFTS:
+        raise SpecdecError(names.unknown("sample_drafts setting", sample_drafts, names.SAMPLE_DRAFTS))
     if draft_model is not None and method in names.DRAFTLESS:
         raise SpecdecError(f"method {method!r} drafts from the context and takes no draft_model (--draft-model); "
                            "use method 'draft' for a draft model")
@@ -573,6 +597,8 @@ def load(model: str | Path = DEFAULT_MODEL, method: str = names.AUTO_METHOD, dty
     tree = TreeShape.parse(tree) if isinstance(tree, str) else tree
     if tree != TreeShape() and method not in ("eagle", "eagle3"):
         raise SpecdecError(f"a draft tree shape ({tree}) applies to methods 'eagle' and 'eagle3' only, not {method!r}")
+    if method != names.AUTO_METHOD:
+        sampled_drafts(sample_drafts, method, tree)          # a setting that does not apply fails before loading
     target, tok, name = load_model(str(model), dtype, device)
     if method == names.AUTO_METHOD:
         method = best_method(target)

@@ -86,6 +86,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     import uvicorn
 
     import specdec
+    from .api import serve_sample_drafts
     from .server import ServeConfig, ServerState, create_app
     from .server.learn import LearnConfig
     from .tree import TreeShape
@@ -104,14 +105,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if a.learn_checkpoint and not a.learn:
         raise SpecdecError("--learn-checkpoint goes with --learn")
     torch.set_num_threads(a.threads or cores)
-    if a.sample_drafts:
-        raise SpecdecError("--sample-drafts is an option of generate and specdec.load; the server's engines draft "
-                           "point masses (their sampled output equals plain sampling's for the same seed)")
     own_draft = a.draft_model if a.method not in DRAFTLESS else None   # else: requests' method 'draft' uses it
     gen = specdec.load(a.model, method=a.method, dtype=a.dtype, device=a.device, draft_model=own_draft,
-                       num_draft_tokens=a.num_draft_tokens, draft_policy=a.draft_policy, tree=a.tree)
+                       num_draft_tokens=a.num_draft_tokens, draft_policy=a.draft_policy, tree=a.tree,
+                       sample_drafts=serve_sample_drafts(a.sample_drafts, a.method))
     dtype = str(gen.target.dtype).removeprefix("torch.")      # the activations' dtype: proposers load in it too
-    state = ServerState(gen, config, drafts_for_server(a, gen), dtype, TreeShape.parse(a.tree))
+    state = ServerState(gen, config, drafts_for_server(a, gen), dtype, TreeShape.parse(a.tree), a.sample_drafts)
     if a.host not in LOOPBACK and not keys:
         print(f"specdec: warning: listening on {a.host} without an API key (--api-key or SPECDEC_API_KEY)",
               file=sys.stderr)

@@ -29,6 +29,7 @@ from ..api import DraftSource, Generator, runtime_info
 from ..draft_length import MAX_DRAFT_TOKENS
 from ..engine import Request
 from ..errors import SpecdecError
+from ..names import DEFAULT_SAMPLE_DRAFTS
 from ..prefix_cache import PrefixCache
 from ..sampling import SamplingParams
 from ..tree import TreeShape
@@ -75,9 +76,12 @@ class ServerState:
     """Everything one app serves: the model, its engines and worker, limits and metrics."""
 
     def __init__(self, generator: Generator, config: ServeConfig, drafts: dict[str, DraftSource] | None = None,
-                 dtype: str = "float32", tree: TreeShape = TreeShape()) -> None:
+                 dtype: str = "float32", tree: TreeShape = TreeShape(),
+                 sample_drafts: str = DEFAULT_SAMPLE_DRAFTS) -> None:
         """`drafts`: per method, what its proposers draft with (api.DraftSource, e.g. {"draft": a loaded draft});
-        `dtype`: the target's dtype name, for anything a proposer loads; `tree`: EAGLE's draft shape."""
+        `dtype`: the target's dtype name, for anything a proposer loads; `tree`: EAGLE's draft shape;
+        `sample_drafts`: whether the EAGLE chains of the engines built for requests sample their drafts
+        (api.sampled_drafts; the default engine is `generator`'s own)."""
         self.generator, self.config, self.drafts = generator, config, dict(drafts or {})
         self.model_name = generator.name
         self.runtime = runtime_info(generator.target)          # machine, dtype, kernels, self-check (/health)
@@ -90,7 +94,7 @@ class ServerState:
         self.learner = self._learner(generator)
         self.pool = EnginePool(generator, self.learner.source(self.drafts), dtype, self.default, config.max_batch,
                                config.max_prompt_tokens + config.max_tokens, config.max_engines, tree,
-                               prefix_cache, config.prefill_tokens, self.learner)
+                               prefix_cache, config.prefill_tokens, self.learner, sample_drafts)
         self.scheduler = Scheduler(self.pool, self.metrics, config.max_batch, config.max_waiting,
                                    config.prefill_threads)
 

@@ -35,7 +35,8 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
-from ..api import DraftSource, Generator, make_proposer
+from ..api import DraftSource, Generator, make_proposer, serve_sample_drafts
+from ..names import DEFAULT_SAMPLE_DRAFTS
 from ..tree import TreeShape
 from ..engine import Engine, Request, SequenceState, scratch_slots
 from ..errors import SpecdecError
@@ -210,10 +211,11 @@ class EnginePool:
     def __init__(self, generator: Generator, drafts: dict[str, DraftSource], dtype: str, default: SpecChoice,
                  rows: int, base_slots: int, max_engines: int, tree: TreeShape = TreeShape(),
                  prefix_cache: PrefixCache | None = None, prefill_budget: int = 256,
-                 learner: Learner = NoLearning()) -> None:
+                 learner: Learner = NoLearning(), sample_drafts: str = DEFAULT_SAMPLE_DRAFTS) -> None:
         """prefix_cache: shared by all engines (one target; not given: a disabled one of this pool's own);
-        prefill_budget: prompt tokens per prefill step; learner: taps the proposers it learns from (--learn)."""
-        self.learner = learner
+        prefill_budget: prompt tokens per prefill step; learner: taps the proposers it learns from (--learn);
+        sample_drafts: the EAGLE chains' draft sampling (api.sampled_drafts) of the engines it builds."""
+        self.learner, self.sample_drafts = learner, sample_drafts
         self.gen, self.drafts, self.dtype, self.default, self.tree = generator, drafts, dtype, default, tree
         self.rows, self.base_slots, self.max_engines = rows, base_slots, max_engines
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(0)
@@ -229,10 +231,15 @@ class EnginePool:
         device = str(self.gen.target.device)
         proposer = self.learner.adopt(spec.method, make_proposer(spec.method, self.gen.target, self.gen.tokenizer,
                                                                  self.drafts.get(spec.method), self.dtype, device,
-                                                                 self.tree))
+                                                                 self.tree, self.sample_drafts_of(spec.method)))
         k = max(spec.num_draft_tokens, 1)
         gen = Generator(self.gen.target, self.gen.tokenizer, proposer, self.gen.policy_name, k, self.gen.name)
         return gen.engine(self.rows, self.slots(k), self.prefix_cache, self.prefill_budget)
+
+    def sample_drafts_of(self, method: str) -> str:
+        """The server's draft sampling for an engine of `method`: `on` samples the EAGLE chains' drafts and
+        leaves every other method's point masses (as `auto` and `off` do)."""
+        return serve_sample_drafts(self.sample_drafts, method)
 
     def route(self, spec: SpecChoice) -> tuple[SpecChoice, bool]:
         """(engine key, speculate flag): method none rides in the default engine with speculation off."""
