@@ -230,6 +230,21 @@ def test_method_specs():
         ("eagle", "eagle", TreeShape(1, 16), ""), ("eagle:4x16@auto", "eagle", TreeShape(4, 16), "auto")]
     with pytest.raises(SpecdecError, match="TOPKxBUDGET"):
         runner.parse_methods("eagle:wide", None)
+    specs = runner.parse_methods("eagle3,eagle3@sample=on,eagle3@sample=off,eagle@auto@sample=on,hybrid@auto", None)
+    assert [(s.label, s.method, s.policy, s.sample_drafts) for s in specs[1:]] == [
+        ("eagle3", "eagle3", "", "auto"), ("eagle3@sample=on", "eagle3", "", "on"),
+        ("eagle3@sample=off", "eagle3", "", "off"), ("eagle@auto@sample=on", "eagle", "auto", "on"),
+        ("hybrid@auto", "hybrid", "auto", "auto")]
+    with pytest.raises(SpecdecError, match="applies to the chains of eagle and eagle3.*not 'ngram'"):
+        runner.parse_methods("ngram@sample=on", None)
+    with pytest.raises(SpecdecError, match="with a tree"):
+        runner.parse_methods("eagle:4x16@sample=on", None)
+    with pytest.raises(SpecdecError, match="unknown setting 'sample=yes'.*sample=auto|on|off"):
+        runner.parse_methods("eagle3@sample=yes", None)
+    with pytest.raises(SpecdecError, match="sets its draft sampling twice"):
+        runner.parse_methods("eagle3@sample=on@sample=off", None)
+    with pytest.raises(SpecdecError, match="sets its draft policy twice"):
+        runner.parse_methods("eagle3@auto@fixed", None)
     assert parse_peers("") == [] and parse_peers("transformers") == ["transformers"]
 
 

@@ -28,8 +28,10 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     p.add_argument("--methods", default=DEFAULT_METHODS,
                    help=f"comma-separated methods ({', '.join(METHODS)}); NAME=DRAFT gives one its own draft, "
                         "NAME@POLICY its own draft-length policy (e.g. ngram@auto), eagle:TOPKxBUDGET a dynamic "
-                        "draft tree (e.g. eagle:4x16; plain eagle drafts a chain); 'none' is always run "
-                        "(the baseline)")
+                        "draft tree (e.g. eagle:4x16; plain eagle drafts a chain), NAME@sample=on|off|auto the "
+                        "--sample-drafts setting of an eagle or eagle3 chain (e.g. eagle3@sample=off next to eagle3, "
+                        "which has generate's default, auto; suffixes combine: eagle3@auto@sample=on); 'none' is "
+                        "always run (the baseline)")
     p.add_argument("--suite", default="mini", choices=SUITES, help="prompt suite")
     p.add_argument("--categories", default=None,
                    help=f"comma-separated subset of: {', '.join(CATEGORIES)} (default: all)")
@@ -184,7 +186,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
     config = {"model": name, "dtype": runtime["dtype"], "runtime": runtime, "device": a.device, "suite": a.suite, "limit": a.limit,
               "num_draft_tokens": a.num_draft_tokens, "draft_policy": a.draft_policy, "draft_model": shown(peer_draft),
               "method_specs": [{"label": s.label, "method": s.method, "draft": shown(s.draft),
-                                "policy": s.policy or a.draft_policy, "tree": str(s.tree)} for s in specs],
+                                "policy": s.policy or a.draft_policy, "tree": str(s.tree),
+                                "sample_drafts": s.sample_drafts} for s in specs],
               "peer_notes": notes}
     results = runner.benchmark([*systems, *peers], prompts, tokenizer, config, runner.machine_info(runtime["dtype"]),
                                command_line(a), a.repeats, a.temperature, a.seed, a.progress)

@@ -40,7 +40,8 @@ from typing import Protocol
 
 import torch
 
-from ..api import METHODS, Generator, make_proposer
+from ..api import METHODS, Generator, make_proposer, sampled_drafts
+from ..names import DEFAULT_SAMPLE_DRAFTS, SAMPLE_DRAFTS
 from ..engine import Request, scratch_slots
 from ..errors import SpecdecError
 from ..machine import cpu_model
@@ -70,6 +71,7 @@ class MethodSpec:
     draft: str | None
     policy: str = ""              # draft-length policy; "" = the run's --draft-policy
     tree: TreeShape = TreeShape()  # EAGLE's draft shape (``eagle:4x16``)
+    sample_drafts: str = DEFAULT_SAMPLE_DRAFTS   # the EAGLE chains' draft sampling (``eagle3@sample=on``)
 
 
 def default_draft(model_name: str) -> str:
@@ -88,7 +90,9 @@ def parse_methods(specs: str | Sequence[str], draft_model: str | None) -> list[M
     ``NAME`` uses ``draft_model`` for the ``draft`` method and no draft otherwise; ``NAME=DRAFT``
     gives a method its own draft (e.g. ``draft=self:8``), so one method can be compared with itself;
     a ``@POLICY`` suffix gives it its own draft-length policy (``ngram@auto`` next to ``ngram``);
-    ``NAME:TOPKxBUDGET`` an EAGLE draft tree (``eagle:4x16`` next to the chain ``eagle``).
+    ``NAME:TOPKxBUDGET`` an EAGLE draft tree (``eagle:4x16`` next to the chain ``eagle``); a
+    ``@sample=on|off|auto`` suffix the EAGLE chain's draft sampling (``eagle3@sample=off`` next to ``eagle3``,
+    which samples as ``specdec.load`` does by default). Suffixes combine: ``eagle3@auto@sample=on``.
     """
     from ..draft_length import POLICIES
 
@@ -97,22 +101,36 @@ def parse_methods(specs: str | Sequence[str], draft_model: str | None) -> list[M
         raise SpecdecError(f"no methods given; choose from: {', '.join(METHODS)}")
     out: list[MethodSpec] = []
     for item in items:
-        body, _, policy = item.partition("@")
+        body, *settings = item.split("@")
         method, _, draft = body.partition("=")
         method, _, shape = method.partition(":")
         tree = TreeShape.parse(shape) if shape else TreeShape()
         if shape and method not in ("eagle", "eagle3"):
             raise SpecdecError(f"a tree shape ({item!r}) applies to eagle and eagle3 only")
-        if policy and policy not in POLICIES:
-            raise SpecdecError(f"unknown draft policy {policy!r} in {item!r}; choose from: {', '.join(POLICIES)}")
         if method not in METHODS:
             raise SpecdecError(f"unknown method {method!r}; {did_you_mean(method, METHODS)}choose from: "
                                f"{', '.join(METHODS)}")
+        policy, sample = "", ""
+        for setting in settings:
+            key, eq, value = setting.partition("=")
+            if (eq and key == "sample" and sample) or (not eq and policy):
+                raise SpecdecError(f"{item!r} sets its {'draft sampling' if eq else 'draft policy'} twice")
+            if eq and key == "sample" and value in SAMPLE_DRAFTS:
+                sample = value
+                sampled_drafts(sample, method, tree)              # `on` where it does not apply fails here
+            elif eq:
+                raise SpecdecError(f"unknown setting {setting!r} in {item!r}; choose a draft policy "
+                                   f"({', '.join(POLICIES)}) or sample={'|'.join(SAMPLE_DRAFTS)}")
+            elif setting in POLICIES:
+                policy = setting
+            else:
+                raise SpecdecError(f"unknown draft policy {setting!r} in {item!r}; choose from: {', '.join(POLICIES)}"
+                                   f" (or sample={'|'.join(SAMPLE_DRAFTS)})")
         if not draft:
             draft = draft_model if method == "draft" else None
         if any(s.label == item for s in out):
             raise SpecdecError(f"method {item!r} is given twice")
-        out.append(MethodSpec(item, method, draft or None, policy, tree))
+        out.append(MethodSpec(item, method, draft or None, policy, tree, sample or DEFAULT_SAMPLE_DRAFTS))
     if not any(s.label == BASELINE for s in out):
         out.insert(0, MethodSpec(BASELINE, BASELINE, None))
     out.sort(key=lambda s: s.label != BASELINE)
@@ -174,7 +192,8 @@ def build_systems(target: CausalLM, tokenizer, specs: Sequence[MethodSpec], dtyp
     """One Generator per method spec, all sharing ``target`` (loaded once)."""
     systems = []
     for spec in specs:
-        proposer = make_proposer(spec.method, target, tokenizer, spec.draft, dtype, device, spec.tree)
+        proposer = make_proposer(spec.method, target, tokenizer, spec.draft, dtype, device, spec.tree,
+                                 spec.sample_drafts)
         gen = Generator(target, tokenizer, proposer, spec.policy or draft_policy, num_draft_tokens, name)
         systems.append(MethodSystem(spec.label, gen))
     return systems
