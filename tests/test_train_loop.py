@@ -175,6 +175,50 @@ def test_eagle3_run_on_a_tiny_target_keeps_a_short_budget(tmp_path):
     assert len(curve) >= 2 and curve[-1]["tokens"] == report["tokens_seen"]
     assert set(curve[-1]["agreement"]) == set(report["validation_top1_agreement_per_position"])
     assert len(curve[-1]["mean"]) == opts.steps
+    assert "validation_top1_agreement_per_position" in json.loads(_metadata(out)["report"])    # the final write
+
+
+def _metadata(path) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return f.metadata()
+
+
+def test_an_eagle3_run_leaves_a_usable_head_at_every_report_and_resumes_over_it(tmp_path, monkeypatch):
+    """While a run trains, OUT holds the head of the last progress report; a run stopped there (checkpoint
+    beside OUT) resumes without --overwrite, and a finished one is not overwritten by accident."""
+    import random
+
+    from helpers import tiny_model
+    from specdec.errors import SpecdecError
+    from specdec.models.eagle3 import Eagle3Head
+    from specdec.train import eagle3 as train3
+    from specdec.train.features import begin
+    from specdec.train.magpie import Row
+
+    g = random.Random(2)
+    rows = [Row([g.randrange(97) for _ in range(40)], [], ("chat", "code")[i % 2], f"magpie-0000/{i}") for i in range(24)]
+    out = tmp_path / "head.safetensors"
+    snapshots = []
+    save = Eagle3Head.save
+
+    def recording_save(self, path, meta):
+        save(self, path, meta)
+        snapshots.append(json.loads(_metadata(path)["report"]))
+    monkeypatch.setattr(Eagle3Head, "save", recording_save)
+    opts = train3.Eagle3Options(minutes=2 / 60, vocab_size=64, window=16, batch=4, report_minutes=0.4 / 60)
+    train3.fit_eagle3(tiny_model(layers=6), "tiny", rows, out, opts, tmp_path, random.Random(0), time.time())
+    partial = [r for r in snapshots if "snapshot_at_step" in r]
+    assert partial and all(r["tokens_seen"] > 0 for r in partial)
+    assert "validation_top1_agreement_per_position" in snapshots[-1]                   # then the final head
+    assert Eagle3Head.load(out, tiny_model(layers=6)) is not None                       # a usable head
+    with pytest.raises(SpecdecError, match="exists"):
+        begin("unused", out, overwrite=False, seed=0)                                  # finished: no checkpoint
+    out.with_suffix(".ckpt").write_bytes(b"")
+    with pytest.raises(Exception) as err:                                               # resuming passes the check
+        begin("no-such-model", out, overwrite=False, seed=0)
+    assert "exists" not in str(err.value)
 
 
 def test_tokens_seen_survive_a_checkpoint(tmp_path):

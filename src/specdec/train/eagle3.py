@@ -299,6 +299,9 @@ def fit_eagle3(target: Transformer, name: str, rows: list[Row], out: Path, opts:
                        opts.steps)
         head.train()
         curve.add(step, ckpt.tokens, (time.time() - started) / 60, acc)
+        # the head as it stands, usable while the run goes on (the final write replaces it with the full report)
+        head.save(out, {"report": json.dumps({"target": name, "snapshot_at_step": step, "tokens_seen": ckpt.tokens,
+                                              "validation_sample_top1_agreement_per_position": acc})})
         return f"{ckpt.tokens} tokens; validation top-1 agreement per position: " + json.dumps(acc)
 
     n_steps, spent = train_loop("train eagle3", params, opt, opts.lr, opts.minutes, ckpt, step_fn, progress,

@@ -33,11 +33,12 @@ def extract(target: Transformer, seqs: list[list[int]], batch: int = 8, desc: st
 
 
 def begin(model: str, out: Path, overwrite: bool, seed: int) -> tuple[Transformer, str, random.Random]:
-    """The common start of a training run: refuse to overwrite `out`, seed, load the target (dtype auto)."""
+    """The common start of a training run: refuse to overwrite `out` (unless a checkpoint beside it says the run
+    resumes: runs refresh `out` while they train), seed, load the target (dtype auto)."""
     from ..api import load_model
     from ..errors import SpecdecError
 
-    if out.exists() and not overwrite:
+    if out.exists() and not overwrite and not out.with_suffix(".ckpt").exists():
         raise SpecdecError(f"{out} exists; pass --overwrite to replace it")
     torch.manual_seed(seed)
     target, _, name = load_model(model, "auto")
