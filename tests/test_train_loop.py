@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -192,7 +193,7 @@ def test_an_eagle3_run_leaves_a_usable_head_at_every_report_and_resumes_over_it(
 
     from helpers import tiny_model
     from specdec.errors import SpecdecError
-    from specdec.models.eagle3 import Eagle3Head
+    from specdec.models.eagle3 import Eagle3Config, Eagle3Head
     from specdec.train import eagle3 as train3
     from specdec.train.features import begin
     from specdec.train.magpie import Row
@@ -207,12 +208,22 @@ def test_an_eagle3_run_leaves_a_usable_head_at_every_report_and_resumes_over_it(
         save(self, path, meta)
         snapshots.append(json.loads(_metadata(path)["report"]))
     monkeypatch.setattr(Eagle3Head, "save", recording_save)
-    opts = train3.Eagle3Options(minutes=2 / 60, vocab_size=64, window=16, batch=4, report_minutes=0.4 / 60)
-    train3.fit_eagle3(tiny_model(layers=6), "tiny", rows, out, opts, tmp_path, random.Random(0), time.time())
+    from specdec.train import loop
+    monkeypatch.setattr(loop._Reports, "ready", lambda self, elapsed, budget, step_s: time.time() >= self.due)
+    opts = train3.Eagle3Options(minutes=5 / 60, vocab_size=64, window=16, batch=4, report_minutes=0.5 / 60)
+    target = tiny_model(layers=6)
+    torch.optim.AdamW(torch.nn.Linear(1, 1).parameters())     # its first use imports for seconds
+    layers = tuple(i - 1 for i in Eagle3Config.for_target(target, 64).aux_layers)
+    train3.shard_features(target, rows, [r.tokens for r in rows], layers, tmp_path, opts.max_seq, float("inf"))
+    train3.fit_eagle3(target, "tiny", rows, out, opts, tmp_path, random.Random(0), time.time())
     partial = [r for r in snapshots if "snapshot_at_step" in r]
     assert partial and all(r["tokens_seen"] > 0 for r in partial)
     assert "validation_top1_agreement_per_position" in snapshots[-1]                   # then the final head
     assert Eagle3Head.load(out, tiny_model(layers=6)) is not None                       # a usable head
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask                                 # the umask's mode, not 0600
+    assert not list(tmp_path.glob(".*.tmp"))                                            # written whole, then renamed
     with pytest.raises(SpecdecError, match="exists"):
         begin("unused", out, overwrite=False, seed=0)                                  # finished: no checkpoint
     out.with_suffix(".ckpt").write_bytes(b"")

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from ..cache import KVCache
 from ..errors import SpecdecError
 from .decoder import Transformer, linear
-from .eagle import read_weights, target_fingerprint
+from .eagle import read_weights, target_fingerprint, write_weights
 
 
 class DistilledDraft(nn.Module):
@@ -100,14 +100,12 @@ class DistilledDraft(nn.Module):
 
     # ---- persistence --------------------------------------------------------------------------
     def save(self, path: Path, meta: dict) -> None:
-        from safetensors.torch import save_file
-
         sd = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in self.state_dict().items()
               if k != "vocab_ids" and v.numel()}
         sd["vocab_ids"] = self.vocab_ids.to(torch.int32)
         info = {"kind": "draft", "layers": ",".join(map(str, self.source_layers)),
                 "target": target_fingerprint(self.target[0]), **{k: str(v) for k, v in meta.items()}}
-        save_file(sd, str(path), metadata=info)
+        write_weights(path, sd, info)
 
     @staticmethod
     def load(path: Path, target: Transformer) -> "DistilledDraft":

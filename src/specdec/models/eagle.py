@@ -90,14 +90,12 @@ class EagleHead(nn.Module):
 
     # ---- persistence -------------------------------------------------------------------
     def save(self, path: Path, meta: dict) -> None:
-        from safetensors.torch import save_file
-
         sd = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in self.state_dict().items()
               if k != "vocab_ids" and v.numel()}
         sd["vocab_ids"] = self.vocab_ids.to(torch.int32)
         info = {"kind": "eagle", "n_layers": str(self.core.config.n_layers),
                 "target": target_fingerprint(self.tgt), **{k: str(v) for k, v in meta.items()}}
-        save_file(sd, str(path), metadata=info)
+        write_weights(path, sd, info)
 
     @staticmethod
     def load(path: Path, target: Transformer) -> "EagleHead":
@@ -107,6 +105,19 @@ class EagleHead(nn.Module):
         if unexpected or [m for m in missing if m != "vocab_ids" and not m.endswith("output")]:
             raise SpecdecError(f"{path} does not fit an EAGLE head: missing {missing}, unexpected {unexpected}")
         return head.prepare(target.dtype)
+
+
+def write_weights(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str]) -> None:
+    """A head's safetensors file, whole or not at all (a temporary file renamed over it: a reader, or a server
+    loading it while training rewrites it, sees the old file or the new), in the umask's usual mode."""
+    import os
+
+    from safetensors.torch import save
+
+    p = Path(path)
+    tmp = p.with_name(f".{p.name}.tmp")
+    tmp.write_bytes(save(tensors, metadata=metadata))
+    os.replace(tmp, p)
 
 
 def read_weights(path: Path, kind: str, target: Transformer) -> tuple[dict[str, Tensor], dict[str, str]]:

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from ..cache import KVCache
 from ..errors import SpecdecError
 from .decoder import Transformer, apply_rope, rope_tables
-from .eagle import read_weights, target_fingerprint
+from .eagle import read_weights, target_fingerprint, write_weights
 from .kernels import linear, pack, packed_linear_available
 
 
@@ -203,14 +203,12 @@ class Eagle3Head(nn.Module):
 
     # ---- persistence -------------------------------------------------------------------
     def save(self, path: Path, meta: dict) -> None:
-        from safetensors.torch import save_file
-
         sd = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in self.state_dict().items() if k != "vocab_ids"}
         sd["vocab_ids"] = self.vocab_ids.to(torch.int32)
         cfg = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self.cfg).items()}
         info = {"kind": "eagle3", "config": json.dumps(cfg), "target": target_fingerprint(self.tgt),
                 **{k: str(v) for k, v in meta.items()}}
-        save_file(sd, str(path), metadata=info)
+        write_weights(path, sd, info)
 
     @staticmethod
     def load(path: Path, target: Transformer) -> "Eagle3Head":

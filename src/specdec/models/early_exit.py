@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from ..cache import KVCache
 from ..errors import SpecdecError
 from .decoder import Transformer, truncated
-from .eagle import read_weights, target_fingerprint
+from .eagle import read_weights, target_fingerprint, write_weights
 from .kernels import linear, pack, packed_linear_available
 
 
@@ -101,13 +101,11 @@ class EarlyExitDraft(nn.Module):
 
     # ---- persistence --------------------------------------------------------------------------
     def save(self, path: Path, meta: dict) -> None:
-        from safetensors.torch import save_file
-
         sd = {"scale": self.scale.detach().to(torch.bfloat16).contiguous(),
               "proj": self.proj.detach().to(torch.bfloat16).contiguous(), "vocab_ids": self.vocab_ids.to(torch.int32)}
         info = {"kind": "exit", "n_layers": str(self.n_layers), "target": target_fingerprint(self.target[0]),
                 **{k: str(v) for k, v in meta.items()}}
-        save_file(sd, str(path), metadata=info)
+        write_weights(path, sd, info)
 
     @staticmethod
     def load(path: Path, target: Transformer) -> "EarlyExitDraft":

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from ..errors import SpecdecError
 from .decoder import Transformer
-from .eagle import read_weights, target_fingerprint
+from .eagle import read_weights, target_fingerprint, write_weights
 
 
 class MedusaHeads(nn.Module):
@@ -49,11 +49,9 @@ class MedusaHeads(nn.Module):
         return self
 
     def save(self, path: Path, meta: dict) -> None:
-        from safetensors.torch import save_file
-
         sd = {"w": self.w.detach().to(torch.bfloat16).contiguous(), "b": self.b.detach().to(torch.bfloat16),
               "vocab_ids": self.vocab_ids.to(torch.int32)}
-        save_file(sd, str(path), metadata={"kind": "medusa", "target": target_fingerprint(self.target[0]),
+        write_weights(path, sd, {"kind": "medusa", "target": target_fingerprint(self.target[0]),
                                            **{k: str(v) for k, v in meta.items()}})
 
     @staticmethod
