@@ -271,3 +271,30 @@ def test_the_schedule_starts_at_the_peak_after_a_long_setup(tmp_path):
     train_loop("toy", list(m.parameters()), opt, 1e-2, 2.0 / 60, Checkpoint(tmp_path / "t.safetensors", m, opt),
                step_fn, setup_s=1.0)
     assert lrs[0] > 0.99e-2 and lrs[-1] < 0.2e-2
+
+
+def test_an_eagle3_run_can_continue_from_a_saved_head(tmp_path):
+    """--init: the run starts from the file's weights, configuration and draft vocabulary (not the target's)."""
+    from helpers import tiny_model
+    from specdec.models.eagle3 import Eagle3Config, Eagle3Head
+    from specdec.train.eagle3 import Eagle3Options, initial_head
+
+    target = tiny_model(layers=6)
+    seqs = [[1, 2, 3, 4, 5] * 8]
+    fresh = initial_head(target, seqs, Eagle3Options(vocab_size=48))
+    saved = Eagle3Head(target, Eagle3Config.for_target(target, 40), torch.arange(40) * 2)
+    with torch.no_grad():
+        for p in saved.parameters():
+            p.normal_(0, 0.1)
+    saved.save(tmp_path / "h.safetensors", {})
+    head = initial_head(target, seqs, Eagle3Options(vocab_size=48, init=str(tmp_path / "h.safetensors")))
+    assert fresh.cfg.draft_vocab == 48 and head.cfg.draft_vocab == 40
+    assert torch.equal(head.vocab_ids, saved.vocab_ids)
+    for (name, p), q in zip(head.named_parameters(), saved.parameters()):
+        assert p.dtype == torch.float32 and p.requires_grad, name                    # trainable
+        assert torch.equal(p, q.detach().to(torch.bfloat16).float()), name           # the file's (bf16) weights
+
+
+def test_train_eagle3_init_must_name_a_file(tmp_path, capsys):
+    assert main(["train", "eagle3", "--out", str(tmp_path / "h.safetensors"), "--init", str(tmp_path / "none")]) == 2
+    assert "--init" in capsys.readouterr().err

@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from ..errors import SpecdecError
 from ..models.decoder import Transformer
+from ..models.eagle import read_weights
 from ..models.eagle3 import Eagle3Config, Eagle3Head
 from .features import begin, vocab_subset
 from .loop import Checkpoint, autocast, train_loop
@@ -226,6 +227,7 @@ class Eagle3Options:
     seed: int = 0
     train_dtype: torch.dtype = torch.float32
     report_minutes: float = 10.0     # validation on a fixed sample, appended to OUT.curve.jsonl
+    init: str = ""                   # a head (.safetensors) to continue from; "" = start from the target
 
 
 class Curve:
@@ -260,14 +262,30 @@ def train_eagle3(model: str, data: Path, out: Path, overwrite: bool, opts: Eagle
     return fit_eagle3(target, name, rows, out, opts, cache, rng, started)
 
 
+def initial_head(target: Transformer, seqs: list[list[int]], opts: Eagle3Options) -> Eagle3Head:
+    """The trainable (float32) head a run starts from: the weights, configuration and draft vocabulary of
+    `opts.init` (continuing a shipped or earlier head with a fresh optimiser), else a new head whose draft
+    vocabulary is the data's most frequent tokens and whose LM head starts from the target's rows."""
+    if opts.init:
+        sd, meta = read_weights(Path(opts.init), "eagle3", target)
+        raw = json.loads(meta["config"])
+        cfg = Eagle3Config(**{**raw, "aux_layers": tuple(raw["aux_layers"])})
+        head = Eagle3Head(target, cfg, sd.pop("vocab_ids").long())
+        missing, unexpected = head.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
+        if unexpected or [m for m in missing if m != "vocab_ids"]:
+            raise SpecdecError(f"{opts.init} does not fit an EAGLE-3 head: missing {missing}, unexpected {unexpected}")
+        return head
+    cfg = Eagle3Config.for_target(target, min(opts.vocab_size, target.vocab_size))
+    return Eagle3Head(target, cfg, vocab_subset(seqs, cfg.draft_vocab, target.vocab_size)).init_from_target()
+
+
 def fit_eagle3(target: Transformer, name: str, rows: list[Row], out: Path, opts: Eagle3Options, cache: Path,
                rng: random.Random, started: float) -> dict:
     """Extract (or load) features, train within what is left of `opts.minutes` since `started`, validate,
     write the head and its report."""
     seqs = [r.tokens[:opts.max_seq] for r in rows]
-    cfg = Eagle3Config.for_target(target, min(opts.vocab_size, target.vocab_size))
-    ids = vocab_subset(seqs, cfg.draft_vocab, target.vocab_size)
-    head = Eagle3Head(target, cfg, ids).init_from_target()
+    head = initial_head(target, seqs, opts)
+    cfg, ids = head.cfg, head.vocab_ids
     feats = shard_features(target, rows, seqs, head.feature_layers, cache, opts.max_seq,
                             started + opts.minutes * 60)
     if (left := sum(f.numel() == 0 for f in feats)):
