@@ -91,6 +91,24 @@ def test_a_batch_whose_sequences_sample_with_different_parameters():
         assert check_joint(samples[g::4], exact_joint(model, PROMPT, params, NEW3)) > 1e-3, params
 
 
+def test_a_batch_mixing_sampled_and_point_mass_eagle_drafts():
+    """The EAGLE chain sampling its drafts only for rows at temperature 0.9 or above (as `auto` does above its
+    threshold), in one batch: greedy rows keep plain decoding's tokens, rows sampling below 0.9 draft point masses
+    and keep plain sampling's tokens for their seeds (each row is verified by its own rule), rows above it draw
+    their drafts from the head's q; each group has its own law."""
+    model = target()
+    groups = [SamplingParams(0.0), SamplingParams(0.8, 0, 0.9), FULL]
+    n = 1500 * len(groups)
+    params = [groups[i % 3] for i in range(n)]
+    prop = EagleProposer(head_for(model, vocab=torch.arange(0, V, 2)), 1, 3, 3, sample_from=0.9)
+    samples = sample_engine(model, prop, params, PROMPT, n, 3, "fixed", NEW3)
+    plain = sample_engine(model, NoProposer(), params, PROMPT, n, 3, "fixed", NEW3)
+    assert samples[0::3] == plain[0::3] and samples[1::3] == plain[1::3]
+    assert samples[2::3] != plain[2::3]                                          # sampled drafts: other tokens
+    for g, group in enumerate(groups[1:], 1):
+        assert check_joint(samples[g::3], exact_joint(model, PROMPT, group, NEW3)) > 1e-3, group
+
+
 @pytest.mark.parametrize("proposer", ["eagle_chain", "draft"])
 def test_confidence_cutoffs_above_zero(proposer):
     """The EAGLE chain (point-mass drafts) and the sampling draft model, each sequence's drafts cut by

@@ -1,18 +1,26 @@
 """EAGLE head + dynamic-tree proposer: lossless whatever the head's quality; weights files checked."""
 from __future__ import annotations
 
+import inspect
+import math
+
 import pytest
 import torch
 
+from specdec.api import AUTO_SAMPLE_FROM, make_proposer, sample_drafts_from
 from specdec.draft_length import make_policy
 from specdec.engine import Engine, Request
 from specdec.errors import SpecdecError
 from specdec.models.eagle import EagleHead
+from specdec.models.eagle3 import Eagle3Config, Eagle3Head
+from specdec.proposers.base import NoProposer
 from specdec.proposers.eagle import EagleProposer
 from specdec.reference import reference_greedy
 from specdec.sampling import SamplingParams
+from specdec.tree import TreeShape
 
-from helpers import PROMPTS, V, check_joint, exact_joint, head_for, sample_engine, tiny_generator, tiny_model
+from helpers import (PROMPTS, V, check_joint, exact_joint, head_for, run_engine, sample_engine, tiny_generator,
+                     tiny_model)
 
 
 @pytest.mark.parametrize("topk, depth, budget", [(2, 3, 6), (4, 5, 16), (3, 2, 4), (1, 4, 4)])
@@ -91,22 +99,92 @@ def test_weights_roundtrip_and_errors(tmp_path):
         EagleHead.load(tmp_path / "missing.safetensors", target)
 
 
+def head_file(target, path, vocab: torch.Tensor | None = None, eagle3: bool = False) -> str:
+    """A random EAGLE (or EAGLE-3) head for `target` saved as a weights file, what make_proposer loads."""
+    if eagle3:
+        torch.manual_seed(0)
+        ids = torch.arange(target.vocab_size) if vocab is None else vocab
+        head = Eagle3Head(target, Eagle3Config.for_target(target, len(ids)), ids).init_from_target()
+    else:
+        head = head_for(target, vocab=vocab)
+    head.save(path, {})
+    return str(path)
+
+
 @pytest.mark.slow        # 20,000 sequences: `make test`; at 1.0, where sampled drafts matter most
 @pytest.mark.parametrize("params", [SamplingParams(1.0, 6, 0.95)], ids=["t1.0"])
-def test_eagle_sampled_drafts_match_exact_distribution(params):
-    """Drafts drawn from the head's own q (reduced vocabulary, the row's transform) and verified by the rejection
-    rule: the output is the target's distribution."""
+def test_eagle_sampled_drafts_match_exact_distribution(params, tmp_path):
+    """The default path: make_proposer's EAGLE chain with the default draft sampling (auto) draws the drafts of
+    sampling rows from the head's own q (reduced vocabulary, the row's transform, the chain's confidence cut) and
+    verification by the rejection rule gives the target's distribution."""
     target = tiny_model(seed=20, vocab=V, std=0.5)
     prompt = [1, 2, 3]
-    prop = EagleProposer(head_for(target, vocab=torch.arange(0, V, 2)), 1, 3, 3, sample_drafts=True)
+    prop = make_proposer("eagle", target, None, head_file(target, tmp_path / "h.safetensors", torch.arange(0, V, 2)),
+                         "float32", "cpu")
+    assert prop.sample_from <= params.temperature                              # auto samples the chain's drafts here
     samples = sample_engine(target, prop, params, prompt, n=20_000, k=3)
     assert check_joint(samples, exact_joint(target, prompt, params)) > 1e-3
+
+
+class Recording:
+    """A proposer that keeps every draft the wrapped one made."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.drafts = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, batch, k):
+        self.drafts.append(self.inner.propose(batch, k))
+        return self.drafts[-1]
+
+
+def sampled_rows(drafts) -> list[bool]:
+    """Per drafting step and row, whether the row's drafts were sampled from the head's q."""
+    return [bool(x) for d in drafts if d.tokens.shape[1] for x in d.sampled]
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_auto_samples_drafts_where_it_pays_and_drafts_point_masses_elsewhere(method, tmp_path):
+    """The default setting (auto) on an EAGLE chain: rows sampling at AUTO_SAMPLE_FROM or above draw their drafts
+    from the head's q; greedy rows draft its argmax, token-identical to plain decoding, and rows sampling below
+    it too, seed-equal to plain sampling, alone and beside rows of sampled drafts in one batch (each row is
+    verified by its own rule); `off` drafts point masses at any temperature, seed-equal to plain sampling."""
+    target = tiny_model(seed=3, layers=6)
+    path = head_file(target, tmp_path / "h.safetensors", eagle3=method == "eagle3")
+    prop = make_proposer(method, target, None, path, "float32", "cpu")
+    assert inspect.signature(make_proposer).parameters["sample_drafts"].default == "auto"
+    hot, warm = SamplingParams(max(1.0, AUTO_SAMPLE_FROM), 0, 1.0, seed=5), SamplingParams(0.5, 0, 0.9, seed=6)
+    assert warm.temperature < AUTO_SAMPLE_FROM
+
+    def plain(params):
+        return [s.generated for s in run_engine(target, NoProposer(), [Request(list(p), 16, params) for p in PROMPTS])]
+
+    rec = Recording(prop)
+    run_engine(target, rec, [Request(list(p), 16, hot) for p in PROMPTS], k=4)
+    assert sampled_rows(rec.drafts) and all(sampled_rows(rec.drafts))
+    for params, want in ((SamplingParams(), [reference_greedy(target, p, 16) for p in PROMPTS]), (warm, plain(warm))):
+        rec = Recording(prop)
+        out = run_engine(target, rec, [Request(list(p), 16, params) for p in PROMPTS], k=4)
+        assert [s.generated for s in out] == want
+        assert rec.drafts and not any(sampled_rows(rec.drafts))
+    rec = Recording(prop)
+    mixed = run_engine(target, rec, [Request(list(PROMPTS[0]), 16), Request(list(PROMPTS[1]), 16, hot),
+                                     Request(list(PROMPTS[2]), 16, warm)], k=4)
+    assert mixed[0].generated == reference_greedy(target, PROMPTS[0], 16)
+    assert mixed[2].generated == plain(warm)[2]
+    assert any(sampled_rows(rec.drafts)) and not all(sampled_rows(rec.drafts))
+    off = Recording(make_proposer(method, target, None, path, "float32", "cpu", sample_drafts="off"))
+    seeded = run_engine(target, off, [Request(list(p), 16, hot) for p in PROMPTS], k=4)
+    assert [s.generated for s in seeded] == plain(hot)
+    assert off.drafts and not any(sampled_rows(off.drafts))
 
 
 def test_eagle_sampled_drafts_are_reproducible_and_greedy_rows_stay_plain():
     target = tiny_model(seed=21)
     head = head_for(target)
-    gen = tiny_generator(target, EagleProposer(head, 1, 4, 4, sample_drafts=True), "fixed", 4)
+    gen = tiny_generator(target, EagleProposer(head, 1, 4, 4, sample_from=0.0), "fixed", 4)
     a = gen.generate(PROMPTS, max_new_tokens=24, temperature=0.9, seed=3)
     b = gen.generate(PROMPTS, max_new_tokens=24, temperature=0.9, seed=3)
     assert [r.tokens for r in a] == [r.tokens for r in b]
@@ -114,15 +192,17 @@ def test_eagle_sampled_drafts_are_reproducible_and_greedy_rows_stay_plain():
     greedy = gen.generate(PROMPTS, max_new_tokens=24)
     assert [r.tokens for r in greedy] == [reference_greedy(target, p, 24) for p in PROMPTS]
     with pytest.raises(SpecdecError, match="chains"):
-        EagleProposer(head, 2, 4, 8, sample_drafts=True)
+        EagleProposer(head, 2, 4, 8, sample_from=0.0)
 
 
 def test_sample_drafts_is_refused_where_it_does_not_apply():
-    from specdec.api import make_proposer
-    from specdec.tree import TreeShape
-
     target = tiny_model(seed=2)
     with pytest.raises(SpecdecError, match="applies to the chains of eagle and eagle3"):
         make_proposer("ngram", target, None, None, "float32", "cpu", TreeShape(), sample_drafts="on")
     with pytest.raises(SpecdecError, match="with a tree"):
         make_proposer("eagle", target, None, None, "float32", "cpu", TreeShape(4, 16), sample_drafts="on")
+    with pytest.raises(SpecdecError, match="unknown sample_drafts setting True.*auto, on, off"):
+        make_proposer("eagle", target, None, None, "float32", "cpu", TreeShape(), sample_drafts=True)
+    assert sample_drafts_from("auto", "eagle", TreeShape(4, 16)) == sample_drafts_from("auto", "ngram") == math.inf
+    assert sample_drafts_from("off", "eagle3") == math.inf and sample_drafts_from("on", "eagle3") == 0.0
+    assert sample_drafts_from("auto", "eagle3") == sample_drafts_from("auto", "eagle") == AUTO_SAMPLE_FROM

@@ -56,7 +56,8 @@ def state_for(target, head_file: Path, learn: LearnConfig) -> ServerState:
     head = Eagle3Head.load(head_file, target)
     gen = tiny_generator(target, EagleProposer(head, 1, 4, 4, name="eagle3"), "fixed", 4)
     return ServerState(gen, ServeConfig(max_batch=4, max_prompt_tokens=32, max_tokens=NEW, prefix_cache_mb=0,
-                                        learn=learn), drafts={"eagle3": str(head_file)})
+                                        learn=learn), drafts={"eagle3": str(head_file)},
+                       sample_drafts="off")          # point masses at every temperature: seed-equal to plain
 
 
 def serve(state: ServerState, requests: list[Request], method: str = "eagle3") -> list[list[int]]:

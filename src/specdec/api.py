@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-
+import math
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -327,17 +327,19 @@ class ProposerInputs:
     dtype: str
     device: str
     tree: TreeShape
-    sample_drafts: bool = False       # eagle, eagle3: sampling rows draw drafts from the head's q
+    sample_from: float = math.inf     # eagle, eagle3: rows sampling at this temperature or above draw drafts from q
 
 
 SAMPLED_HEADS = ("eagle", "eagle3")   # methods whose drafts may be sampled from their own q (sample_drafts)
+AUTO_SAMPLE_FROM = names.AUTO_SAMPLE_FROM   # `auto` samples the EAGLE chains' drafts from this temperature up
 
 
-def sampled_drafts(setting: str, method: str, tree: TreeShape = TreeShape()) -> bool:
-    """Whether `method`'s proposer draws the drafts of rows that sample (temperature > 0) from its own q, for
-    the setting `sample_drafts` (names.SAMPLE_DRAFTS): `on` for the chains of eagle and eagle3 (an error for
-    any other method or a tree), `off` never (point masses: the head's argmax), `auto` (the default) where it
-    pays (point masses, as `off`, until measured). Greedy rows draft point masses whatever the setting."""
+def sample_drafts_from(setting: str, method: str, tree: TreeShape = TreeShape()) -> float:
+    """The lowest temperature at which `method`'s rows draw their drafts from its own q (math.inf: none) for
+    the setting `sample_drafts` (names.SAMPLE_DRAFTS): `on` every row that samples, for the chains of eagle
+    and eagle3 (an error for any other method or a tree); `off` none (point masses: the head's argmax);
+    `auto` (the default) where it was measured to pay: the eagle and eagle3 chains' rows at AUTO_SAMPLE_FROM
+    and above. Greedy rows draft point masses whatever the setting."""
     if setting not in names.SAMPLE_DRAFTS:
         raise SpecdecError(names.unknown("sample_drafts setting", setting, names.SAMPLE_DRAFTS))
     applies = method in SAMPLED_HEADS and tree.topk == 1
@@ -345,7 +347,9 @@ def sampled_drafts(setting: str, method: str, tree: TreeShape = TreeShape()) -> 
         raise SpecdecError(f"sample_drafts='on' (--sample-drafts on) applies to the chains of "
                            f"{' and '.join(SAMPLED_HEADS)} (method 'draft' samples its drafts always), not {method!r}"
                            + (f" with a tree ({tree})" if tree.topk != 1 else ""))
-    return applies and setting == "on"
+    if not applies or setting == "off":
+        return math.inf
+    return 0.0 if setting == "on" else AUTO_SAMPLE_FROM
 
 
 def serve_sample_drafts(setting: str, method: str) -> str:
@@ -358,12 +362,12 @@ def make_proposer(method: str, target: CausalLM, target_tok: Tokenizer, source: 
                   dtype: str, device: str, tree: TreeShape = TreeShape(),
                   sample_drafts: str = names.DEFAULT_SAMPLE_DRAFTS) -> Proposer:
     """The proposer of `method` for `target`, drafting with `source` (see DraftSource); `sample_drafts`: see
-    sampled_drafts."""
+    sample_drafts_from."""
     build = PROPOSER_BUILDERS.get(method)
     if build is None:
         raise SpecdecError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
-    sample = sampled_drafts(sample_drafts, method, tree)
-    return build(ProposerInputs(target, target_tok, source, dtype, device, tree, sample))
+    sample_from = sample_drafts_from(sample_drafts, method, tree)
+    return build(ProposerInputs(target, target_tok, source, dtype, device, tree, sample_from))
 
 
 def _draft_proposer(x: ProposerInputs) -> Proposer:
@@ -470,8 +474,8 @@ PROPOSER_BUILDERS: dict[str, Callable[[ProposerInputs], Proposer]] = {
     "none": lambda x: NoProposer(),
     "ngram": lambda x: NgramProposer(),
     "draft": _draft_proposer,
-    "eagle": lambda x: eagle_proposer(x.target, x.source, x.tree, x.sample_drafts),
-    "eagle3": lambda x: eagle3_proposer(x.target, x.source, x.tree, x.sample_drafts),
+    "eagle": lambda x: eagle_proposer(x.target, x.source, x.tree, x.sample_from),
+    "eagle3": lambda x: eagle3_proposer(x.target, x.source, x.tree, x.sample_from),
     "medusa": _medusa_proposer,
     "staged": _staged_proposer,
     "lookahead": _lookahead_proposer,
@@ -487,7 +491,7 @@ METHODS = tuple(PROPOSER_BUILDERS)
 EAGLE_CHAIN_MIN_CONFIDENCE = 0.1
 
 
-def eagle_proposer(target: CausalLM, head: DraftSource, tree: TreeShape, sample_drafts: bool = False) -> EagleProposer:
+def eagle_proposer(target: CausalLM, head: DraftSource, tree: TreeShape, sample_from: float = math.inf) -> EagleProposer:
     """The EAGLE proposer for a lean target: the head whose weights file is `head`, or the one we ship."""
     from .models.decoder import Transformer
     from .models.eagle import EagleHead
@@ -497,10 +501,10 @@ def eagle_proposer(target: CausalLM, head: DraftSource, tree: TreeShape, sample_
         raise SpecdecError("EAGLE drafting (methods 'eagle', 'hybrid') needs a lean GGUF target")
     path = head if isinstance(head, str) else shipped(target.config.name, "eagle")
     return EagleProposer(EagleHead.load(Path(path), target), tree.topk, MAX_DRAFT_TOKENS, tree.budget,
-                         EAGLE_CHAIN_MIN_CONFIDENCE, sample_drafts=sample_drafts)
+                         EAGLE_CHAIN_MIN_CONFIDENCE, sample_from=sample_from)
 
 
-def eagle3_proposer(target: CausalLM, head: DraftSource, tree: TreeShape, sample_drafts: bool = False) -> EagleProposer:
+def eagle3_proposer(target: CausalLM, head: DraftSource, tree: TreeShape, sample_from: float = math.inf) -> EagleProposer:
     """The EAGLE-3 proposer for a lean target (an engine with it asks the target's forwards for the head's
     feature layers too)."""
     from .models.decoder import Transformer
@@ -517,7 +521,7 @@ def eagle3_proposer(target: CausalLM, head: DraftSource, tree: TreeShape, sample
     else:
         h = Eagle3Head.load(path, target)
     return EagleProposer(h, tree.topk, MAX_DRAFT_TOKENS, tree.budget, EAGLE_CHAIN_MIN_CONFIDENCE, name="eagle3",
-                         sample_drafts=sample_drafts)
+                         sample_from=sample_from)
 
 
 # the head `hybrid` drafts with where prompt lookup has no match: the one with the better mini-suite
@@ -575,11 +579,13 @@ def load(model: str | Path = DEFAULT_MODEL, method: str = names.AUTO_METHOD, dty
     `draft_model`: what the method drafts with (see DraftSource); methods none, ngram and suffix take none.
     `tree` shapes the drafts of eagle and eagle3: a TreeShape or "TOPKxBUDGET" (e.g. "4x16" for a dynamic
     tree); the default (topk 1) is a chain, the fastest on our CPU measurements.
-    `sample_drafts`: auto (the default), on or off (see sampled_drafts): whether the eagle and eagle3 chains
-    draw the drafts of rows that sample from the head's own q. A sampled draft is accepted with probability
-    1 - TV(p, q) instead of p(argmax q); exact in distribution by the rejection rule, but the sampled output is
-    then not token-identical to `none`'s for the same seed (reproducible for a fixed seed, K and batch). Greedy
-    rows are unaffected (token-identical to `none`); `off` keeps seeded sampling equal to `none`'s."""
+    `sample_drafts`: auto (the default), on or off (see sample_drafts_from): whether the eagle and eagle3 chains
+    draw the drafts of rows that sample from the head's own q; auto does so at temperatures of
+    AUTO_SAMPLE_FROM and above, where it was measured to pay. A sampled draft is accepted with probability
+    1 - TV(p, q) instead of p(argmax q); exact in distribution by the rejection rule, but such a row's output
+    is not token-identical to `none`'s for the same seed (reproducible for a fixed seed and K: draft policy
+    fixed). Greedy rows are unaffected (token-identical to `none`); `off` keeps seeded sampling equal to
+    `none`'s at every temperature."""
     if not isinstance(model, (str, Path)):
         raise SpecdecError(f"model must be a registered name or a .gguf path, got {type(model).__name__}")
     if method not in names.METHOD_CHOICES:
@@ -598,7 +604,7 @@ def load(model: str | Path = DEFAULT_MODEL, method: str = names.AUTO_METHOD, dty
     if tree != TreeShape() and method not in ("eagle", "eagle3"):
         raise SpecdecError(f"a draft tree shape ({tree}) applies to methods 'eagle' and 'eagle3' only, not {method!r}")
     if method != names.AUTO_METHOD:
-        sampled_drafts(sample_drafts, method, tree)          # a setting that does not apply fails before loading
+        sample_drafts_from(sample_drafts, method, tree)      # a setting that does not apply fails before loading
     target, tok, name = load_model(str(model), dtype, device)
     if method == names.AUTO_METHOD:
         method = best_method(target)

@@ -91,12 +91,13 @@ def add_model_args(p: argparse.ArgumentParser, default_method: str = DEFAULT_MET
                                                 "(e.g. 4x16: 4 children per node, 16 best nodes kept), 1 for a chain "
                                                 "of K")
     p.add_argument("--sample-drafts", default=names.DEFAULT_SAMPLE_DRAFTS, metavar="{auto,on,off}",
-                   type=one_of("--sample-drafts setting", names.SAMPLE_DRAFTS),
+                   type=one_of("draft sampling", names.SAMPLE_DRAFTS),
                    help="eagle and eagle3 chains, rows that sample (temperature > 0): on draws their drafts from the "
                         "head's own distribution (accepted with probability 1 - TV(p, q) rather than p(argmax q)), "
-                        "off drafts the head's argmax, auto samples them where that was measured to pay. Sampled "
-                        "drafts are exact in distribution, but the sampled text is not --method none's for the same "
-                        "seed (off keeps it); greedy output is unaffected")
+                        f"off drafts the head's argmax, auto samples them at temperature {names.AUTO_SAMPLE_FROM:g} "
+                        "and above, where that was measured to pay. Sampled drafts are exact in distribution, but "
+                        "the sampled text is then not --method none's for the same seed (off keeps it); greedy "
+                        "output is unaffected")
     add_dtype_arg(p)
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
 

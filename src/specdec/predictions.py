@@ -98,7 +98,8 @@ class Predictions:
 
 def with_predictions(draft: Draft, conts: list[list[int]]) -> Draft:
     """`draft` (the method's; chain or tree) with each row that has a continuation drafting it as a chain instead
-    (point masses: a one-hot q where the method samples its drafts); `predicted` marks those rows."""
+    (point masses, verified as such, with a one-hot q where the method samples its drafts); `predicted` marks
+    those rows."""
     if not any(conts):
         return draft
     B, dev = len(conts), draft.tokens.device
@@ -125,4 +126,4 @@ def with_predictions(draft: Draft, conts: list[list[int]]) -> Draft:
                 q[i, torch.arange(len(c)), torch.tensor(c)] = 1
         probs = q
     predicted = torch.tensor([bool(c) for c in conts], dtype=torch.bool, device=dev)
-    return Draft(tokens, probs, parents, predicted=predicted)
+    return Draft(tokens, probs, parents, predicted=predicted, sampled=draft.sampled & ~predicted)

@@ -15,13 +15,17 @@ exactly the token plain sampling draws with the same seed, so the sampled output
 of a point-mass method is token-identical to plain decoding's, whatever K, the
 draft policy, the batch or the clock (greedy: p is one-hot and y_t the argmax).
 
-Sampled drafts (a draft model sampling x_t from its own q_t): the classic rule.
-Keep x_t with probability min(1, p(x_t)/q(x_t)) (its own uniform u(seed, t,
-ACCEPT)); at the first rejection sample the recovered token from
-norm(max(0, p - q)), if all K survive the bonus token from p, both with u_t. Its
-draws are keyed by position too, so they do not depend on batch-mates, but which
-positions hold drafts depends on K: the output is the target's distribution for
-any policy, and reproducible token for token for a fixed draft length.
+Sampled drafts (a draft model or an EAGLE chain sampling x_t from its own q_t):
+the classic rule. Keep x_t with probability min(1, p(x_t)/q(x_t)) (its own
+uniform u(seed, t, ACCEPT)); at the first rejection sample the recovered token
+from norm(max(0, p - q)), if all K survive the bonus token from p, both with
+u_t. Its draws are keyed by position too, so they do not depend on batch-mates,
+but which positions hold drafts depends on K: the output is the target's
+distribution for any policy, and reproducible token for token for a fixed draft
+length. A batch may mix both kinds (`Draft.sampled`): rows of point masses (an
+EAGLE chain's greedy rows and rows below its sampling temperature, rows drafted
+from a prediction) are verified by the point-mass rule beside rows of sampled
+drafts, so each row's tokens depend on its own drafts and seed only.
 
 Token trees (point-mass candidates): the walk from the root follows, at each node,
 the child whose token is the target's own sample y there; if no child matches, y
@@ -79,6 +83,8 @@ class Draft:
     parents: Tensor | None = None      # [B, K] long: ROOT or an earlier draft's index; not given: a chain
     reuse: Reuse | None = None         # a chain's first layers, computed by the proposer (self-speculation)
     predicted: Tensor | None = None    # [B] bool: rows drafted from the request's predicted output; not given: none
+    sampled: Tensor | None = None      # [B] bool: rows whose drafts were drawn from probs, the others' are point
+                                       # masses (verified as such); not given: every row where probs is given
     is_chain: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -88,6 +94,8 @@ class Draft:
             object.__setattr__(self, "parents", chain)
         if self.predicted is None:
             object.__setattr__(self, "predicted", torch.zeros(B, dtype=torch.bool, device=self.tokens.device))
+        if self.sampled is None:
+            object.__setattr__(self, "sampled", torch.full((B,), self.probs is not None, device=self.tokens.device))
         object.__setattr__(self, "is_chain", torch.equal(self.parents, chain))
         if self.probs is not None and not self.is_chain:
             raise ValueError("sampled drafts (with the proposer's q) must be a chain")
@@ -128,7 +136,8 @@ class Draft:
         deeper = self.depth > keep[:, None]                     # [B, K]
         if not bool(deeper.any()):
             return self
-        return Draft(self.tokens.masked_fill(deeper, PAD), self.probs, self.parents, self.reuse, self.predicted)
+        return Draft(self.tokens.masked_fill(deeper, PAD), self.probs, self.parents, self.reuse, self.predicted,
+                     self.sampled)
 
     def first_nodes(self, n: int) -> "Draft":
         """At most the first n drafts per row (parents precede children, so a tree stays a tree): what a
@@ -136,7 +145,7 @@ class Draft:
         if self.tokens.shape[1] <= n:
             return self
         return Draft(self.tokens[:, :n], None if self.probs is None else self.probs[:, :n], self.parents[:, :n],
-                     None if self.reuse is None else self.reuse.first(n + 1), self.predicted)
+                     None if self.reuse is None else self.reuse.first(n + 1), self.predicted, self.sampled)
 
     def trimmed(self) -> "Draft":
         """Without trailing columns that hold no draft in any row (nothing hangs from them)."""
@@ -171,10 +180,19 @@ class Verdict:
 
 def verify(draft: Draft, p: Tensor, u_target: Tensor, u_accept: Tensor) -> Verdict:
     """A chain: draft [B, K]; p [B, K+1, V] target probabilities; u_target [B, K+1] the target's uniforms
-    at the positions p decides, u_accept [B, K] the acceptance tests' (used by sampled drafts only)."""
-    if draft.probs is None:
+    at the positions p decides, u_accept [B, K] the acceptance tests' (used by sampled drafts only). Rows of
+    point masses (draft.sampled False) are verified as such also beside rows of sampled drafts, so a row's
+    tokens depend on its own drafts only."""
+    if draft.probs is None or not bool(draft.sampled.any()):
         return verify_point_masses(draft.tokens, p, u_target)
-    return verify_sampled(draft.tokens, draft.probs, p, u_target, u_accept)
+    sampled = verify_sampled(draft.tokens, draft.probs, p, u_target, u_accept)
+    if bool(draft.sampled.all()):
+        return sampled
+    point = verify_point_masses(draft.tokens, p, u_target)
+    rows = draft.sampled[:, None]
+    return Verdict(torch.where(draft.sampled, sampled.num_accepted, point.num_accepted),
+                   torch.where(rows, sampled.tokens, point.tokens), torch.where(rows, sampled.path, point.path),
+                   point.target_tokens)
 
 
 def verify_point_masses(x: Tensor, p: Tensor, u_target: Tensor) -> Verdict:

@@ -40,7 +40,7 @@ from typing import Protocol
 
 import torch
 
-from ..api import METHODS, Generator, make_proposer, sampled_drafts
+from ..api import METHODS, Generator, make_proposer, sample_drafts_from
 from ..names import DEFAULT_SAMPLE_DRAFTS, SAMPLE_DRAFTS
 from ..engine import Request, scratch_slots
 from ..errors import SpecdecError
@@ -117,7 +117,7 @@ def parse_methods(specs: str | Sequence[str], draft_model: str | None) -> list[M
                 raise SpecdecError(f"{item!r} sets its {'draft sampling' if eq else 'draft policy'} twice")
             if eq and key == "sample" and value in SAMPLE_DRAFTS:
                 sample = value
-                sampled_drafts(sample, method, tree)              # `on` where it does not apply fails here
+                sample_drafts_from(sample, method, tree)          # `on` where it does not apply fails here
             elif eq:
                 raise SpecdecError(f"unknown setting {setting!r} in {item!r}; choose a draft policy "
                                    f"({', '.join(POLICIES)}) or sample={'|'.join(SAMPLE_DRAFTS)}")

@@ -34,18 +34,19 @@ class EagleProposer:
     feature_layers: tuple[int, ...] = ()                 # the head's (EAGLE-3: low/middle/high target layers)
 
     def __init__(self, head: EagleHead | Eagle3Head, topk: int = 4, depth: int = 5, budget: int = 16,
-                 min_confidence: float = 0.0, name: str = "eagle", sample_drafts: bool = False) -> None:
+                 min_confidence: float = 0.0, name: str = "eagle", sample_from: float = math.inf) -> None:
         """min_confidence: a chain stops where the head's cumulative probability of its drafts falls
         below it (0 = always draft `depth` tokens); drafts that would rarely be accepted cost
         target compute and head forwards for nothing. Each sequence's chain is cut by its own
         confidence; the batch drafts until every chain has stopped. Trees use `budget` instead.
-        sample_drafts: a chain's rows that sample draw their drafts from the head's own q (through the
-        row's sampling transform) instead of drafting its argmax: accepted with probability 1 - TV(p, q)
-        rather than p(argmax q), still exact by the rejection rule, but not seed-equal to plain decoding."""
-        if sample_drafts and topk != 1:
+        sample_from: a chain's rows whose temperature is at least this (and above 0) draw their drafts from
+        the head's own q (through the row's sampling transform) instead of drafting its argmax: accepted with
+        probability 1 - TV(p, q) rather than p(argmax q), still exact by the rejection rule, but not
+        seed-equal to plain decoding (inf: no row; 0: every row that samples)."""
+        if sample_from != math.inf and topk != 1:
             raise SpecdecError("sampled drafts are chains: a draft tree (topk > 1) drafts point masses")
         self.head, self.topk, self.depth, self.budget, self.name = head, topk, depth, budget, name
-        self.sample_drafts = sample_drafts
+        self.sample_from = sample_from
         self.feature_layers = head.feature_layers
         self.log_min_confidence = math.log(min_confidence) if min_confidence > 0 else -math.inf
         self.pred: dict[int, Tensor] = {}
@@ -94,8 +95,9 @@ class EagleProposer:
         chain (topk 1) is the draft, cut where its confidence falls too low, a tree keeps the best nodes."""
         rows = batch.rows
         pred = torch.stack([self.pred[r] for r in rows.tolist()])  # [B, H]
-        if self.sample_drafts and bool((batch.sampling.temperature > 0).any()):
-            return self._sampled_chain(batch, pred, min(self.depth, k))
+        sampled = self.samples(batch)
+        if bool(sampled.any()):
+            return self._sampled_chain(batch, pred, min(self.depth, k), sampled.to(pred.device))
         grown = self._first_level(pred)
         for d in range(1, min(self.depth, k)):                     # feed depth-d frontier -> depth d+1 children
             if self.topk == 1 and bool((grown.score[-1] < self.log_min_confidence).all()):
@@ -108,11 +110,21 @@ class EagleProposer:
             return Draft(tok.masked_fill(low, PAD))                # [B, depth], one node per depth in order
         return self._select(tok, par, score, depth)
 
-    def _sampled_chain(self, batch: ActiveBatch, pred: Tensor, k: int) -> Draft:
-        """A chain of k drafts drawn from the head's q (greedy rows: its argmax), with q [B, k, V]. Depth d
+    def samples(self, batch: ActiveBatch) -> Tensor:
+        """[B] bool: the rows that draw their drafts from the head's q (temperature > 0 and >= sample_from)."""
+        t = batch.sampling.temperature
+        return (t > 0) & (t >= self.sample_from)
+
+    def _sampled_chain(self, batch: ActiveBatch, pred: Tensor, k: int, sampled: Tensor) -> Draft:
+        """A chain of up to k drafts, with q [B, k, V]: rows in `sampled` [B] draw theirs from the head's q,
+        the others draft its argmax (point masses, verified as such: seed-equal to plain decoding). Depth d
         feeds the d drafts so far (each with its predecessor's head output as feature) causally after the
-        head's cache, as the point-mass chain does; a row stops where its cumulative q falls below
-        min_confidence (a stopping rule on drafted tokens only: the rejection rule stays exact)."""
+        head's cache, as the point-mass chain does. Every row stops where the head's cumulative top
+        probability along its chain falls below min_confidence, the point-mass chain's rule (a stopping rule
+        on the head's outputs only: the rejection rule stays exact); the batch drafts until all have stopped.
+        (Cut on the cumulative q of its own sampled drafts instead, a chain drafted at half as many steps and
+        committed fewer tokens per forward at temperature 1.0 on the mini suite: a sampled draft's q is often
+        low where its acceptance, 1 - TV(p, q), is not.)"""
         rows, dev = batch.rows, pred.device
         B = pred.shape[0]
         first = torch.tensor([len(t) for t in batch.tokens], device=dev)                # [B] the first draft's position
@@ -121,22 +133,29 @@ class EagleProposer:
         vocab_ids = self.head.vocab_ids.to(dev)
         V = self.head.tgt.vocab_size
         base = self.cache.lengths[rows]
-        out, feats, toks, qs = pred, [pred], [], []
+        out, feats, toks, qs, top = pred, [pred], [], [], []
+        conf = torch.zeros(B, device=dev)                                                 # cumulative log top probability
         for d in range(k):
+            head_logits = self.head.logits(out).float()                                  # [B, V'] over the head's vocab
+            lp, j = torch.log_softmax(head_logits, -1).max(-1)                           # [B] its top token and log-prob
             logits = torch.full((B, V), float("-inf"), device=dev)
-            logits[:, vocab_ids] = self.head.logits(out).float()                         # [B, V], -inf off the head's vocab
-            q = to_probs(logits[:, None], batch.sampling)[:, 0]                          # [B, V]; greedy rows one-hot
-            toks.append(sample(q, u[:, d]))
+            logits[:, vocab_ids] = head_logits                                           # [B, V], -inf off the head's vocab
+            q = to_probs(logits[:, None], batch.sampling)[:, 0]                          # [B, V]
+            argmax = vocab_ids[j]
+            q = torch.where(sampled[:, None], q, torch.zeros_like(q).scatter_(-1, argmax[:, None], 1.0))
+            toks.append(torch.where(sampled, sample(q, u[:, d]), argmax))
             qs.append(q)
-            if d == k - 1:
-                break
+            conf = conf + lp
+            top.append(conf)
+            if d == k - 1 or bool((conf < self.log_min_confidence).all()):
+                break                                                                     # every chain has stopped
             tok = torch.stack(toks, 1)                                                    # [B, d+1]
             h = self.head(tok, torch.stack(feats, 1), base[:, None] + torch.arange(d + 1, device=dev), self.cache, rows)
             out = h[:, -1]
             feats.append(out)
-        tokens, probs = torch.stack(toks, 1), torch.stack(qs, 1)                          # [B, k], [B, k, V]
-        logq = probs.gather(-1, tokens[..., None])[..., 0].clamp(min=1e-30).log().cumsum(-1)
-        return Draft(tokens.masked_fill(logq < self.log_min_confidence, PAD), probs)
+        tokens, probs = torch.stack(toks, 1), torch.stack(qs, 1)                          # [B, n], [B, n, V]
+        low = torch.stack(top, 1) < self.log_min_confidence                               # cumulative: a suffix of each chain
+        return Draft(tokens.masked_fill(low, PAD), probs, sampled=sampled)
 
     def _first_level(self, pred: Tensor) -> "Candidates":
         """The topk children of the pending token from the head's prediction pred [B, H]."""

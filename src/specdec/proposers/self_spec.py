@@ -68,4 +68,4 @@ class SelfProposer(DraftModelProposer):
         start = self.cache.lengths[rows] - 1 - self.drafted                       # [B] the pending token's slot
         slots = (start[:, None] + torch.arange(K + 1, device=rows.device)).clamp(max=self.cache.slots - 1)
         k, v = self.cache.gather(rows, slots)                   # [N, B, n_kv, K+1, hd] each
-        return Draft(draft.tokens, draft.probs, reuse=Reuse(k.shape[0], hidden, k, v))
+        return Draft(draft.tokens, draft.probs, reuse=Reuse(k.shape[0], hidden, k, v), sampled=draft.sampled)

@@ -80,8 +80,8 @@ class ServerState:
                  sample_drafts: str = DEFAULT_SAMPLE_DRAFTS) -> None:
         """`drafts`: per method, what its proposers draft with (api.DraftSource, e.g. {"draft": a loaded draft});
         `dtype`: the target's dtype name, for anything a proposer loads; `tree`: EAGLE's draft shape;
-        `sample_drafts`: whether the EAGLE chains of the engines built for requests sample their drafts
-        (api.sampled_drafts; the default engine is `generator`'s own)."""
+        `sample_drafts`: whether the EAGLE chains of its engines (the default one included) sample their drafts
+        (api.sample_drafts_from)."""
         self.generator, self.config, self.drafts = generator, config, dict(drafts or {})
         self.model_name = generator.name
         self.runtime = runtime_info(generator.target)          # machine, dtype, kernels, self-check (/health)

@@ -214,7 +214,7 @@ class EnginePool:
                  learner: Learner = NoLearning(), sample_drafts: str = DEFAULT_SAMPLE_DRAFTS) -> None:
         """prefix_cache: shared by all engines (one target; not given: a disabled one of this pool's own);
         prefill_budget: prompt tokens per prefill step; learner: taps the proposers it learns from (--learn);
-        sample_drafts: the EAGLE chains' draft sampling (api.sampled_drafts) of the engines it builds."""
+        sample_drafts: the EAGLE chains' draft sampling (api.sample_drafts_from) of the engines it builds."""
         self.learner, self.sample_drafts = learner, sample_drafts
         self.gen, self.drafts, self.dtype, self.default, self.tree = generator, drafts, dtype, default, tree
         self.rows, self.base_slots, self.max_engines = rows, base_slots, max_engines

@@ -1,0 +1,75 @@
+"""First-draft acceptance of an EAGLE chain's point-mass drafts against sampled ones, on the same contexts.
+
+At every step the method's chain samples its first draft from the head's q (`sample_drafts="on"`); with p the
+target's distribution at that position (both through the row's sampling transform), the step adds the
+probability that each kind of first draft is accepted there: p(argmax q) for the head's argmax (a point mass),
+sum(min(p, q)) = 1 - TV(p, q) for a draft sampled from q. Both are exact expectations on identical contexts,
+so the comparison has none of the noise of two separately sampled outputs. Prompts: the mini suite's first
+`--limit` per category (chat template, multi-turn as the bench runs them), top-p 1, top-k 0, K = 4 fixed; rows
+drafted from a prediction (the `edit` category) are left out. Prints one line per temperature; --out writes JSON.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sampled_drafts.py --method eagle3 --temperatures 0.3,0.5,0.7,0.85,1.0,1.2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from specdec.api import Generator, load_model, make_proposer
+from specdec.bench import runner
+from specdec.bench.suites import load_suite
+from specdec.cli_bench import limit_prompts
+from specdec.engine import Engine
+from specdec.tree import PAD
+
+STEPS: list[tuple[float, float]] = []          # per first draft: (p(argmax q), sum(min(p, q)))
+_verify = Engine._verify
+
+
+def _recording_verify(self, batch, draft, pending, scored):
+    if draft.probs is not None and draft.tokens.shape[1]:
+        q, p = draft.probs[:, 0], scored.probs[:, 0]                     # [B, V] the first draft's q, the target's p
+        rows = (draft.tokens[:, 0] != PAD) & draft.sampled & ~draft.predicted
+        point = p.gather(-1, q.argmax(-1, keepdim=True))[:, 0]
+        sampled = torch.minimum(p, q).sum(-1)
+        STEPS.extend((float(point[i]), float(sampled[i])) for i in rows.nonzero().flatten().tolist())
+    return _verify(self, batch, draft, pending, scored)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--method", default="eagle3", choices=("eagle", "eagle3"))
+    ap.add_argument("--temperatures", default="0.3,0.5,0.7,0.85,1.0,1.2")
+    ap.add_argument("--limit", type=int, default=2, help="prompts per category")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=None, help="JSON file for the figures")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    Engine._verify = _recording_verify
+    target, tok, name = load_model(a.model, "auto", "cpu")
+    prompts = limit_prompts(load_suite("mini", None), a.limit)
+    proposer = make_proposer(a.method, target, tok, None, "auto", "cpu", sample_drafts="on")
+    system = runner.MethodSystem(a.method, Generator(target, tok, proposer, "fixed", 4, name))
+    print(f"{name}, {a.method} chain, {len(prompts)} prompts, seed {a.seed}: expected first-draft acceptance")
+    print("temperature  first drafts  point mass  sampled  steps where sampled is higher")
+    figures = {}
+    for t in (float(x) for x in a.temperatures.split(",")):
+        STEPS.clear()
+        runner.run([system], prompts, tok, 1, t, a.seed, progress=False, warmup=False)
+        n = len(STEPS)
+        point, sampled = sum(s[0] for s in STEPS) / n, sum(s[1] for s in STEPS) / n
+        higher = sum(s[1] > s[0] for s in STEPS) / n
+        figures[t] = {"first_drafts": n, "point_mass": point, "sampled": sampled, "sampled_higher": higher}
+        print(f"{t:11.2f}  {n:12d}  {point:10.3f}  {sampled:7.3f}  {higher:.2f}", flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"model": name, "method": a.method, "prompts": len(prompts), "seed": a.seed,
+                       "figures": figures}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
