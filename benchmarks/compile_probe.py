@@ -10,6 +10,8 @@ round-robin one token at a time so that load on the machine hits all of them ali
   norm, qkv, rope, the cache write, a row-invariant block attention, output projection, MLP), with
   dynamic sizes; the row-invariance of its bits is checked like `sublayers`' (1, 2, 5 rows against 8,
   across a key block, in a batch of two, one token at a time);
+- `stack`: every layer of a causal decoding or verification forward (`layer`, in order) and the final
+  norm one compiled graph (`stack`), the whole cache one mutated input;
 - `simple`: a plain decoding loop over a fixed key window (one bmm + softmax per layer, not
   row-invariant: what a forward costs with the least eager overhead);
 - `simple-compiled`: that loop compiled as one graph (`fullgraph=True`); the LM head stays outside
@@ -39,7 +41,7 @@ from torch import Tensor
 
 from specdec.api import load_model
 from specdec.machine import cpu_model, probe
-from specdec.models.attention import KV_BLOCK, ROW_TILE, attention, keys_in_place
+from specdec.models.attention import INVARIANT_MAX_T, KV_BLOCK, ROW_TILE, AttentionMask, attention, keys_in_place
 from specdec.models.decoder import Block, Transformer, apply_rope, rms_norm
 from specdec.models.int4 import GROUP
 
@@ -193,6 +195,47 @@ class Layers:
                           mask.bias())
 
 
+def stack(s: Shape, x: Tensor, ws: list[list[Tensor]], cos: Tensor, sin: Tensor, K: Tensor, V: Tensor,
+          rows: Tensor, slots: Tensor, bias: Tensor, norm: Tensor) -> Tensor:
+    """Every layer of a decoding or verification forward (`layer`, in order) and the final norm, as one
+    function: compiled, one graph for the whole stack. K, V [L, R, nkv, S, hd] the whole cache (one
+    tensor, so the graph mutates one input in place rather than 2 L aliased views) -> [B, T, H]."""
+    for i, w in enumerate(ws):
+        x = layer(s, x, w, cos, sin, K[i], V[i], rows, slots, bias)
+    return _norm(x, norm, s.eps)
+
+
+class Stack:
+    """Transformer._forward for causal decoding and verification forwards through the compiled `stack`
+    (prefills, trees, feature taps and reused layers: the model's own)."""
+
+    def __init__(self, model: Transformer) -> None:
+        c = model.config
+        self.shape = Shape(c.n_heads, c.n_kv_heads, c.head_dim, c.norm_eps, c.scale, c.gelu, c.qk_norm,
+                           c.sandwich_norm, keys_in_place(c.head_dim, torch.float32, model.device))
+        self.ws = [[b.attn_norm, b.ffn_norm, *(t for n in ("wqkv", "wo", "w13", "w2")
+                                               for t in (b.packed[n].packed, b.packed[n].scale_zero))]
+                   for b in model.layers]
+        self.fn = torch.compile(stack, dynamic=True)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        self.original = Transformer._forward
+
+    def forward(self, model: Transformer, x: Tensor, positions: Tensor, cache, rows: Tensor, tree_mask: Tensor,
+                *, tree: bool, prefill: bool, features: tuple[int, ...], first_layer: int = 0) -> Tensor:
+        B, T = positions.shape
+        if prefill or tree or features or first_layer or T > INVARIANT_MAX_T or model.config.sliding_window:
+            return self.original(model, x, positions, cache, rows, tree_mask, tree=tree, prefill=prefill,
+                                 features=features, first_layer=first_layer)
+        cache.check_room(rows, T)
+        lengths = cache.lengths[rows]                                          # [B]
+        kv_len = -(-(int(lengths.max()) + T) // KV_BLOCK) * KV_BLOCK
+        visible, _ = model._mask(lengths, positions, T, kv_len, tree_mask)
+        bias = AttentionMask(visible, model.config.n_kv_heads, model.config.n_heads).bias()
+        cos, sin = model.cos[positions][:, None], model.sin[positions][:, None]  # [B, 1, T, hd]
+        slots = lengths[:, None] + torch.arange(T, device=x.device)             # [B, T]
+        return self.fn(self.shape, x, self.ws, cos, sin, cache.k, cache.v, rows, slots, bias, model.norm)
+
+
 class Production:
     """The model's forward and head, one token at a time after a prompt (as the engine decodes)."""
 
@@ -250,14 +293,15 @@ class Simple:
 
 
 @contextlib.contextmanager
-def patched(decoder: "Sublayers | Layers") -> Iterator[None]:
-    """Block.forward is `decoder.forward` inside the block."""
-    original = Block.forward
-    Block.forward = lambda block, *args: decoder.forward(block, *args)
+def patched(decoder: "Sublayers | Layers | Stack") -> Iterator[None]:
+    """Block.forward (Transformer._forward for `Stack`) is `decoder.forward` inside the block."""
+    owner, name = (Transformer, "_forward") if isinstance(decoder, Stack) else (Block, "forward")
+    original = getattr(owner, name)
+    setattr(owner, name, lambda obj, *args, **kw: decoder.forward(obj, *args, **kw))
     try:
         yield
     finally:
-        Block.forward = original
+        setattr(owner, name, original)
 
 
 def rows_keep_bits(model: Transformer) -> bool:
@@ -285,31 +329,41 @@ def rows_keep_bits(model: Transformer) -> bool:
     return ok
 
 
+DECODERS = ("production", "sublayers", "layers", "stack", "simple", "simple-compiled")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", default="smollm2-135m")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=60, help="tokens timed per decoder (interleaved)")
     ap.add_argument("--slots", type=int, default=128, help="key window of the simple decoders")
+    ap.add_argument("--only", default=",".join(DECODERS), help="comma-separated decoders to run (production always)")
     a = ap.parse_args()
+    only = {"production", *a.only.split(",")}
+    if only - set(DECODERS):
+        ap.error(f"unknown decoders {sorted(only - set(DECODERS))}; choose from {', '.join(DECODERS)}")
     torch.set_num_threads(a.threads)
     model, _, _ = load_model(a.model, "q4")
     m = probe()
     print(f"{a.model} {model.compute}, {a.threads} thread(s); CPU: {cpu_model()}, torch {torch.__version__} "
           f"kernels {m.torch_capability}{', ISA limit ' + m.isa_limit if m.isa_limit else ''}")
     prompt = torch.randint(0, model.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
-    sub, lay = Sublayers(), Layers(model)
+    makers = {"sublayers": Sublayers, "layers": lambda: Layers(model), "stack": lambda: Stack(model)}
+    decs = {n: make() for n, make in makers.items() if n in only}
     with torch.inference_mode():
         runs: dict[str, Callable[[], None]] = {"production": Production(model, prompt, 4 * a.tokens + 16).step}
-        for name, dec in (("sublayers", sub), ("layers", lay)):
+        for name, dec in decs.items():
             run = Production(model, prompt, 4 * a.tokens + 16)
 
-            def step(run: Production = run, dec: Sublayers | Layers = dec) -> None:
+            def step(run: Production = run, dec=dec) -> None:
                 with patched(dec):
                     run.step()
             runs[name] = step
-        runs["simple"] = Simple(model, a.slots, compiled=False).step
-        runs["simple-compiled"] = Simple(model, a.slots, compiled=True).step
+        if "simple" in only:
+            runs["simple"] = Simple(model, a.slots, compiled=False).step
+        if "simple-compiled" in only:
+            runs["simple-compiled"] = Simple(model, a.slots, compiled=True).step
         first: dict[str, float] = {}
         for name, step in runs.items():
             t = time.perf_counter()
@@ -323,15 +377,17 @@ def main() -> None:
                 t = time.perf_counter()
                 step()
                 times[name].append(time.perf_counter() - t)
+        base = statistics.median(times["production"])
+        print(f"{'decoder':<16} {'ms/token':>9} {'fastest':>8} {'vs production':>14} {'first call':>11}")
+        for name, ts in times.items():
+            med = statistics.median(ts)
+            print(f"{name:<16} {med * 1e3:9.2f} {min(ts) * 1e3:8.2f} {base / med:13.2f}x {first[name]:10.1f}s", flush=True)
         bits = {}
-        for name, dec in (("production", None), ("sublayers", sub), ("layers", lay)):
+        for name, dec in (("production", None), *decs.items()):
+            t = time.perf_counter()
             with patched(dec) if dec else contextlib.nullcontext():
                 bits[name] = rows_keep_bits(model)
-    base = statistics.median(times["production"])
-    print(f"{'decoder':<16} {'ms/token':>9} {'fastest':>8} {'vs production':>14} {'first call':>11}")
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        print(f"{name:<16} {med * 1e3:9.2f} {min(ts) * 1e3:8.2f} {base / med:13.2f}x {first[name]:10.1f}s")
+            print(f"{name}: row check took {time.perf_counter() - t:.1f} s", flush=True)
     for name, ok in bits.items():
         print(f"{name}: each token's bits the same scored 1, 2, 5, 8 per forward, one at a time, in a batch, "
               f"across a key block: {ok}")
