@@ -235,7 +235,7 @@ def test_method_specs():
         ("eagle3", "eagle3", "", "auto"), ("eagle3@sample=on", "eagle3", "", "on"),
         ("eagle3@sample=off", "eagle3", "", "off"), ("eagle@auto@sample=on", "eagle", "auto", "on"),
         ("hybrid@auto", "hybrid", "auto", "auto")]
-    with pytest.raises(SpecdecError, match="applies to the chains of eagle and eagle3.*not 'ngram'"):
+    with pytest.raises(SpecdecError, match="applies to the EAGLE chains of eagle, eagle3 and hybrid.*not 'ngram'"):
         runner.parse_methods("ngram@sample=on", None)
     with pytest.raises(SpecdecError, match="with a tree"):
         runner.parse_methods("eagle:4x16@sample=on", None)

@@ -35,10 +35,10 @@ def test_cli_api_and_server_share_the_method_and_policy_defaults():
 def test_the_server_samples_the_eagle_chains_drafts_as_told_and_leaves_other_methods_on_point_masses():
     """`serve --sample-drafts on` applies to the engines of eagle and eagle3 (requests choose their method);
     auto and off apply to every engine as they are (auto: the EAGLE chains above AUTO_SAMPLE_FROM)."""
-    assert serve_sample_drafts("on", "eagle3") == serve_sample_drafts("on", "eagle") == "on"
-    assert serve_sample_drafts("on", "ngram") == serve_sample_drafts("on", "hybrid") == "off"
+    assert serve_sample_drafts("on", "eagle3") == serve_sample_drafts("on", "hybrid") == "on"
+    assert serve_sample_drafts("on", "ngram") == serve_sample_drafts("on", "suffix") == "off"
     assert serve_sample_drafts("auto", "eagle3") == "auto" and serve_sample_drafts("off", "eagle") == "off"
-    assert sample_drafts_from("auto", "eagle3") == AUTO_SAMPLE_FROM and sample_drafts_from("auto", "hybrid") == math.inf
+    assert sample_drafts_from("auto", "hybrid") == AUTO_SAMPLE_FROM and sample_drafts_from("auto", "suffix") == math.inf
 
 
 def test_the_default_method_is_hybrid_where_a_head_is_shipped_else_suffix():

@@ -197,7 +197,7 @@ def test_eagle_sampled_drafts_are_reproducible_and_greedy_rows_stay_plain():
 
 def test_sample_drafts_is_refused_where_it_does_not_apply():
     target = tiny_model(seed=2)
-    with pytest.raises(SpecdecError, match="applies to the chains of eagle and eagle3"):
+    with pytest.raises(SpecdecError, match="applies to the EAGLE chains of eagle, eagle3 and hybrid"):
         make_proposer("ngram", target, None, None, "float32", "cpu", TreeShape(), sample_drafts="on")
     with pytest.raises(SpecdecError, match="with a tree"):
         make_proposer("eagle", target, None, None, "float32", "cpu", TreeShape(4, 16), sample_drafts="on")

@@ -327,10 +327,10 @@ class ProposerInputs:
     dtype: str
     device: str
     tree: TreeShape
-    sample_from: float = math.inf     # eagle, eagle3: rows sampling at this temperature or above draw drafts from q
+    sample_from: float = math.inf     # eagle, eagle3, hybrid: rows sampling at this temperature or above draw drafts from q
 
 
-SAMPLED_HEADS = ("eagle", "eagle3")   # methods whose drafts may be sampled from their own q (sample_drafts)
+SAMPLED_HEADS = ("eagle", "eagle3", "hybrid")   # methods whose EAGLE chains may sample drafts from q (sample_drafts)
 AUTO_SAMPLE_FROM = names.AUTO_SAMPLE_FROM   # `auto` samples the EAGLE chains' drafts from this temperature up
 
 
@@ -338,14 +338,15 @@ def sample_drafts_from(setting: str, method: str, tree: TreeShape = TreeShape())
     """The lowest temperature at which `method`'s rows draw their drafts from its own q (math.inf: none) for
     the setting `sample_drafts` (names.SAMPLE_DRAFTS): `on` every row that samples, for the chains of eagle
     and eagle3 (an error for any other method or a tree); `off` none (point masses: the head's argmax);
-    `auto` (the default) where it was measured to pay: the eagle and eagle3 chains' rows at AUTO_SAMPLE_FROM
+    `auto` (the default) where it was measured to pay: the EAGLE chains' rows (eagle, eagle3, hybrid) at AUTO_SAMPLE_FROM
     and above. Greedy rows draft point masses whatever the setting."""
     if setting not in names.SAMPLE_DRAFTS:
         raise SpecdecError(names.unknown("sample_drafts setting", setting, names.SAMPLE_DRAFTS))
     applies = method in SAMPLED_HEADS and tree.topk == 1
     if setting == "on" and not applies:
-        raise SpecdecError(f"sample_drafts='on' (--sample-drafts on) applies to the chains of "
-                           f"{' and '.join(SAMPLED_HEADS)} (method 'draft' samples its drafts always), not {method!r}"
+        raise SpecdecError(f"sample_drafts='on' (--sample-drafts on) applies to the EAGLE chains of "
+                           f"{', '.join(SAMPLED_HEADS[:-1])} and {SAMPLED_HEADS[-1]} (methods 'draft' and 'self' "
+                           f"sample their drafts always), not {method!r}"
                            + (f" with a tree ({tree})" if tree.topk != 1 else ""))
     if not applies or setting == "off":
         return math.inf
@@ -353,7 +354,7 @@ def sample_drafts_from(setting: str, method: str, tree: TreeShape = TreeShape())
 
 
 def serve_sample_drafts(setting: str, method: str) -> str:
-    """A server's `setting` for its engines of `method`: as given for eagle and eagle3, and `on` is `off` for
+    """A server's `setting` for its engines of `method`: as given for the SAMPLED_HEADS methods, and `on` is `off` for
     the methods it does not apply to (a server runs several; requests choose theirs)."""
     return "off" if setting == "on" and method not in SAMPLED_HEADS else setting
 
@@ -456,7 +457,7 @@ def load_draft(x: ProposerInputs) -> CausalLM:
 def _hybrid_proposer(x: ProposerInputs) -> Proposer:
     from .proposers.hybrid import HybridProposer
 
-    return HybridProposer(hybrid_head(x.target, x.source, TreeShape()), NgramProposer())
+    return HybridProposer(hybrid_head(x.target, x.source, TreeShape(), x.sample_from), NgramProposer())
 
 
 def _medusa_proposer(x: ProposerInputs) -> Proposer:
@@ -579,7 +580,7 @@ def load(model: str | Path = DEFAULT_MODEL, method: str = names.AUTO_METHOD, dty
     `draft_model`: what the method drafts with (see DraftSource); methods none, ngram and suffix take none.
     `tree` shapes the drafts of eagle and eagle3: a TreeShape or "TOPKxBUDGET" (e.g. "4x16" for a dynamic
     tree); the default (topk 1) is a chain, the fastest on our CPU measurements.
-    `sample_drafts`: auto (the default), on or off (see sample_drafts_from): whether the eagle and eagle3 chains
+    `sample_drafts`: auto (the default), on or off (see sample_drafts_from): whether the EAGLE chains of eagle, eagle3 and hybrid
     draw the drafts of rows that sample from the head's own q; auto does so at temperatures of
     AUTO_SAMPLE_FROM and above, where it was measured to pay. A sampled draft is accepted with probability
     1 - TV(p, q) instead of p(argmax q); exact in distribution by the rejection rule, but such a row's output

@@ -92,7 +92,7 @@ def add_model_args(p: argparse.ArgumentParser, default_method: str = DEFAULT_MET
                                                 "of K")
     p.add_argument("--sample-drafts", default=names.DEFAULT_SAMPLE_DRAFTS, metavar="{auto,on,off}",
                    type=one_of("draft sampling", names.SAMPLE_DRAFTS),
-                   help="eagle and eagle3 chains, rows that sample (temperature > 0): on draws their drafts from the "
+                   help="EAGLE chains (eagle, eagle3, hybrid's), rows that sample (temperature > 0): on draws their drafts from the "
                         "head's own distribution (accepted with probability 1 - TV(p, q) rather than p(argmax q)), "
                         f"off drafts the head's argmax, auto samples them at temperature {names.AUTO_SAMPLE_FROM:g} "
                         "and above, where that was measured to pay. Sampled drafts are exact in distribution, but "

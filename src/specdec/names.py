@@ -16,7 +16,7 @@ DEFAULT_POLICY = "auto"
 # methods that draft from the context alone (and from a prediction, as every method does): no draft_model
 DRAFTLESS: tuple[str, ...] = ("none", "ngram", "suffix")
 POLICIES: tuple[str, ...] = ("fixed", "heuristic", "auto")
-# whether the EAGLE chains (eagle, eagle3) draw a sampling row's drafts from the head's own distribution:
+# whether the EAGLE chains (eagle, eagle3, hybrid's) draw a sampling row's drafts from the head's own distribution:
 # auto (the default) where that was measured to pay (api.sample_drafts_from), on, off (point masses, the head's argmax)
 SAMPLE_DRAFTS: tuple[str, ...] = ("auto", "on", "off")
 DEFAULT_SAMPLE_DRAFTS = "auto"

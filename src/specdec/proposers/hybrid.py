@@ -4,8 +4,10 @@ The two are complementary (measured on the mini suite): prompt lookup wins where
 answer copies its context (code, summaries, multi-turn chat), the EAGLE head where it
 does not (QA, math, RAG). Per sequence and step, if the longest n-gram suffix of the
 text seen before is at least `min_match` tokens long, its continuation is the draft;
-otherwise the EAGLE head drafts a chain. Both drafts are deterministic (point-mass q),
-so verification is the plain chain verifier and the output is the target's, exactly.
+otherwise the EAGLE head drafts a chain. Prompt lookup drafts point masses; the EAGLE chain
+too, or, for rows sampling at its `sample_from` temperature and above, drafts drawn from its q
+(`Draft.sampled` marks those rows; each row is verified by its own rule, so the output is the
+target's, exactly).
 The EAGLE head ingests every committed token's features either way, so it is always
 ready to draft from exact features.
 """
@@ -58,14 +60,25 @@ class HybridProposer:
         need = (n < self.min_match).nonzero().flatten().tolist()     # sequences EAGLE drafts for
         self.steps_eagle += len(need)
         self.steps_ngram += len(batch.tokens) - len(need)
-        if need:
-            idx = torch.tensor(need, device=batch.rows.device)
-            sub = ActiveBatch(batch.rows[idx], [batch.tokens[i] for i in need], batch.sampling.select(idx),
-                              batch.seeds[idx])
-            e = self.eagle.propose(sub, k).tokens                    # [b, <=k]
-            tokens[idx] = PAD
-            tokens[idx, :e.shape[1]] = e
-        return Draft(tokens)
+        if not need:
+            return Draft(tokens)
+        idx = torch.tensor(need, device=batch.rows.device)
+        sub = ActiveBatch(batch.rows[idx], [batch.tokens[i] for i in need], batch.sampling.select(idx),
+                          batch.seeds[idx])
+        e = self.eagle.propose(sub, k)                               # tokens [b, <=k]
+        tokens[idx] = PAD
+        tokens[idx, :e.tokens.shape[1]] = e.tokens
+        if e.probs is None or not bool(e.sampled.any()):
+            return Draft(tokens)
+        # some EAGLE rows drew their drafts from q: the others' q is one-hot (point masses, verified as such)
+        B, K, V = tokens.shape[0], tokens.shape[1], e.probs.shape[-1]
+        q = torch.zeros(B, K, V, dtype=e.probs.dtype, device=tokens.device)
+        q.scatter_(-1, tokens.clamp(min=0)[..., None], (tokens != PAD)[..., None].to(q.dtype))
+        q[idx] = 0
+        q[idx, :e.probs.shape[1]] = e.probs
+        sampled = torch.zeros(B, dtype=torch.bool, device=tokens.device)
+        sampled[idx] = e.sampled.to(tokens.device)
+        return Draft(tokens, q, sampled=sampled)
 
     def forget(self) -> None:
         self.eagle.forget()
