@@ -252,8 +252,9 @@ def test_feature_extraction_stops_at_a_shard_boundary_when_the_budget_is_out(tmp
     g = random.Random(1)
     rows = [Row([g.randrange(97) for _ in range(40)], [], "chat", f"magpie-000{i // 20}/{i}") for i in range(60)]
     opts = Eagle3Options(minutes=0.001, vocab_size=64, window=16, batch=4)
+    started = time.time() - 60                                     # the budget is spent before extraction starts
     report = fit_eagle3(tiny_model(layers=6), "tiny", rows, tmp_path / "h.safetensors", opts, tmp_path,
-                        random.Random(0), time.time())
+                        random.Random(0), started)
     assert report["rows"] == 20 and report["steps"] == 0           # the first shard only, no time left to train
     assert len(list(tmp_path.glob("features3-*.pt"))) == 1
 
