@@ -205,3 +205,17 @@ class Stateless:
 
     def forget(self):
         pass
+
+
+class Recording:
+    """A proposer that keeps every draft the wrapped one made."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.drafts = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, batch, k):
+        self.drafts.append(self.inner.propose(batch, k))
+        return self.drafts[-1]

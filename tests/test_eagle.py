@@ -19,8 +19,8 @@ from specdec.reference import reference_greedy
 from specdec.sampling import SamplingParams
 from specdec.tree import TreeShape
 
-from helpers import (PROMPTS, V, check_joint, exact_joint, head_for, run_engine, sample_engine, tiny_generator,
-                     tiny_model)
+from helpers import (PROMPTS, V, Recording, check_joint, exact_joint, head_for, run_engine, sample_engine,
+                     tiny_generator, tiny_model)
 
 
 @pytest.mark.parametrize("topk, depth, budget", [(2, 3, 6), (4, 5, 16), (3, 2, 4), (1, 4, 4)])
@@ -124,20 +124,6 @@ def test_eagle_sampled_drafts_match_exact_distribution(params, tmp_path):
     assert prop.sample_from <= params.temperature                              # auto samples the chain's drafts here
     samples = sample_engine(target, prop, params, prompt, n=20_000, k=3)
     assert check_joint(samples, exact_joint(target, prompt, params)) > 1e-3
-
-
-class Recording:
-    """A proposer that keeps every draft the wrapped one made."""
-
-    def __init__(self, inner) -> None:
-        self.inner, self.drafts = inner, []
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def propose(self, batch, k):
-        self.drafts.append(self.inner.propose(batch, k))
-        return self.drafts[-1]
 
 
 def sampled_rows(drafts) -> list[bool]:

@@ -15,7 +15,7 @@ from specdec.reference import reference_greedy
 from specdec.sampling import SamplingParams
 from specdec.tree import PAD
 
-from helpers import V, check_joint, exact_joint, head_for, sample_engine, tiny_generator, tiny_model
+from helpers import V, Recording, check_joint, exact_joint, head_for, sample_engine, tiny_generator, tiny_model
 
 # repeats in the prompts give prompt lookup matches of length >= 2, the rest falls to EAGLE
 PROMPTS = [[3, 5, 7, 9, 3, 5, 7], list(range(10, 28)), [42, 1, 42, 1, 42, 1]]
@@ -79,20 +79,6 @@ def test_hybrid_samples_its_eagle_drafts_only_and_keeps_greedy_rows_plain():
     assert [r.tokens for r in a] == [r.tokens for r in b]
     greedy = gen.generate(PROMPTS, max_new_tokens=20)
     assert [r.tokens for r in greedy] == [reference_greedy(target, p, 20) for p in PROMPTS]
-
-
-class Recording:
-    """The hybrid proposer, keeping every draft it made."""
-
-    def __init__(self, inner: HybridProposer) -> None:
-        self.inner, self.drafts = inner, []
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def propose(self, batch, k):
-        self.drafts.append(self.inner.propose(batch, k))
-        return self.drafts[-1]
 
 
 def test_hybrid_needs_a_chain():
