@@ -246,3 +246,35 @@ def test_tree_nodes_score_like_the_chain_along_their_path(dtype, context, shape)
         path = path[::-1]
         chain = model(tokens[:, path], context + torch.arange(len(path))[None], prefilled(), torch.tensor([0]))
         assert torch.equal(hidden[0, node], chain[0, -1]), node
+
+
+def test_rolled_rope_is_the_half_rotation_bit_for_bit():
+    from specdec.models.decoder import apply_rope, rope, rope_tables, signed_sin
+
+    cos, sin = rope_tables(64, 10000.0, 300)
+    x = torch.randn(2, 12, 7, 64, generator=torch.Generator().manual_seed(0))
+    pos = torch.randint(0, 300, (2, 7), generator=torch.Generator().manual_seed(1))
+    c, s = cos[pos][:, None], sin[pos][:, None]
+    assert torch.equal(rope(x, c, signed_sin(s)), apply_rope(x, c, s))
+
+
+@pytest.mark.parametrize("rows, lengths", [([1], [5]), ([0, 1, 2], [7, 7, 7]), ([0, 1, 2], [3, 9, 7]),
+                                           ([2, 0], [4, 6])])
+def test_forward_slots_write_and_read_what_indexing_does(rows, lengths):
+    """The strided fast paths of ForwardSlots (one block of rows, equal lengths) put and read the same values
+    as KVCache.write / read by advanced indexing."""
+    from specdec.cache import KVCache
+
+    caches = [KVCache(2, 3, 2, 32, 4, torch.float32, "cpu") for _ in range(2)]
+    for c in caches:
+        c.lengths[:] = torch.tensor([3, 9, 7])
+        c.lengths[torch.tensor(rows)] = torch.tensor(lengths)
+    r = torch.tensor(rows)
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(len(rows), 2, 3, 4, generator=g), torch.randn(len(rows), 2, 3, 4, generator=g)
+    slots = caches[0].slots_of(r, 3, 16)
+    slots.write(1, k, v)
+    caches[1].write(1, r, k, v)
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+    for got, want in zip(slots.read(1), caches[1].read(1, r, 16, False)):
+        assert torch.equal(got, want)

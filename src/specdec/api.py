@@ -136,12 +136,16 @@ def runtime_info(target: CausalLM) -> dict:
     """The machine, the target's dtype and kernels, and the self-check's result (for --json, /health, info)."""
     from .machine import probe
 
+    from .models import native
+
     m = probe()
     check = getattr(target, "self_check", None)
     packed = bool(getattr(target, "packed", None))
+    device = getattr(target, "device", torch.device("cpu"))
     return {"cpu": m.cpu, "torch_capability": m.torch_capability, "isa_limit": m.isa_limit or None,
             "dtype": getattr(target, "compute", str(getattr(target, "dtype", "")).removeprefix("torch.")),
             "kernels": f"oneDNN prepacked ({m.kernel_family})" if packed else "torch default",
+            "attention": native.describe(device),
             "self_check": check.as_dict() if check is not None else None}
 
 

@@ -59,6 +59,10 @@ class KVCache:
             return self.k[layer, lo:hi, :, :kv_len], self.v[layer, lo:hi, :, :kv_len]
         return self.k[layer, rows, :, :kv_len], self.v[layer, rows, :, :kv_len]
 
+    def slots_of(self, rows: Tensor, t: int, kv_len: int) -> "ForwardSlots":
+        """Where a forward of `t` tokens per row of `rows` [B] writes and reads, for every layer."""
+        return ForwardSlots(self, rows, t, kv_len)
+
     def commit(self, rows: Tensor, keep: Tensor, num_keep: Tensor) -> None:
         """Keep scratch rows `keep` [B, T] (the first num_keep[b] of them; later entries, PAD among them,
         are ignored) and advance.
@@ -107,3 +111,44 @@ class KVCache:
         if bool((lengths > self.lengths[rows]).any()) or bool((lengths < 0).any()):
             raise ValueError("truncate can only shorten")
         self.lengths[rows] = lengths
+
+
+class ForwardSlots:
+    """One forward's scratch slots and key window in a KVCache, worked out once and used by every layer.
+
+    Rows that form one block of the cache (a lone sequence, or a dense batch) are read as one strided
+    view; if they also share a length, their scratch slots are written as one strided copy. Anything
+    else goes through advanced indexing (`KVCache.write` / `read`). Each ATen call costs microseconds
+    and a forward makes two writes and two reads per layer, so the fast forms matter when decoding.
+    """
+
+    def __init__(self, cache: KVCache, rows: Tensor, t: int, kv_len: int) -> None:
+        self.cache, self.rows, self.t, self.kv_len = cache, rows, t, kv_len
+        ids = rows.tolist()
+        self.contiguous = ids == list(range(ids[0], ids[0] + len(ids)))
+        at = cache.lengths[rows].tolist()
+        self.even = self.contiguous and len(set(at)) == 1
+        _, R, n_kv, S, hd = cache.k.shape
+        B = len(ids)
+        self._write_size, self._read_size = (B, n_kv, t, hd), (B, n_kv, kv_len, hd)
+        self._stride = (n_kv * S * hd, S * hd, hd, 1)
+        self._layer = R * n_kv * S * hd                                        # elements per layer
+        self._first = ids[0] * n_kv * S * hd                                   # offset of the first row
+        self._at = at[0] * hd
+
+    def write(self, layer: int, k: Tensor, v: Tensor) -> None:
+        """Write k, v [B, n_kv, t, hd] at the scratch slots of this forward's rows."""
+        if not self.even:
+            self.cache.write(layer, self.rows, k, v)
+            return
+        off = layer * self._layer + self._first + self._at
+        self.cache.k.as_strided(self._write_size, self._stride, off).copy_(k)
+        self.cache.v.as_strided(self._write_size, self._stride, off).copy_(v)
+
+    def read(self, layer: int) -> tuple[Tensor, Tensor]:
+        """k, v [B, n_kv, kv_len, hd] of this forward's rows (views where the rows are one block)."""
+        if not self.contiguous:
+            return self.cache.read(layer, self.rows, self.kv_len, False)
+        off = layer * self._layer + self._first
+        return (self.cache.k.as_strided(self._read_size, self._stride, off),
+                self.cache.v.as_strided(self._read_size, self._stride, off))

@@ -33,8 +33,10 @@ class AttentionMask:
     """
 
     def __init__(self, mask: Tensor, n_kv: int, n_heads: int,
-                 tree_slots: Tensor = torch.empty(0, dtype=torch.long), tree_visible: Tensor = torch.empty(0)) -> None:
+                 tree_slots: Tensor = torch.empty(0, dtype=torch.long), tree_visible: Tensor = torch.empty(0),
+                 native: bool = False) -> None:
         self.mask, self.n_kv, self.n_heads = mask, n_kv, n_heads
+        self.native = native          # scored by the native kernel (`native.attend`: no blocks, no tails)
         self.tree_slots, self.tree_visible = tree_slots, tree_visible
         self._bias: dict[int, Tensor] = {}
         self._live: list[Tensor] = []

@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..cache import KVCache
+from ..cache import ForwardSlots, KVCache
 from .attention import INVARIANT_MAX_T, KV_BLOCK, AttentionMask, attention
 from .config import ModelConfig
+from . import native
 from .int4 import HEAD
 from .kernels import DenseLinear, Kernel, fastest, linear, pack, packed_linear_available
 
@@ -49,6 +50,18 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rot * sin
+
+
+def signed_sin(sin: Tensor) -> Tensor:
+    """sin [..., hd] -> [-first half | second half], the table `rope` multiplies the rolled x by."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def rope(x: Tensor, cos: Tensor, ssin: Tensor) -> Tensor:
+    """apply_rope(x, cos, sin) bit for bit, ssin = signed_sin(sin), in 4 ATen calls instead of 7: x rolled
+    by half is [x2 | x1], and x2 * -s equals -x2 * s exactly (negation does not round)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * ssin
 
 
 def float32_prefill_pays(dtype: torch.dtype, device: torch.device) -> bool:
@@ -89,44 +102,53 @@ class Block(nn.Module):
         self.packed: dict[str, Kernel] = {}       # inference-only kernels of decoding and verification
         self.prefill_kernels: dict[str, Kernel] = {}  # prefill kernels where they differ (float32 copies, 4-bit mode)
         self.int4: set[str] = set()               # linears whose decoding kernel is 4-bit
+        self.norms32: dict[str, Tensor] = {}      # float32 copies of narrow norm weights (made by `pack`)
 
     def _linear(self, x: Tensor, name: str, prefill: bool) -> Tensor:
-        """x [B, T, in] @ weight.T; in a prefill through the prefill kernel if there is one."""
+        """x [N, in] @ weight.T; in a prefill through the prefill kernel if there is one."""
         kernels = self.prefill_kernels if prefill and name in self.prefill_kernels else self.packed
         return linear(x, getattr(self, name), kernels, name)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: AttentionMask, cache: KVCache,
-                rows: Tensor, kv_len: int, contiguous: bool, prefill: bool) -> Tensor:
+    def _w32(self, name: str) -> Tensor:
+        """The norm weight `name` in float32: a copy made once by `Transformer.pack`, else converted here."""
+        return self.norms32[name] if name in self.norms32 else _float(getattr(self, name))
+
+    def _norm(self, x: Tensor, name: str) -> Tensor:
+        return rms_norm(x, self._w32(name), self.cfg.norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, ssin: Tensor, mask: AttentionMask, slots: ForwardSlots,
+                prefill: bool) -> Tensor:
+        """x [B*T, D] the residual stream of B sequences of T tokens; cos, ssin [B, 1, T, hd] (see `rope`)."""
         cfg = self.cfg
-        B, T, _ = x.shape
+        B, T = slots.rows.numel(), slots.t
         nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        h = rms_norm(x, self.attn_norm, cfg.norm_eps)
-        qkv = self._linear(h, "wqkv", prefill).float()                                    # [B, T, (nh+2nkv)*hd]
-        qk = qkv[..., :(nh + nkv) * hd].view(B, T, nh + nkv, hd).transpose(1, 2)  # [B, nh+nkv, T, hd]
-        v = qkv[..., (nh + nkv) * hd:].view(B, T, nkv, hd).transpose(1, 2)     # [B, nkv, T, hd]
+        h = self._norm(x, "attn_norm")
+        qkv = self._linear(h, "wqkv", prefill).float().view(B, T, nh + 2 * nkv, hd).transpose(1, 2)
+        qk, v = qkv[:, :nh + nkv], qkv[:, nh + nkv:]                           # [B, nh+nkv, T, hd], [B, nkv, T, hd]
         if cfg.qk_norm:
-            qk = torch.cat([F.rms_norm(qk[:, :nh], (hd,), self.q_norm.float(), cfg.norm_eps),
-                            F.rms_norm(qk[:, nh:], (hd,), self.k_norm.float(), cfg.norm_eps)], dim=1)
-        qk = apply_rope(qk, cos, sin)
+            qk = torch.cat([F.rms_norm(qk[:, :nh], (hd,), self._w32("q_norm"), cfg.norm_eps),
+                            F.rms_norm(qk[:, nh:], (hd,), self._w32("k_norm"), cfg.norm_eps)], dim=1)
+        qk = rope(qk, cos, ssin)
         q, k = qk[:, :nh], qk[:, nh:]
-        cache.write(self.layer, rows, k, v, contiguous)
-        kc, vc = cache.read(self.layer, rows, kv_len, contiguous)              # [B, nkv, S, hd] float32
-        if mask.invariant:
-            o = attention(q, kc, vc, mask, cfg.scale)                          # [B, nh, T, hd]
+        slots.write(self.layer, k, v)
+        kc, vc = slots.read(self.layer)                                        # [B, nkv, S, hd] float32
+        if mask.native:
+            o = native.attend(q, kc, vc, mask.mask[:, 0], cfg.scale)           # [B, T, nh*hd]
+        elif mask.invariant:
+            o = attention(q, kc, vc, mask, cfg.scale).transpose(1, 2)          # [B, T, nh, hd]
         else:
             o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask.mask, scale=cfg.scale,
-                                               enable_gqa=nkv != nh)
-
-        o = self._linear(o.transpose(1, 2).reshape(B, T, nh * hd).to(x.dtype), "wo", prefill)
+                                               enable_gqa=nkv != nh).transpose(1, 2)
+        o = self._linear(o.reshape(B * T, nh * hd).to(x.dtype), "wo", prefill)
         if cfg.sandwich_norm:
-            o = rms_norm(o, self.post_attn_norm, cfg.norm_eps)
+            o = self._norm(o, "post_attn_norm")
         x = x + o
-        h = rms_norm(x, self.ffn_norm, cfg.norm_eps)
+        h = self._norm(x, "ffn_norm")
         gate, up = self._linear(h, "w13", prefill).chunk(2, dim=-1)
         act = F.gelu(gate, approximate="tanh") if cfg.gelu else F.silu(gate)
         o = self._linear(act * up, "w2", prefill)
         if cfg.sandwich_norm:
-            o = rms_norm(o, self.post_ffn_norm, cfg.norm_eps)
+            o = self._norm(o, "post_ffn_norm")
         return x + o
 
 
@@ -145,11 +167,11 @@ class Transformer(nn.Module):
         self.head_kernels: dict[str, Kernel] = {}           # LM head candidates besides the dense one (see pack)
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_base, cfg.max_seq_len)
         self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        self.register_buffer("sin_signed", signed_sin(sin), persistent=False)  # see `rope`
         if cfg.sliding_window > 0:
             lcos, lsin = rope_tables(cfg.head_dim, cfg.rope_local_base, cfg.max_seq_len)
             self.register_buffer("lcos", lcos, persistent=False)
-            self.register_buffer("lsin", lsin, persistent=False)
+            self.register_buffer("lsin_signed", signed_sin(lsin), persistent=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -216,6 +238,8 @@ class Transformer(nn.Module):
             layer.packed = {n: layer.packed[n] if n in layer.int4 else pack(getattr(layer, n)) for n in LINEARS}
             layer.prefill_kernels = ({n: pack(getattr(layer, n).float(), 128) for n in LINEARS} if copies
                                  else {n: DenseLinear(getattr(layer, n)) for n in layer.int4})
+            layer.norms32 = {n: p.detach().float() for n, p in layer.named_parameters()
+                             if n.endswith("norm") and p.dtype != torch.float32}
         self.packed = {"lm_head": self._head_kernel()}
         return self
 
@@ -301,37 +325,41 @@ class Transformer(nn.Module):
         cache.check_room(rows, T)
         lengths = cache.lengths[rows]                                          # [B]
         kv_len = -(-(int(lengths.max()) + T) // KV_BLOCK) * KV_BLOCK          # whole key blocks
-        contiguous = bool(rows.numel() == 1 or torch.equal(rows, torch.arange(int(rows[0]), int(rows[0]) + B, device=rows.device)))
         visible, kpos = self._mask(lengths, positions, T, kv_len, tree_mask)
         nkv, nh = self.config.n_kv_heads, self.config.n_heads
         slots, tvis = torch.empty(0, dtype=torch.long), torch.empty(0)
+        use_native = T <= INVARIANT_MAX_T and native.available(x.device)
+        tree = tree and not use_native                                         # the native kernel needs no tails
         if tree:
             slots, tvis, tail = self._tree_tails(lengths, positions, tree_mask, cache.slots)
             visible = visible & (torch.arange(kv_len, device=x.device) < tail[:, None])[:, None, None]
-        mask = AttentionMask(visible, nkv, nh, slots, tvis)
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, T, hd]
+        mask = AttentionMask(visible, nkv, nh, slots, tvis, native=use_native)
+        cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # [B, 1, T, hd]
         if self.config.sliding_window > 0:
-            lcos, lsin = self.lcos[positions][:, None], self.lsin[positions][:, None]
+            lcos, lsin = self.lcos[positions][:, None], self.lsin_signed[positions][:, None]
             window = positions[:, None, :, None] - kpos[:, :, None, :] < self.config.sliding_window
             if tree:
                 vpos = tail[:, None, None] + torch.arange(tvis.shape[-1], device=x.device)
                 tvis = tvis & (positions[:, :, None] - vpos < self.config.sliding_window)
-            local = AttentionMask(visible & window, nkv, nh, slots, tvis)
+            local = AttentionMask(visible & window, nkv, nh, slots, tvis, native=use_native)
+        where = cache.slots_of(rows, T, kv_len)
+        D = x.shape[-1]
+        x = x.reshape(B * T, D)                                                # [B*T, D] rows of the residual stream
         taken: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
             if i < first_layer:                                                # done by the caller (forward_reusing)
                 continue
             if self.config.is_local(i):
-                x = layer(x, lcos, lsin, local, cache, rows, kv_len, contiguous, prefill)
+                x = layer(x, lcos, lsin, local, where, prefill)
             else:
-                x = layer(x, cos, sin, mask, cache, rows, kv_len, contiguous, prefill)
+                x = layer(x, cos, sin, mask, where, prefill)
             if i in features:
                 taken[i] = x
-        out = rms_norm(x, self.norm, self.config.norm_eps)
+        out = rms_norm(x, self.norm, self.config.norm_eps).view(B, T, D)
         if not features:
             return out
         # layers a caller ran itself (forward_reusing) have no output here: zeros
-        return torch.cat([out, *(taken[i] if i in taken else torch.zeros_like(out) for i in features)], -1)
+        return torch.cat([out, *(taken[i].view(B, T, D) if i in taken else torch.zeros_like(out) for i in features)], -1)
 
     @staticmethod
     def _tree_tails(lengths: Tensor, positions: Tensor, tree_mask: Tensor, n_slots: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -383,9 +411,9 @@ def truncated(model: Transformer, n_layers: int) -> Transformer:
         out = Transformer(cfg)
     out.embed, out.norm, out.output = model.embed, model.norm, model.output
     out.layers = nn.ModuleList(list(model.layers)[:n_layers])
-    out.cos, out.sin = model.cos, model.sin
+    out.cos, out.sin_signed = model.cos, model.sin_signed
     if cfg.sliding_window > 0:
-        out.lcos, out.lsin = model.lcos, model.lsin
+        out.lcos, out.lsin_signed = model.lcos, model.lsin_signed
     out.packed, out.int4 = model.packed, model.int4
     return out.eval()
 

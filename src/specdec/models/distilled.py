@@ -28,9 +28,9 @@ class DistilledDraft(nn.Module):
         with torch.device("meta"):
             core = Transformer(cfg)
         core = core.to_empty(device="cpu").float()
-        core.cos, core.sin = target.cos.cpu(), target.sin.cpu()
+        core.cos, core.sin_signed = target.cos.cpu(), target.sin_signed.cpu()
         if cfg.sliding_window > 0:
-            core.lcos, core.lsin = target.lcos.cpu(), target.lsin.cpu()
+            core.lcos, core.lsin_signed = target.lcos.cpu(), target.lsin_signed.cpu()
         with torch.no_grad():
             for mine, theirs in zip(core.layers, [target.layers[i] for i in layers]):
                 for (_, p), (_, q) in zip(mine.named_parameters(), theirs.named_parameters()):
@@ -92,9 +92,9 @@ class DistilledDraft(nn.Module):
         """Inference set-up: the target's dtype, prepacked linears on CPU."""
         self.to(dtype).eval().requires_grad_(False)
         t = self.target[0]
-        self.core.cos, self.core.sin = t.cos, t.sin                            # float32 rope, never cast
+        self.core.cos, self.core.sin_signed = t.cos, t.sin_signed              # float32 rope, never cast
         if t.config.sliding_window > 0:
-            self.core.lcos, self.core.lsin = t.lcos, t.lsin
+            self.core.lcos, self.core.lsin_signed = t.lcos, t.lsin_signed
         self.core.pack()                                  # also packs the reduced head as "lm_head"
         return self
 

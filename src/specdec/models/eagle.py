@@ -37,7 +37,7 @@ class EagleHead(nn.Module):
         with torch.device("meta"):
             core = Transformer(cfg)
         core = core.to_empty(device="cpu")
-        core.cos, core.sin = target.cos.cpu(), target.sin.cpu()
+        core.cos, core.sin_signed = target.cos.cpu(), target.sin_signed.cpu()
         for name, p in core.named_parameters():
             with torch.no_grad():
                 if "norm" in name:
@@ -81,7 +81,7 @@ class EagleHead(nn.Module):
     def prepare(self, dtype: torch.dtype) -> "EagleHead":
         """Inference set-up: cast to the target's dtype, cache the LM-head rows, prepack on CPU."""
         self.to(dtype).eval().requires_grad_(False)
-        self.core.cos, self.core.sin = self.tgt.cos, self.tgt.sin            # float32 rope, never cast
+        self.core.cos, self.core.sin_signed = self.tgt.cos, self.tgt.sin_signed  # float32 rope, never cast
         self.lm_weight_cached = self.lm_weight().to(dtype).contiguous()
         if packed_linear_available(self.lm_weight_cached.device):
             self.core.pack()
