@@ -5,7 +5,7 @@ a chain of K drafts) through the target and its LM head, as the engine does, and
 
 - the wall time without the profiler (median of the forwards), and under torch.profiler:
 - the linear kernels of the layers (int4 `_weight_int4pack_mm_for_cpu`, oneDNN, F.linear),
-- the LM head, attention (the native kernel `native.attend`, or `attention.attention` without it),
+- the LM head, attention (the native kernel `native.qkv_attend`: rope, cache writes and attention, or `attention.attention` without it),
   and everything else,
 - the number of profiler events (aten ops) per forward and the most frequent ones.
 
@@ -118,7 +118,7 @@ def main() -> None:
     elif a.head == "int4":
         model.packed["lm_head"] = model.head_kernels["int4"]
     decoder.attention = labelled(decoder.attention, "attention")
-    decoder.native.attend = labelled(decoder.native.attend, "attention")
+    decoder.native.qkv_attend = labelled(decoder.native.qkv_attend, "attention")
     model.lm_head = labelled(model.lm_head, "lm_head")
 
     run = Run(model, a.prompt, a.rows, 3 * a.tokens + 4)

@@ -15,60 +15,96 @@ needs_native = pytest.mark.skipif(not native.available(torch.device("cpu")),
                                   reason=f"native attention unavailable: {native.describe(torch.device('cpu'))}")
 
 
-def _cache(B: int, nkv: int, slots: int, hd: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """k, v [L=2, R=B+1, nkv, slots, hd] like a KVCache's, so layer/row views are strided as in a forward."""
-    g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(2, B + 1, nkv, slots, hd, generator=g) for _ in range(2))
+class _Forward:
+    """A KVCache, rows and their lengths, as one forward's `ForwardSlots` sees them."""
+
+    def __init__(self, rows: list[int], lengths: list[int], t: int, kv_len: int, nkv: int, hd: int, seed: int = 0):
+        from specdec.cache import KVCache
+
+        g = torch.Generator().manual_seed(seed)
+        self.cache = KVCache(2, 4, nkv, 512, hd, torch.float32, "cpu")
+        self.cache.k.copy_(torch.randn(self.cache.k.shape, generator=g))
+        self.cache.v.copy_(torch.randn(self.cache.v.shape, generator=g))
+        self.cache.lengths[torch.tensor(rows)] = torch.tensor(lengths)
+        self.rows = torch.tensor(rows)
+        self.slots = self.cache.slots_of(self.rows, t, kv_len)
 
 
-def _reference(q, k, v, visible, scale):
-    """Masked softmax attention in float64: q [B, nh, T, hd], k, v [B, nkv, S, hd] -> [B, T, nh * hd]."""
-    B, nh, T, hd = q.shape
-    g = nh // k.shape[1]
-    k, v = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
-    s = (q.double() @ k.transpose(-1, -2)) * scale
-    s = s.masked_fill(~visible[:, None], float("-inf"))
-    return (s.softmax(-1) @ v).transpose(1, 2).reshape(B, T, nh * hd)
+def _rope_rows(B: int, T: int, hd: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from specdec.models.decoder import rope_tables, signed_sin
+
+    cos, sin = rope_tables(hd, 10000.0, 512)
+    pos = torch.randint(0, 512, (B, T), generator=torch.Generator().manual_seed(seed))
+    return cos[pos][:, None], signed_sin(sin)[pos][:, None]                    # [B, 1, T, hd]
 
 
 @needs_native
-@pytest.mark.parametrize("nh, nkv, hd", [(9, 3, 64), (4, 1, 256)])
-def test_native_attention_is_attention(nh, nkv, hd):
+@pytest.mark.parametrize("nh, nkv, hd, qk_norm", [(9, 3, 64, False), (4, 1, 256, True)])
+def test_native_attention_is_rope_cache_writes_and_attention(nh, nkv, hd, qk_norm):
+    """Against torch: the keys and values land in the cache where `KVCache.write` puts them, and each
+    token's output is masked softmax attention (float64 reference) over its visible slots."""
+    from specdec.models.decoder import rope
+
     B, T, S = 2, 5, 256
-    k, v = _cache(B, nkv, 384, hd, 0)
-    kc, vc = k[1, 1:3, :, :S], v[1, 1:3, :, :S]                                # strided views, as read in a forward
-    q = torch.randn(B, nh + nkv, T, hd, generator=torch.Generator().manual_seed(1))[:, :nh]
-    visible = torch.rand(B, T, S, generator=torch.Generator().manual_seed(2)) < 0.6
+    f = _Forward([2, 0], [100, 180], T, S, nkv, hd)
+    want = _Forward([2, 0], [100, 180], T, S, nkv, hd)
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(B * T, (nh + 2 * nkv) * hd, generator=g)
+    cos, ssin = _rope_rows(B, T, hd, 2)
+    wq, wk = (1 + 0.1 * torch.randn(hd, generator=g) for _ in range(2)) if qk_norm else (torch.empty(0),) * 2
+    visible = torch.rand(B, T, S, generator=g) < 0.6
     visible[:, :, 0] = True
-    out = native.attend(q, kc, vc, visible, hd ** -0.5)
-    torch.testing.assert_close(out.double(), _reference(q, kc, vc, visible, hd ** -0.5), rtol=1e-5, atol=1e-5)
+    out = native.qkv_attend(qkv, cos, ssin, wq, wk, 1e-6, f.cache.k, f.cache.v, 1, f.slots, visible, nh, 0.1,
+                            torch.float32)
+
+    heads = qkv.view(B, T, nh + 2 * nkv, hd).transpose(1, 2)
+    qk, v = heads[:, :nh + nkv], heads[:, nh + nkv:]
+    if qk_norm:
+        qk = torch.cat([torch.nn.functional.rms_norm(qk[:, :nh], (hd,), wq, 1e-6),
+                        torch.nn.functional.rms_norm(qk[:, nh:], (hd,), wk, 1e-6)], 1)
+    qk = rope(qk, cos, ssin)
+    want.cache.write(1, want.rows, qk[:, nh:], v)
+    torch.testing.assert_close(f.cache.k, want.cache.k, rtol=1e-5, atol=1e-5)
+    assert torch.equal(f.cache.v, want.cache.v)
+    k, vv = (x[1, want.rows, :, :S].double().repeat_interleave(nh // nkv, 1) for x in (want.cache.k, want.cache.v))
+    s = (qk[:, :nh].double() @ k.transpose(-1, -2)) * 0.1
+    ref = (s.masked_fill(~visible[:, None], float("-inf")).softmax(-1) @ vv).transpose(1, 2).reshape(B * T, nh * hd)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
 @needs_native
-def test_a_query_gets_the_bits_of_its_own_keys_whatever_shares_the_call():
-    """Alone, among other queries and sequences, with more masked keys after its own, or with its keys
-    scattered over the window in the same order: the same bits."""
+def test_a_token_gets_the_bits_of_its_own_keys_whatever_shares_the_call():
+    """Alone, next to other tokens and sequences, or with more masked keys in the window: the same bits;
+    bfloat16 output is the float32 output rounded."""
     nh, nkv, hd = 9, 3, 64
-    k, v = _cache(2, nkv, 512, hd, 3)
-    q = torch.randn(2, nh, 6, hd, generator=torch.Generator().manual_seed(4))
-    visible = torch.zeros(2, 6, 512, dtype=torch.bool)
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(2 * 6, (nh + 2 * nkv) * hd, generator=g).bfloat16()
+    cos, ssin = _rope_rows(2, 6, hd, 4)
+    none = torch.empty(0)
+    visible = torch.zeros(2, 6, 384, dtype=torch.bool)
     for t in range(6):
-        visible[:, t, :200 + t] = True                                        # causal chains after 200 keys
-    full = native.attend(q, k[0, :2], v[0, :2], visible, 0.125)               # [2, 6, nh*hd]
-    for b in range(2):
-        for t in range(6):
-            n = 200 + t
-            alone = native.attend(q[b:b + 1, :, t:t + 1], k[0, b:b + 1, :, :n], v[0, b:b + 1, :, :n],
-                                  visible[b:b + 1, t:t + 1, :n].contiguous(), 0.125)
-            assert torch.equal(alone[0, 0], full[b, t]), (b, t)
-    # the same keys at other slots, in the same order, with gaps: the same bits
-    slots = torch.arange(205) * 2
-    k2, v2 = torch.zeros(1, nkv, 512, hd), torch.zeros(1, nkv, 512, hd)
-    k2[0, :, slots], v2[0, :, slots] = k[0, 0, :, :205], v[0, 0, :, :205]
-    vis2 = torch.zeros(1, 1, 512, dtype=torch.bool)
-    vis2[0, 0, slots] = True
-    moved = native.attend(q[:1, :, 5:6], k2, v2, vis2, 0.125)
-    assert torch.equal(moved[0, 0], full[0, 5])
+        visible[0, t, :200 + t + 1] = True                                    # causal chains after 200 / 150 keys
+        visible[1, t, :150] = True
+        visible[1, t, 300:300 + t + 1] = True
+    f = _Forward([0, 1], [200, 300], 6, 384, nkv, hd)
+    f.cache.lengths[1] = 300
+    full = native.qkv_attend(qkv, cos, ssin, none, none, 1e-6, f.cache.k, f.cache.v, 0, f.slots, visible, nh, 0.125,
+                             torch.float32)
+    half = native.qkv_attend(qkv, cos, ssin, none, none, 1e-6, f.cache.k, f.cache.v, 0, f.slots, visible, nh, 0.125,
+                             torch.bfloat16)
+    assert torch.equal(half, full.bfloat16())
+    for b, base in ((0, 200), (1, 300)):
+        for t in range(6):                                                    # token t alone, its predecessors cached
+            one = _Forward([b], [base + t], 1, 512, nkv, hd)
+            one.cache.k.copy_(f.cache.k)
+            one.cache.v.copy_(f.cache.v)
+            vis = torch.zeros(1, 1, 512, dtype=torch.bool)
+            vis[0, 0, :384] = visible[b, t]
+            r = b * 6 + t
+            alone = native.qkv_attend(qkv[r:r + 1], cos[b:b + 1, :, t:t + 1].contiguous(),
+                                      ssin[b:b + 1, :, t:t + 1].contiguous(), none, none, 1e-6, one.cache.k,
+                                      one.cache.v, 0, one.slots, vis, nh, 0.125, torch.float32)
+            assert torch.equal(alone[0], full[r]), (b, t)
 
 
 def test_torch_attention_keeps_rows_invariant_without_the_native_kernel(monkeypatch):
@@ -106,7 +142,15 @@ def test_torch_attention_keeps_rows_invariant_without_the_native_kernel(monkeypa
 def test_native_attention_refuses_layouts_it_does_not_read():
     if not native.available(torch.device("cpu")):
         pytest.skip("native attention unavailable")
-    q = torch.randn(1, 9, 1, 64)
-    k = torch.randn(1, 3, 128, 64)
-    with pytest.raises(ValueError, match="unsupported layout"):
-        native.attend(q, k.transpose(2, 3), k, torch.ones(1, 1, 128, dtype=torch.bool), 0.125)
+    f = _Forward([0], [10], 1, 128, 3, 64)
+    qkv = torch.randn(1, 15 * 64)
+    cos, ssin = _rope_rows(1, 1, 64, 0)
+    with pytest.raises(ValueError, match="unsupported layout"):                # float16 projections
+        native.qkv_attend(qkv.half(), cos, ssin, torch.empty(0), torch.empty(0), 1e-6, f.cache.k, f.cache.v, 0,
+                          f.slots, torch.ones(1, 1, 128, dtype=torch.bool), 9, 0.125, torch.float32)
+    with pytest.raises(ValueError, match="unsupported layout"):                # 10 heads do not fit 15 * 64
+        native.qkv_attend(qkv, cos, ssin, torch.empty(0), torch.empty(0), 1e-6, f.cache.k, f.cache.v, 0,
+                          f.slots, torch.ones(1, 1, 128, dtype=torch.bool), 10, 0.125, torch.float32)
+    with pytest.raises(ValueError, match="unsupported layout"):                # rope rows must be float32
+        native.qkv_attend(qkv, cos.bfloat16(), ssin, torch.empty(0), torch.empty(0), 1e-6, f.cache.k, f.cache.v, 0,
+                          f.slots, torch.ones(1, 1, 128, dtype=torch.bool), 9, 0.125, torch.float32)

@@ -135,6 +135,8 @@ class ForwardSlots:
         self._layer = R * n_kv * S * hd                                        # elements per layer
         self._first = ids[0] * n_kv * S * hd                                   # offset of the first row
         self._at = at[0] * hd
+        self.row_off = rows.to(torch.int64) * (n_kv * S * hd)                   # [B] each row's offset in a layer
+        self.at = torch.tensor(at, dtype=torch.int64)                         # [B] each row's first scratch slot
 
     def write(self, layer: int, k: Tensor, v: Tensor) -> None:
         """Write k, v [B, n_kv, t, hd] at the scratch slots of this forward's rows."""

@@ -22,55 +22,126 @@ static float dot(const float *q, const float *k, int64_t hd) {
     return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } c = { (uint32_t)h << 16 };
+    return c.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {            /* round to nearest even, as torch does */
+    union { float f; uint32_t u; } c = { f };
+    if ((c.u & 0x7fffffff) > 0x7f800000) return (uint16_t)((c.u >> 16) | 0x40);   /* NaN stays NaN */
+    return (uint16_t)((c.u + 0x7fff + ((c.u >> 16) & 1)) >> 16);
+}
+
+/* One query token's attention for the g query heads sharing a kv head: qs [g][hd] against the n visible
+ * slots (in slot order) of kr, vr (rows of hd floats); o [g][hd] float. score: [g][n] scratch. */
+static void attend_group(const float *qs, int64_t g, const float *kr, const float *vr, const int64_t *slots,
+                         int64_t n, int64_t hd, float scale, float *score, float *o) {
+    for (int64_t x = 0; x < g * hd; x++) o[x] = 0.0f;
+    if (n == 0) return;
+    for (int64_t i = 0; i < n; i++) {
+        const float *ks = kr + slots[i] * hd;
+        for (int64_t h = 0; h < g; h++) score[h * n + i] = dot(qs + h * hd, ks, hd) * scale;
+    }
+    for (int64_t h = 0; h < g; h++) {
+        float *sh = score + h * n, top = -INFINITY;
+        for (int64_t i = 0; i < n; i++)
+            if (sh[i] > top) top = sh[i];
+        for (int64_t i = 0; i < n; i++) sh[i] = expf(sh[i] - top);
+    }
+    float sum[64] = {0};                                   /* g <= 64 (checked by the caller) */
+    for (int64_t i = 0; i < n; i++) {
+        const float *vs = vr + slots[i] * hd;
+        for (int64_t h = 0; h < g; h++) {
+            float p = score[h * n + i];
+            float *oh = o + h * hd;
+            sum[h] += p;
+            for (int64_t d = 0; d < hd; d++) oh[d] += p * vs[d];
+        }
+    }
+    for (int64_t h = 0; h < g; h++)
+        for (int64_t d = 0; d < hd; d++) o[h * hd + d] /= sum[h];
+}
+
 /*
- * q    [B, nh, T, hd] at strides (qb, qh, qt, 1)
- * k, v [B, nkv, S, hd] at strides (kb, kh, hd, 1) (the layer's cache rows; v shares k's strides)
- * mask [B, T, S] bytes, contiguous, nonzero = attend
- * out  [B, T, nh, hd] contiguous (the layout the output projection reads)
- * Returns 0, or -1 if memory ran out.
+ * A layer's attention from its fused q, k, v projection, for the B*T tokens of a forward:
+ * qkv    [B*T, (nh + 2 nkv) * hd] bfloat16 (qkv_bf16) or float32, rows qkv_stride elements apart
+ * cos, ssin [B*T, hd] float32 (the tokens' rope rows; ssin = [-sin first half | sin second half])
+ * q_norm, k_norm [hd] float32 RMSNorm weights applied per head before rope, or NULL (eps for both)
+ * kc, vc the layer's cache [R, nkv, Smax, hd] float32: token t of row b writes its key and value at
+ *        kc + row_off[b] + j * head_stride + (at[b] + t) * hd, and attends over slots s < S of that row
+ *        where mask [B, T, S] (bytes) is nonzero
+ * out    [B*T, nh * hd] bfloat16 (out_bf16) or float32
+ * Returns 0, -1 if memory ran out, -2 if nh / nkv > 64.
  */
-int specdec_attend(const float *q, int64_t qb, int64_t qh, int64_t qt,
-                   const float *k, const float *v, int64_t kb, int64_t kh,
-                   const uint8_t *mask, int64_t B, int64_t nh, int64_t nkv, int64_t T, int64_t S,
-                   int64_t hd, float scale, float *out) {
-    int64_t g = nh / nkv;
+int specdec_qkv_attend(const void *qkv, int qkv_bf16, int64_t qkv_stride, const float *cos, const float *ssin,
+                       const float *q_norm, const float *k_norm, float eps, float *kc, float *vc,
+                       const int64_t *row_off, const int64_t *at, int64_t head_stride,
+                       const uint8_t *mask, int64_t S, int64_t B, int64_t T, int64_t nh, int64_t nkv,
+                       int64_t hd, float scale, void *out, int out_bf16) {
+    int64_t g = nh / nkv, half = hd / 2, width = nh + 2 * nkv;
+    if (g > 64) return -2;
+    float *rows = malloc(sizeof(float) * (size_t)(B * T * nh * hd));          /* roped queries */
+    float *head = malloc(sizeof(float) * (size_t)hd);
+    float *o = malloc(sizeof(float) * (size_t)(g * hd));
+    float *score = malloc(sizeof(float) * (size_t)(g * (S > 0 ? S : 1)));
     int64_t *slots = malloc(sizeof(int64_t) * (size_t)(S > 0 ? S : 1));
-    float *score = malloc(sizeof(float) * (size_t)(S > 0 ? S : 1));
-    if (!slots || !score) {
-        free(slots);
-        free(score);
+    if (!rows || !head || !o || !score || !slots) {
+        free(rows); free(head); free(o); free(score); free(slots);
         return -1;
     }
+    /* 1. queries roped into `rows`, keys roped and values copied into the cache */
     for (int64_t b = 0; b < B; b++) {
         for (int64_t t = 0; t < T; t++) {
-            const uint8_t *m = mask + (b * T + t) * S;
-            int64_t n = 0;
-            for (int64_t s = 0; s < S; s++)
-                if (m[s]) slots[n++] = s;
-            for (int64_t h = 0; h < nh; h++) {
-                const float *qr = q + b * qb + h * qh + t * qt;
-                const float *kr = k + b * kb + (h / g) * kh;
-                const float *vr = v + b * kb + (h / g) * kh;
-                float *o = out + ((b * T + t) * nh + h) * hd;
-                for (int64_t d = 0; d < hd; d++) o[d] = 0.0f;
-                if (n == 0) continue;
-                float top = -INFINITY;
-                for (int64_t i = 0; i < n; i++) {
-                    score[i] = dot(qr, kr + slots[i] * hd, hd) * scale;
-                    if (score[i] > top) top = score[i];
+            int64_t r = b * T + t;
+            const float *c = cos + r * hd, *sn = ssin + r * hd;
+            for (int64_t j = 0; j < width; j++) {
+                for (int64_t d = 0; d < hd; d++) {
+                    int64_t e = r * qkv_stride + j * hd + d;
+                    head[d] = qkv_bf16 ? bf16_to_f32(((const uint16_t *)qkv)[e]) : ((const float *)qkv)[e];
                 }
-                float sum = 0.0f;
-                for (int64_t i = 0; i < n; i++) {
-                    float p = expf(score[i] - top);
-                    const float *vs = vr + slots[i] * hd;
-                    sum += p;
-                    for (int64_t d = 0; d < hd; d++) o[d] += p * vs[d];
+                float *dst;
+                if (j < nh) dst = rows + (r * nh + j) * hd;
+                else if (j < nh + nkv) dst = kc + row_off[b] + (j - nh) * head_stride + (at[b] + t) * hd;
+                else {
+                    dst = vc + row_off[b] + (j - nh - nkv) * head_stride + (at[b] + t) * hd;
+                    for (int64_t d = 0; d < hd; d++) dst[d] = head[d];
+                    continue;
                 }
-                for (int64_t d = 0; d < hd; d++) o[d] /= sum;
+                const float *w = j < nh ? q_norm : k_norm;
+                if (w) {
+                    float acc[LANES] = {0};
+                    for (int64_t d = 0; d < hd; d += LANES)
+                        for (int l = 0; l < LANES; l++) acc[l] += head[d + l] * head[d + l];
+                    float ss = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+                    float inv = 1.0f / sqrtf(ss / (float)hd + eps);
+                    for (int64_t d = 0; d < hd; d++) head[d] = head[d] * inv * w[d];
+                }
+                for (int64_t d = 0; d < half; d++) {
+                    dst[d] = head[d] * c[d] + head[d + half] * sn[d];
+                    dst[d + half] = head[d + half] * c[d + half] + head[d] * sn[d + half];
+                }
             }
         }
     }
-    free(slots);
-    free(score);
+    /* 2. attention: each query over its visible slots in slot order */
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t t = 0; t < T; t++) {
+            int64_t r = b * T + t, n = 0;
+            const uint8_t *m = mask + r * S;
+            for (int64_t s = 0; s < S; s++)
+                if (m[s]) slots[n++] = s;
+            for (int64_t j = 0; j < nkv; j++) {
+                const float *kr = kc + row_off[b] + j * head_stride, *vr = vc + row_off[b] + j * head_stride;
+                attend_group(rows + (r * nh + j * g) * hd, g, kr, vr, slots, n, hd, scale, score, o);
+                int64_t base = r * nh * hd + j * g * hd;
+                if (out_bf16)
+                    for (int64_t x = 0; x < g * hd; x++) ((uint16_t *)out)[base + x] = f32_to_bf16(o[x]);
+                else
+                    for (int64_t x = 0; x < g * hd; x++) ((float *)out)[base + x] = o[x];
+            }
+        }
+    }
+    free(rows); free(head); free(o); free(score); free(slots);
     return 0;
 }

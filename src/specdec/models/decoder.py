@@ -76,6 +76,7 @@ def float32_prefill_pays(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 LINEARS = ("wqkv", "wo", "w13", "w2")
+NO_NORM = torch.empty(0)                  # no q / k norm (Llama)
 
 
 def cfg_dtype_name(dtype: torch.dtype) -> str:
@@ -116,14 +117,13 @@ class Block(nn.Module):
     def _norm(self, x: Tensor, name: str) -> Tensor:
         return rms_norm(x, self._w32(name), self.cfg.norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, ssin: Tensor, mask: AttentionMask, slots: ForwardSlots,
-                prefill: bool) -> Tensor:
-        """x [B*T, D] the residual stream of B sequences of T tokens; cos, ssin [B, 1, T, hd] (see `rope`)."""
+    def _attention(self, qkv: Tensor, cos: Tensor, ssin: Tensor, mask: AttentionMask, slots: ForwardSlots) -> Tensor:
+        """The torch form of attention (no native kernel, or a prefill): qkv [B*T, (nh+2nkv)*hd] float32
+        -> [B, T, nh, hd]."""
         cfg = self.cfg
         B, T = slots.rows.numel(), slots.t
         nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        h = self._norm(x, "attn_norm")
-        qkv = self._linear(h, "wqkv", prefill).float().view(B, T, nh + 2 * nkv, hd).transpose(1, 2)
+        qkv = qkv.view(B, T, nh + 2 * nkv, hd).transpose(1, 2)
         qk, v = qkv[:, :nh + nkv], qkv[:, nh + nkv:]                           # [B, nh+nkv, T, hd], [B, nkv, T, hd]
         if cfg.qk_norm:
             qk = torch.cat([F.rms_norm(qk[:, :nh], (hd,), self._w32("q_norm"), cfg.norm_eps),
@@ -132,14 +132,26 @@ class Block(nn.Module):
         q, k = qk[:, :nh], qk[:, nh:]
         slots.write(self.layer, k, v)
         kc, vc = slots.read(self.layer)                                        # [B, nkv, S, hd] float32
-        if mask.native:
-            o = native.attend(q, kc, vc, mask.mask[:, 0], cfg.scale)           # [B, T, nh*hd]
-        elif mask.invariant:
-            o = attention(q, kc, vc, mask, cfg.scale).transpose(1, 2)          # [B, T, nh, hd]
+        if mask.invariant:
+            return attention(q, kc, vc, mask, cfg.scale).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask.mask, scale=cfg.scale,
+                                              enable_gqa=nkv != nh).transpose(1, 2)
+
+    def forward(self, x: Tensor, cos: Tensor, ssin: Tensor, mask: AttentionMask, slots: ForwardSlots,
+                prefill: bool) -> Tensor:
+        """x [B*T, D] the residual stream of B sequences of T tokens; cos, ssin [B, 1, T, hd] (see `rope`)."""
+        cfg = self.cfg
+        B, T = slots.rows.numel(), slots.t
+        nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        h = self._norm(x, "attn_norm")
+        qkv = self._linear(h, "wqkv", prefill)                                  # [B*T, (nh+2nkv)*hd]
+        if mask.native:                                                        # rope, cache writes, attention: one call
+            norms = (self._w32("q_norm"), self._w32("k_norm")) if cfg.qk_norm else (NO_NORM, NO_NORM)
+            o = native.qkv_attend(qkv, cos, ssin, *norms, cfg.norm_eps, slots.cache.k, slots.cache.v, self.layer,
+                                  slots, mask.mask[:, 0], nh, cfg.scale, x.dtype)
         else:
-            o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask.mask, scale=cfg.scale,
-                                               enable_gqa=nkv != nh).transpose(1, 2)
-        o = self._linear(o.reshape(B * T, nh * hd).to(x.dtype), "wo", prefill)
+            o = self._attention(qkv.float(), cos, ssin, mask, slots).reshape(B * T, nh * hd).to(x.dtype)
+        o = self._linear(o, "wo", prefill)
         if cfg.sandwich_norm:
             o = self._norm(o, "post_attn_norm")
         x = x + o
@@ -334,9 +346,9 @@ class Transformer(nn.Module):
             slots, tvis, tail = self._tree_tails(lengths, positions, tree_mask, cache.slots)
             visible = visible & (torch.arange(kv_len, device=x.device) < tail[:, None])[:, None, None]
         mask = AttentionMask(visible, nkv, nh, slots, tvis, native=use_native)
-        cos, sin = self.cos[positions][:, None], self.sin_signed[positions][:, None]  # [B, 1, T, hd]
+        cos, sin = _float(self.cos[positions])[:, None], _float(self.sin_signed[positions])[:, None]  # [B, 1, T, hd]
         if self.config.sliding_window > 0:
-            lcos, lsin = self.lcos[positions][:, None], self.lsin_signed[positions][:, None]
+            lcos, lsin = _float(self.lcos[positions])[:, None], _float(self.lsin_signed[positions])[:, None]
             window = positions[:, None, :, None] - kpos[:, :, None, :] < self.config.sliding_window
             if tree:
                 vpos = tail[:, None, None] + torch.arange(tvis.shape[-1], device=x.device)

@@ -21,9 +21,13 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from ..cache import ForwardSlots
 
 SOURCE = Path(__file__).with_name("attend.c")
 _LIB: list[ctypes.CDLL] = []       # the loaded kernel, once built
@@ -66,10 +70,10 @@ def _build() -> str:
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
         return f"could not build or load it: {e}"
-    fn = lib.specdec_attend
+    fn = lib.specdec_qkv_attend
     fn.restype = ctypes.c_int
-    fn.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR,
-                   _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR]
+    fn.argtypes = [_PTR, ctypes.c_int, _I64, _PTR, _PTR, _PTR, _PTR, ctypes.c_float, _PTR, _PTR,
+                   _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR, ctypes.c_int]
     _LIB.append(lib)
     return ""
 
@@ -85,19 +89,35 @@ def available(device: torch.device) -> bool:
     return not _TRIED[0]
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> Tensor:
-    """q [B, nh, T, hd] float32 (last dim contiguous); k, v [B, nkv, S, hd] float32 views of cache rows
-    (rows of hd contiguous, v strided as k); visible [B, T, S] bool, contiguous -> [B, T, nh * hd]."""
-    B, nh, T, hd = q.shape
-    nkv, S = k.shape[1], k.shape[2]
-    if q.stride(3) != 1 or k.stride()[2:] != (hd, 1) or v.stride() != k.stride() or hd % 8:
+def qkv_attend(qkv: Tensor, cos: Tensor, ssin: Tensor, q_norm: Tensor, k_norm: Tensor, eps: float,
+               k: Tensor, v: Tensor, layer: int, where: "ForwardSlots", visible: Tensor, n_heads: int,
+               scale: float, out_dtype: torch.dtype) -> Tensor:
+    """A layer's attention from its fused projection: qkv [B*T, (nh + 2 nkv) * hd] (bfloat16 or float32) ->
+    [B*T, nh * hd] in out_dtype (bfloat16 or float32). Queries and keys are roped (cos, ssin [B, 1, T, hd],
+    see `decoder.rope`), after a per-head RMSNorm where q_norm / k_norm are float32 weights [hd] (empty: none);
+    keys and values go into the cache k, v [L, R, nkv, Smax, hd] at `where`'s scratch slots of `layer`;
+    each token attends over the slots `visible` [B, T, S] allows."""
+    B, T, S = visible.shape
+    L, R, nkv, Smax, hd = k.shape
+    if where.t != T or where.rows.numel() != B or qkv.shape[0] != B * T or where.kv_len != S:
+        raise ValueError("native attention: the tokens, slots and mask disagree")
+    if (qkv.dtype not in (torch.bfloat16, torch.float32) or out_dtype not in (torch.bfloat16, torch.float32)
+            or qkv.stride(-1) != 1 or not (cos.is_contiguous() and ssin.is_contiguous() and visible.is_contiguous())
+            or not (k.is_contiguous() and v.is_contiguous()) or k.dtype != torch.float32 or hd % 8
+            or cos.dtype != torch.float32 or ssin.dtype != torch.float32 or cos.shape != ssin.shape
+            or cos.shape[-1] != hd or cos.numel() != B * T * hd
+            or visible.dtype != torch.bool or qkv.shape[-1] != (n_heads + 2 * nkv) * hd):
         raise ValueError("native attention: unsupported layout")
-    out = torch.empty(B, T, nh * hd, dtype=torch.float32)
-    rc = _LIB[0].specdec_attend(q.data_ptr(), q.stride(0), q.stride(1), q.stride(2),
-                                k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1),
-                                visible.data_ptr(), B, nh, nkv, T, S, hd, scale, out.data_ptr())
+    out = torch.empty(B * T, n_heads * hd, dtype=out_dtype)
+    layer_bytes = layer * R * nkv * Smax * hd * 4
+    norms = [w.data_ptr() if w.numel() else None for w in (q_norm, k_norm)]           # None: NULL, no norm
+    rc = _LIB[0].specdec_qkv_attend(qkv.data_ptr(), qkv.dtype == torch.bfloat16, qkv.stride(0), cos.data_ptr(),
+                                    ssin.data_ptr(), norms[0], norms[1], eps, k.data_ptr() + layer_bytes,
+                                    v.data_ptr() + layer_bytes, where.row_off.data_ptr(), where.at.data_ptr(),
+                                    Smax * hd, visible.data_ptr(), S, B, T, n_heads, nkv, hd, scale,
+                                    out.data_ptr(), out_dtype == torch.bfloat16)
     if rc:
-        raise MemoryError("native attention: out of memory")
+        raise MemoryError("native attention: out of memory") if rc == -1 else ValueError("native attention: too many query heads per kv head")
     return out
 
 
