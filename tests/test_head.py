@@ -92,19 +92,22 @@ def test_fastest_never_picks_a_kernel_that_failed_its_row_check(monkeypatch, tmp
     assert kernels.fastest(("test", 96, 64), makers, W) == Slow(0.002)
 
 
-@pytest.fixture(scope="module")
-def q4_int4_head():
-    """smollm2-135m in q4, its LM head forced to the 8-bit-as-4-bit-halves kernel (whatever this machine chose),
-    and the logits of a few hidden states through the dense head."""
+@pytest.fixture(scope="module", params=["int4", "native-q8"])
+def q4_int4_head(request):
+    """smollm2-135m in q4, its LM head forced to one 8-bit kernel (the 4-bit halves, or the native Q8_0 kernel)
+    whatever this machine chose, and the logits of a few hidden states through the dense head."""
     from specdec.api import load_model
+    from specdec.models import native
 
     if not probe().int4_kernel:
         pytest.skip("no int4 kernel in this torch build")
+    if request.param == "native-q8" and not native.available(torch.device("cpu")):
+        pytest.skip("no native kernels here")
     model, tok, _ = load_model("smollm2-135m", "q4")
-    assert set(model.head_kernels) == {"int4"}                 # its head is Q8_0
+    assert request.param in model.head_kernels                 # its head is Q8_0
     hidden = torch.randn(6, model.config.dim, generator=torch.Generator().manual_seed(0)).to(model.dtype)
     dense = kernels.linear(hidden, model.embed, {"d": kernels.pack(model.embed)}, "d").float()
-    model.packed["lm_head"] = model.head_kernels["int4"]      # shared with the early-exit draft below
+    model.packed["lm_head"] = model.head_kernels[request.param]  # shared with the early-exit draft below
     return model, tok, hidden, dense
 
 

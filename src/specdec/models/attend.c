@@ -145,3 +145,82 @@ int specdec_qkv_attend(const void *qkv, int qkv_bf16, int64_t qkv_stride, const 
     free(rows); free(head); free(o); free(score); free(slots);
     return 0;
 }
+
+/* ---- An 8-bit LM head (GGUF Q8_0: per block of 32 weights along K, a scale d and 32 int8 codes) ----
+ * out[m, n] = sum over blocks b of d[n, b] * (sum over the block of x[m, k] * q[n, k]), kept in 16 running
+ * sums (lane l adds d * (x q at l + x q at 16 + l) of every block, in block order) and a fixed pairwise
+ * tree at the end: every (m, n) gets the same operations whatever M, the thread count or the split, so
+ * rows keep their bits by construction. */
+#include <pthread.h>
+
+#define QB 32
+
+typedef struct {
+    const float *x; int64_t M, K; const int8_t *q; const float *d; int64_t n0, n1; float *out; int64_t N;
+} q8_job;
+
+static void *q8_rows(void *arg) {
+    const q8_job *j = arg;
+    int64_t nb = j->K / QB;
+    float *acc = malloc(sizeof(float) * (size_t)(j->M * 16));
+    if (!acc) return (void *)1;
+    for (int64_t n = j->n0; n < j->n1; n++) {
+        const int8_t *qn = j->q + n * j->K;
+        const float *dn = j->d + n * nb;
+        for (int64_t e = 0; e < j->M * 16; e++) acc[e] = 0.0f;
+        for (int64_t b = 0; b < nb; b++) {
+            float w[QB];
+            const float db = dn[b];
+            for (int i = 0; i < QB; i++) w[i] = (float)qn[b * QB + i];
+            for (int64_t m = 0; m < j->M; m++) {
+                const float *restrict xb = j->x + m * j->K + b * QB;
+                float *restrict am = acc + m * 16;
+                for (int l = 0; l < 16; l++) am[l] += db * (xb[l] * w[l] + xb[16 + l] * w[16 + l]);
+            }
+        }
+        for (int64_t m = 0; m < j->M; m++) {
+            const float *a = acc + m * 16;
+            j->out[m * j->N + n] = (((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])))
+                                 + (((a[8] + a[9]) + (a[10] + a[11])) + ((a[12] + a[13]) + (a[14] + a[15])));
+        }
+    }
+    free(acc);
+    return NULL;
+}
+
+/* x [M, K] bfloat16 (x_bf16) or float32; q [N, K] int8 codes; d [N, K / 32] float32 scales -> out [M, N]
+ * float32. Output rows are split over `threads` threads. Returns 0, -1 if memory or threads ran out. */
+int specdec_q8_0_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *q, const float *d,
+                        int64_t N, float *out, int threads) {
+    if (threads < 1) threads = 1;
+    if (threads > 64) threads = 64;
+    float *xf = malloc(sizeof(float) * (size_t)(M * K));
+    if (!xf) return -1;
+    for (int64_t e = 0; e < M * K; e++)
+        xf[e] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[e]) : ((const float *)x)[e];
+    q8_job jobs[64];
+    pthread_t tid[64];
+    int64_t per = (N + threads - 1) / threads;
+    int started = 0, rc = 0;
+    for (int t = 0; t < threads; t++) {
+        int64_t n0 = t * per, n1 = n0 + per < N ? n0 + per : N;
+        jobs[t] = (q8_job){xf, M, K, q, d, n0, n1 > n0 ? n1 : n0, out, N};
+    }
+    for (int t = 1; t < threads; t++) {
+        if (pthread_create(&tid[t], NULL, q8_rows, &jobs[t]) != 0) { rc = -1; break; }
+        started = t;
+    }
+    if (rc) {                                             /* could not start them all: the rest here */
+        rc = 0;
+        for (int t = started + 1; t < threads; t++)
+            if (q8_rows(&jobs[t])) rc = -1;
+    }
+    if (q8_rows(&jobs[0])) rc = -1;
+    for (int t = 1; t <= started; t++) {
+        void *r = NULL;
+        pthread_join(tid[t], &r);
+        if (r) rc = -1;
+    }
+    free(xf);
+    return rc;
+}

@@ -270,12 +270,12 @@ class Transformer(nn.Module):
         copy). The key `int4.HEAD` names an LM head candidate (timed against the dense head by `pack`).
         Call before `pack`."""
         for (i, name), k in kernels.items():
-            if (i, name) == HEAD:
-                self.head_kernels["int4"] = k
+            if i == HEAD[0]:                                                 # an LM head candidate
+                self.head_kernels["int4" if (i, name) == HEAD else name] = k
                 continue
             self.layers[i].int4.add(name)
             self.layers[i].packed[name] = k
-        self.int4 = self.int4 or bool(kernels.keys() - {HEAD})
+        self.int4 = self.int4 or any(i != HEAD[0] for i, _ in kernels)
         return self
 
     def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache, rows: Tensor,

@@ -12,7 +12,8 @@ import torch
 from ..errors import SpecdecError
 from .config import ModelConfig
 from .decoder import Transformer
-from .int4 import HEAD, HEAD_TYPES, INT4_TYPES, Blocks4, Int4Linear, read_blocks, read_head
+from . import native
+from .int4 import HEAD, HEAD_TYPES, NATIVE_HEAD, INT4_TYPES, Blocks4, Int4Linear, read_blocks, read_head
 from .kernels import Kernel
 
 SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
@@ -24,6 +25,7 @@ class Weights:
     config: ModelConfig                        # the file's own (full context)
     state: dict[str, torch.Tensor]             # Transformer parameter name -> dequantized weight (CPU)
     int4: dict[tuple[int, str], Kernel]        # (layer, fused linear name) or int4.HEAD -> 4-bit kernel (`Int4Linear`)
+    q8_head: dict[str, torch.Tensor]           # a Q8_0 LM head as stored ({"q": int8 codes, "d": scales}) or empty
 
 
 def open_gguf(path: str | Path):
@@ -137,6 +139,9 @@ def read_gguf(path: Path, dtype: torch.dtype, int4: bool) -> Weights:
     kernels4 = {key: Int4Linear.of(b) for key, b in blocks4.items()}
     if int4 and head in raw and raw[head].tensor_type.name in HEAD_TYPES:   # an 8-bit head as 4-bit halves (int4.py)
         kernels4[HEAD] = Int4Linear.of(read_head(raw[head]), copies=2)
+    q8_head = {}
+    if int4 and head in raw and raw[head].tensor_type.name == "Q8_0":     # also as stored, for the native kernel
+        q8_head = native.q8_0_codes(raw[head].data, (int(raw[head].shape[1]), int(raw[head].shape[0])))
     sd: dict[str, torch.Tensor] = {"embed": take("token_embd.weight"), "norm": take("output_norm.weight")}
     sd["output"] = take("output.weight") if "output.weight" in raw else torch.empty(0, dtype=dtype)
     for i in range(cfg.n_layers):
@@ -149,7 +154,7 @@ def read_gguf(path: Path, dtype: torch.dtype, int4: bool) -> Weights:
         for src, dst in _LAYER_MAP.items():
             if p + src + ".weight" in raw:
                 sd[f"layers.{i}.{dst}"] = take(p + src + ".weight")
-    return Weights(cfg, sd, kernels4)
+    return Weights(cfg, sd, kernels4, q8_head)
 
 
 def build(weights: Weights, device: str | torch.device, name: str, max_seq_len: int | None) -> Transformer:
@@ -164,7 +169,10 @@ def build(weights: Weights, device: str | torch.device, name: str, max_seq_len: 
     if missing or unexpected:
         raise SpecdecError(f"weights do not fit the {cfg.name} layout: missing {missing}, unexpected {unexpected}")
     model = model.to(device)
-    return model.eval().requires_grad_(False).use_int4(weights.int4).pack()
+    kernels = dict(weights.int4)
+    if weights.q8_head and native.available(model.device):                # another LM head candidate (`pack` times it)
+        kernels[NATIVE_HEAD] = native.Q8Head.of(weights.q8_head["q"], weights.q8_head["d"])
+    return model.eval().requires_grad_(False).use_int4(kernels).pack()
 
 
 def int4_blocks(tensors: dict, cfg: ModelConfig, interleaved: bool) -> dict[tuple[int, str], Blocks4]:

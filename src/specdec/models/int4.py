@@ -33,6 +33,7 @@ GROUP = 32
 INT4_TYPES = ("Q4_1", "Q4_K")
 HEAD_TYPES = ("Q8_0",)    # LM head formats computed as 4-bit halves
 HEAD = (-1, "lm_head")    # the LM head's key among the (layer, linear name) keys of 4-bit kernels
+NATIVE_HEAD = (-1, "native-q8")  # an 8-bit head through the native kernel (`native.Q8Head`), another candidate
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ layer, 100-270 us on a one-thread AMD EPYC for 1-3 key blocks, more than the lay
 linears together. The C kernel walks each query's visible keys in slot order, so a query's bits
 depend on its keys alone (row invariance by construction, trees included), in one call per layer.
 
-Built with `cc -O3 -march=native` into $SPECDEC_CACHE/native, keyed by the source, the CPU and the
-compiler; where no compiler is found, the build fails or $SPECDEC_NATIVE=0, `available()` is False
+Built with `cc -O3 -march=native -mno-avx512f` into $SPECDEC_CACHE/native, keyed by the source, the CPU,
+the compiler and its flags; where no compiler is found, the build fails or $SPECDEC_NATIVE=0, `available()` is False
 and the forward keeps the torch form (a log line says why).
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,7 @@ from torch import Tensor
 
 if TYPE_CHECKING:
     from ..cache import ForwardSlots
+    from .kernels import RowCheck
 
 SOURCE = Path(__file__).with_name("attend.c")
 _LIB: list[ctypes.CDLL] = []       # the loaded kernel, once built
@@ -40,12 +42,19 @@ def _compiler() -> str:
     return os.environ.get("CC", "") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang") or ""
 
 
+def _flags() -> list[str]:
+    """Compiler flags: this CPU's instructions up to AVX2 (the AVX-512 builds of these loops were no faster
+    for attention and 2x slower for the 8-bit head on an AMD EPYC Zen 4), no contraction into fused
+    multiply-adds (each loop computes exactly what its C says, whichever loop computes it)."""
+    return ["-O3", "-march=native", "-mno-avx512f", "-ffp-contract=off", "-shared", "-fPIC", "-pthread"]
+
+
 def _library_path(cc: str) -> Path:
     from ..machine import cpu_flags, cpu_model
     from .registry import cache_dir
 
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
-    stamp = "|".join([SOURCE.read_text(), cpu_model(), " ".join(sorted(cpu_flags())), cc, version])
+    stamp = "|".join([SOURCE.read_text(), cpu_model(), " ".join(sorted(cpu_flags())), cc, version, *_flags()])
     return cache_dir() / "native" / f"attend-{hashlib.sha256(stamp.encode()).hexdigest()[:16]}.so"
 
 
@@ -62,7 +71,7 @@ def _build() -> str:
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
                 out = Path(tmp) / path.name
-                r = subprocess.run([cc, "-O3", "-march=native", "-shared", "-fPIC", "-o", str(out), str(SOURCE), "-lm"],
+                r = subprocess.run([cc, *_flags(), "-o", str(out), str(SOURCE), "-lm"],
                                    capture_output=True, text=True, timeout=120)
                 if r.returncode != 0:
                     return f"{cc} failed: {r.stderr.strip()[:300]}"
@@ -74,6 +83,9 @@ def _build() -> str:
     fn.restype = ctypes.c_int
     fn.argtypes = [_PTR, ctypes.c_int, _I64, _PTR, _PTR, _PTR, _PTR, ctypes.c_float, _PTR, _PTR,
                    _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR, ctypes.c_int]
+    fn = lib.specdec_q8_0_matmul
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_PTR, ctypes.c_int, _I64, _I64, _PTR, _PTR, _I64, _PTR, ctypes.c_int]
     _LIB.append(lib)
     return ""
 
@@ -126,3 +138,49 @@ def describe(device: torch.device) -> str:
     if available(device):
         return "native kernel (attend.c)"
     return "torch ops" + (f" ({_TRIED[0]})" if _TRIED and _TRIED[0] else "")
+
+
+@dataclass(frozen=True)
+class Q8Head:
+    """An 8-bit LM head as the GGUF stores it (Q8_0: int8 codes, a scale per 32 inputs) through the native
+    kernel: half the bytes of a bfloat16 head, every output the same operations whatever the row count
+    or thread count (rows keep their bits by construction; `kernels.checked` confirms it anyway)."""
+    q: Tensor             # [N, K] int8
+    d: Tensor             # [N, K / 32] float32
+    check: "RowCheck"
+
+    dtype = torch.bfloat16  # of its inputs (float32 outputs)
+    pair = False
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """x [M, K] bfloat16 -> [M, N] float32"""
+        M, K = x.shape
+        if x.dtype != torch.bfloat16 or K != self.q.shape[1]:
+            raise ValueError(f"Q8 head: expected bfloat16 [M, {self.q.shape[1]}], got {x.dtype} {list(x.shape)}")
+        x = x.contiguous()
+        out = torch.empty(M, self.q.shape[0], dtype=torch.float32)
+        rc = _LIB[0].specdec_q8_0_matmul(x.data_ptr(), 1, M, K, self.q.data_ptr(), self.d.data_ptr(),
+                                         self.q.shape[0], out.data_ptr(), torch.get_num_threads())
+        if rc:
+            raise MemoryError("Q8 head: out of memory")
+        return out
+
+    @staticmethod
+    def of(q: Tensor, d: Tensor) -> "Q8Head":
+        """The head of codes q [N, K] int8 and scales d [N, K / 32] float32, its rows checked on this machine."""
+        from .kernels import RowCheck, checked
+
+        head = Q8Head(q, d, RowCheck(True, True))
+        return Q8Head(q, d, checked(("native-q8", *q.shape), head, q.shape[1], torch.bfloat16))
+
+
+def q8_0_codes(data, shape: tuple[int, int]) -> dict[str, Tensor]:
+    """Q8_0 bytes of a [N, K] weight (N rows of K / 32 blocks: fp16 d, 32 int8 codes) -> {"q": [N, K] int8,
+    "d": [N, K / 32] float32}: what `Q8Head` computes with."""
+    import numpy as np
+
+    N, K = shape
+    b = np.ascontiguousarray(data).reshape(N, K // 32, 34)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = b[..., 2:].copy().view(np.int8).reshape(N, K)
+    return {"q": torch.from_numpy(q), "d": torch.from_numpy(d)}

@@ -25,7 +25,7 @@ from .config import ModelConfig
 from .int4 import Int4Linear
 from .registry import cache_dir, write_atomic
 
-FORMAT = 2               # 2: the 4-bit kernels' `copies` (an 8-bit LM head as two 4-bit halves)
+FORMAT = 3               # 2: the 4-bit kernels' `copies` (an 8-bit LM head as two 4-bit halves); 3: the Q8_0 head
 
 
 def _hashes_file() -> Path:
@@ -68,6 +68,8 @@ def write(where: Path, weights) -> None:
         tensors[f"int4.{i}.{name}.packed"] = k.packed
         tensors[f"int4.{i}.{name}.scale_zero"] = k.scale_zero
         tensors[f"int4.{i}.{name}.copies"] = torch.tensor([k.copies])
+    for k, v in weights.q8_head.items():
+        tensors[f"q8head.{k}"] = v
     meta = {"format": str(FORMAT), "config": json.dumps(dataclasses.asdict(weights.config))}
     write_atomic(where, save(tensors, metadata=meta))
 
@@ -121,4 +123,5 @@ def read(where: Path):
             stem = f"int4.{i}.{name}"
             int4[(int(i), name)] = Int4Linear.packed_as(tensors[f"{stem}.packed"], tensors[f"{stem}.scale_zero"],
                                                         int(tensors[f"{stem}.copies"]))
-    return Weights(cfg, state, int4)
+    q8_head = {k[len("q8head."):]: v for k, v in tensors.items() if k.startswith("q8head.")}
+    return Weights(cfg, state, int4, q8_head)
