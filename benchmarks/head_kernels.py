@@ -1,8 +1,8 @@
 """The LM head's candidate kernels on this machine: ms per call for M rows, and the one specdec chose.
 
-In q4 an 8-bit (Q8_0) head can run as two 4-bit halves through torch's int4 kernel, or dense
-(prepacked oneDNN, in the model's dtype). `Transformer.pack` times both once per machine for 1, 4
-and 8 rows and keeps the faster (`kernels.fastest`); this prints the full picture, medians of
+In q4 an 8-bit (Q8_0) head can run as two 4-bit halves through torch's int4 kernel, as stored through
+the native kernel (`native-q8`, where a C compiler built it), or dense (prepacked oneDNN, in the model's
+dtype). `Transformer.pack` times them once per machine for 1, 4 and 8 rows and keeps the fastest (`kernels.fastest`); this prints the full picture, medians of
 interleaved calls.
 
     .venv/bin/python benchmarks/head_kernels.py [--model smollm2-135m] [--threads 1] [--rows 1,2,4,5,8,16]
@@ -53,7 +53,7 @@ def main() -> None:
     model, _, _ = load_model(a.model, "q4")
     w = model.output if model.output.numel() else model.embed
     kernels = {f"dense {str(w.dtype).removeprefix('torch.')} (oneDNN)": pack(w)}
-    kernels.update({f"{n} halves": k for n, k in model.head_kernels.items()})
+    kernels.update({(f"{n} halves" if n == "int4" else n): k for n, k in model.head_kernels.items()})
     rows = [int(r) for r in a.rows.split(",")]
     x = check_inputs(w.shape[1], w.dtype)
     times = {n: {m: [] for m in rows} for n in kernels}
