@@ -138,3 +138,22 @@ def test_speculation_with_the_int4_head_is_token_identical_to_plain_greedy(q4_in
     spec = Generator(model, tok, proposer, "fixed", 4).generate(ps, max_new_tokens=40)
     assert [r.tokens for r in spec] == [r.tokens for r in plain]
     assert sum(r.metrics["acceptance_rate"] for r in spec) > 0
+
+
+class _WideOut:
+    """A kernel taking bfloat16 rows and giving float32 outputs (as the native Q8 head does), checked to 4 rows."""
+    dtype = torch.bfloat16
+    pair = False
+    check = RowCheck(True, True, 4)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.float()[:, None, :] * W.float()[None]).sum(-1) / 3             # [M, 96], each row on its own
+
+
+def test_rows_past_a_kernels_checked_limit_keep_the_kernels_output_dtype():
+    """Calls of more rows than the check proved go in chunks; each chunk's output is the kernel's own
+    (float32 here), not rounded to the chunk's bfloat16 input."""
+    x = torch.randn(11, W.shape[1], generator=torch.Generator().manual_seed(0))
+    many = kernels.linear(x, W, {"k": _WideOut()}, "k")
+    one_by_one = torch.cat([kernels.linear(x[i:i + 1], W, {"k": _WideOut()}, "k") for i in range(11)])
+    assert many.dtype == torch.float32 and torch.equal(many, one_by_one)

@@ -225,7 +225,7 @@ def linear(x: Tensor, w: Tensor, packed: dict[str, Kernel], name: str) -> Tensor
     if len(rows) <= limit:
         out = p(rows)
     else:                                                                   # a last chunk of one row is paired too
-        out = torch.cat([linear(c, w, packed, name) for c in rows.split(limit)])
+        out = torch.cat([p(c) if len(c) > 1 or not p.pair else p(c.expand(2, -1))[:1] for c in rows.split(limit)])
     if out.dtype != x.dtype:
         out = out.to(x.dtype)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], -1)
