@@ -154,3 +154,21 @@ def test_native_attention_refuses_layouts_it_does_not_read():
     with pytest.raises(ValueError, match="unsupported layout"):                # rope rows must be float32
         native.qkv_attend(qkv, cos.bfloat16(), ssin, torch.empty(0), torch.empty(0), 1e-6, f.cache.k, f.cache.v, 0,
                           f.slots, torch.ones(1, 1, 128, dtype=torch.bool), 9, 0.125, torch.float32)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_add_and_norm_is_torchs_add_then_rms_norm(dtype):
+    """The sum is torch's (bit for bit, rounded to the stream's dtype), the norm RMSNorm up to rounding, and a
+    row's bits are its own whatever rows share the call."""
+    g = torch.Generator().manual_seed(7)
+    x, o = (torch.randn(9, 576, generator=g).to(dtype) for _ in range(2))
+    w = 1 + 0.1 * torch.randn(576, generator=g)
+    xo, h = native.add_rms_norm(x, o, w, 1e-5)
+    assert torch.equal(xo, x + o)
+    ref = torch.nn.functional.rms_norm((x + o).float(), (576,), w, 1e-5)
+    torch.testing.assert_close(h.float(), ref, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+    for r in (0, 4, 8):
+        assert torch.equal(native.add_rms_norm(x[r:r + 1], o[r:r + 1], w, 1e-5)[1][0], h[r])
+    same, h2 = native.add_rms_norm(xo, torch.empty(0), w, 1e-5)                # nothing added: the norm alone
+    assert same is xo and torch.equal(h2, h)

@@ -224,3 +224,44 @@ int specdec_q8_0_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const i
     free(xf);
     return rc;
 }
+
+/* ---- RMSNorm of the residual stream, optionally after adding a layer's output to it ----
+ * x [N, D] and o [N, D] (o NULL: nothing added) in bfloat16 (bf16) or float32; xo = x + o rounded to that
+ * dtype (skipped without o), h = (x' / sqrt(mean(x'^2) + eps)) * w in that dtype, x' the float of xo. Each
+ * row's sum of squares runs in 8 running sums and a fixed pairwise tree: a row's bits are its own. */
+int specdec_add_rms_norm(const void *x, const void *o, int bf16, int64_t N, int64_t D, const float *w,
+                         float eps, void *xo, void *h) {
+    float *row = malloc(sizeof(float) * (size_t)D);
+    if (!row) return -1;
+    for (int64_t r = 0; r < N; r++) {
+        for (int64_t d = 0; d < D; d++) {
+            int64_t e = r * D + d;
+            float v = bf16 ? bf16_to_f32(((const uint16_t *)x)[e]) : ((const float *)x)[e];
+            if (o) {
+                v += bf16 ? bf16_to_f32(((const uint16_t *)o)[e]) : ((const float *)o)[e];
+                if (bf16) {
+                    uint16_t b = f32_to_bf16(v);
+                    ((uint16_t *)xo)[e] = b;
+                    v = bf16_to_f32(b);
+                } else {
+                    ((float *)xo)[e] = v;
+                }
+            }
+            row[d] = v;
+        }
+        float acc[LANES] = {0};
+        int64_t d = 0;
+        for (; d + LANES <= D; d += LANES)
+            for (int l = 0; l < LANES; l++) acc[l] += row[d + l] * row[d + l];
+        for (; d < D; d++) acc[0] += row[d] * row[d];
+        float ss = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+        float inv = 1.0f / sqrtf(ss / (float)D + eps);
+        for (d = 0; d < D; d++) {
+            float y = row[d] * inv * w[d];
+            if (bf16) ((uint16_t *)h)[r * D + d] = f32_to_bf16(y);
+            else ((float *)h)[r * D + d] = y;
+        }
+    }
+    free(row);
+    return 0;
+}

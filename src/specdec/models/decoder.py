@@ -143,7 +143,8 @@ class Block(nn.Module):
         cfg = self.cfg
         B, T = slots.rows.numel(), slots.t
         nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        h = self._norm(x, "attn_norm")
+        fused = mask.native and x.is_contiguous() and x.dtype in (torch.bfloat16, torch.float32)  # norms, adds: native
+        h = native.add_rms_norm(x, NO_NORM, self._w32("attn_norm"), cfg.norm_eps)[1] if fused else self._norm(x, "attn_norm")
         qkv = self._linear(h, "wqkv", prefill)                                  # [B*T, (nh+2nkv)*hd]
         if mask.native:                                                        # rope, cache writes, attention: one call
             norms = (self._w32("q_norm"), self._w32("k_norm")) if cfg.qk_norm else (NO_NORM, NO_NORM)
@@ -154,8 +155,11 @@ class Block(nn.Module):
         o = self._linear(o, "wo", prefill)
         if cfg.sandwich_norm:
             o = self._norm(o, "post_attn_norm")
-        x = x + o
-        h = self._norm(x, "ffn_norm")
+        if fused and o.dtype == x.dtype and o.is_contiguous():
+            x, h = native.add_rms_norm(x, o, self._w32("ffn_norm"), cfg.norm_eps)
+        else:
+            x = x + o
+            h = self._norm(x, "ffn_norm")
         gate, up = self._linear(h, "w13", prefill).chunk(2, dim=-1)
         act = F.gelu(gate, approximate="tanh") if cfg.gelu else F.silu(gate)
         o = self._linear(act * up, "w2", prefill)

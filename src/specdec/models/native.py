@@ -83,6 +83,9 @@ def _build() -> str:
     fn.restype = ctypes.c_int
     fn.argtypes = [_PTR, ctypes.c_int, _I64, _PTR, _PTR, _PTR, _PTR, ctypes.c_float, _PTR, _PTR,
                    _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR, ctypes.c_int]
+    fn = lib.specdec_add_rms_norm
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_PTR, _PTR, ctypes.c_int, _I64, _I64, _PTR, ctypes.c_float, _PTR, _PTR]
     fn = lib.specdec_q8_0_matmul
     fn.restype = ctypes.c_int
     fn.argtypes = [_PTR, ctypes.c_int, _I64, _I64, _PTR, _PTR, _I64, _PTR, ctypes.c_int]
@@ -131,6 +134,24 @@ def qkv_attend(qkv: Tensor, cos: Tensor, ssin: Tensor, q_norm: Tensor, k_norm: T
     if rc:
         raise MemoryError("native attention: out of memory") if rc == -1 else ValueError("native attention: too many query heads per kv head")
     return out
+
+
+def add_rms_norm(x: Tensor, o: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(x + o, RMSNorm(x + o) * w) for the residual stream x [N, D] and a layer's output o [N, D] (empty: nothing
+    added, x itself returned), both bfloat16 or float32, w [D] float32; the sum rounded to x's dtype first,
+    as torch's add does. One call instead of the 4-5 ATen calls of the torch form (F.rms_norm is composite)."""
+    N, D = x.shape
+    if (x.dtype not in (torch.bfloat16, torch.float32) or not x.is_contiguous() or w.dtype != torch.float32
+            or not w.is_contiguous() or w.shape != (D,)
+            or (o.numel() and (o.shape != x.shape or o.dtype != x.dtype or not o.is_contiguous()))):
+        raise ValueError("native norm: unsupported layout")
+    xo = torch.empty_like(x) if o.numel() else x
+    h = torch.empty_like(x)
+    rc = _LIB[0].specdec_add_rms_norm(x.data_ptr(), o.data_ptr() if o.numel() else None, x.dtype == torch.bfloat16,
+                                      N, D, w.data_ptr(), eps, xo.data_ptr(), h.data_ptr())
+    if rc:
+        raise MemoryError("native norm: out of memory")
+    return xo, h
 
 
 def describe(device: torch.device) -> str:
