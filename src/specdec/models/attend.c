@@ -1,25 +1,44 @@
-/* Attention whose result for a query depends on nothing but that query, its visible keys and values.
+/* Native kernels of decoding and verification forwards, built by `models/native.py`, called through ctypes.
  *
- * Each query row walks its visible cache slots in slot order, one at a time: scores, their maximum,
- * then exp, the running sum and the value accumulation in that order; the float operations a query
- * gets are fixed by its key list alone, not by how many queries share the call, the batch, the key
- * window's length or a token tree around it. A tree node's ancestors sit at scratch slots in node
- * order (parents precede children), so it sees the keys of its own path in position order, as the
- * chain along that path does. Built by `models/native.py`, called once per layer per forward.
+ * Attention: each query row walks its visible cache slots in slot order, one at a time: scores, their
+ * maximum, then exp, the running sum and the value accumulation in that order; the float operations a
+ * query gets are fixed by its key list alone, not by how many queries share the call, the batch, the key
+ * window's length or a token tree around it. A tree node's ancestors sit at scratch slots in node order
+ * (parents precede children), so it sees the keys of its own path in position order, as the chain along
+ * that path does. One call per layer also applies q/k norms and rope and writes the cache.
+ * RMSNorm (with the residual add before it) and an 8-bit (Q8_0) LM head: every row the same operations
+ * whatever the rows around it.
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 
 #define LANES 8
 
-/* q . k over hd (a multiple of LANES): LANES running sums, then a fixed pairwise tree. */
+/* The LANES running sums of a reduction, added in a fixed pairwise tree. */
+static inline float tree8(const float acc[LANES]) {
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+/* q . k over hd (a multiple of LANES): LANES running sums, then the tree. */
 static float dot(const float *q, const float *k, int64_t hd) {
     float acc[LANES] = {0};
     for (int64_t d = 0; d < hd; d += LANES)
         for (int l = 0; l < LANES; l++)
             acc[l] += q[d + l] * k[d + l];
-    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    return tree8(acc);
+}
+
+/* 1 / sqrt(mean(x^2) + eps) over n values: the sum of squares in LANES running sums (a tail past the last
+ * whole LANES into the first), then the tree. */
+static float rms_inverse(const float *x, int64_t n, float eps) {
+    float acc[LANES] = {0};
+    int64_t d = 0;
+    for (; d + LANES <= n; d += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] += x[d + l] * x[d + l];
+    for (; d < n; d++) acc[0] += x[d] * x[d];
+    return 1.0f / sqrtf(tree8(acc) / (float)n + eps);
 }
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -110,11 +129,7 @@ int specdec_qkv_attend(const void *qkv, int qkv_bf16, int64_t qkv_stride, const 
                 }
                 const float *w = j < nh ? q_norm : k_norm;
                 if (w) {
-                    float acc[LANES] = {0};
-                    for (int64_t d = 0; d < hd; d += LANES)
-                        for (int l = 0; l < LANES; l++) acc[l] += head[d + l] * head[d + l];
-                    float ss = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-                    float inv = 1.0f / sqrtf(ss / (float)hd + eps);
+                    float inv = rms_inverse(head, hd, eps);
                     for (int64_t d = 0; d < hd; d++) head[d] = head[d] * inv * w[d];
                 }
                 for (int64_t d = 0; d < half; d++) {
@@ -151,7 +166,6 @@ int specdec_qkv_attend(const void *qkv, int qkv_bf16, int64_t qkv_stride, const 
  * sums (lane l adds d * (x q at l + x q at 16 + l) of every block, in block order) and a fixed pairwise
  * tree at the end: every (m, n) gets the same operations whatever M, the thread count or the split, so
  * rows keep their bits by construction. */
-#include <pthread.h>
 
 #define QB 32
 
@@ -249,14 +263,8 @@ int specdec_add_rms_norm(const void *x, const void *o, int bf16, int64_t N, int6
             }
             row[d] = v;
         }
-        float acc[LANES] = {0};
-        int64_t d = 0;
-        for (; d + LANES <= D; d += LANES)
-            for (int l = 0; l < LANES; l++) acc[l] += row[d + l] * row[d + l];
-        for (; d < D; d++) acc[0] += row[d] * row[d];
-        float ss = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-        float inv = 1.0f / sqrtf(ss / (float)D + eps);
-        for (d = 0; d < D; d++) {
+        float inv = rms_inverse(row, D, eps);
+        for (int64_t d = 0; d < D; d++) {
             float y = row[d] * inv * w[d];
             if (bf16) ((uint16_t *)h)[r * D + d] = f32_to_bf16(y);
             else ((float *)h)[r * D + d] = y;

@@ -36,7 +36,7 @@ class AttentionMask:
                  tree_slots: Tensor = torch.empty(0, dtype=torch.long), tree_visible: Tensor = torch.empty(0),
                  native: bool = False) -> None:
         self.mask, self.n_kv, self.n_heads = mask, n_kv, n_heads
-        self.native = native          # scored by the native kernel (`native.attend`: no blocks, no tails)
+        self.native = native          # scored by the native kernel (`native.qkv_attend`: no blocks, no tails)
         self.tree_slots, self.tree_visible = tree_slots, tree_visible
         self._bias: dict[int, Tensor] = {}
         self._live: list[Tensor] = []

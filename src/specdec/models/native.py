@@ -1,11 +1,11 @@
-"""The native attention kernel (`attend.c`): built once per machine with the system C compiler, called
-through ctypes.
+"""The native kernels (`attend.c`): built once per machine with the system C compiler, called through ctypes.
 
-A decoding or verification forward scores a handful of queries against the cache in every layer;
-as torch ops, the row-invariant block attention (`attention.attention`) costs 30-40 ATen calls per
-layer, 100-270 us on a one-thread AMD EPYC for 1-3 key blocks, more than the layer's four 4-bit
-linears together. The C kernel walks each query's visible keys in slot order, so a query's bits
-depend on its keys alone (row invariance by construction, trees included), in one call per layer.
+A decoding or verification forward scores a handful of tokens per layer, so its cost is per-call
+overhead as much as arithmetic: as torch ops, the row-invariant block attention (`attention.attention`)
+costs 30-40 ATen calls per layer, 100-270 us on a one-thread AMD EPYC for 1-3 key blocks, and the
+composite F.rms_norm about 10 us per call. The C kernels take one call each: `qkv_attend` (q/k norms,
+rope, cache writes and attention, each query over its own keys in slot order, so its bits depend on
+its keys alone, trees included), `add_rms_norm`, and `Q8Head`, an 8-bit LM head as the GGUF stores it.
 
 Built with `cc -O3 -march=native -mno-avx512f` into $SPECDEC_CACHE/native, keyed by the source, the CPU,
 the compiler and its flags; where no compiler is found, the build fails or $SPECDEC_NATIVE=0, `available()` is False
