@@ -10,7 +10,10 @@ a chain of K drafts) through the target and its LM head, as the engine does, and
 - the number of profiler events (aten ops) per forward and the most frequent ones.
 
 The profiler adds a few microseconds per op, so its total exceeds the plain wall time; the split
-shows where the time goes, the plain figure what a user gets.
+shows where the time goes, the plain figure what a user gets. Without the profiler's bias, the script
+also records every kernel call of one forward (the layers' linear kernels, the LM head, the native
+attention) with its inputs and replays them alone, back to back: the wall time minus that replay is
+the time outside the kernels.
 
     .venv/bin/python benchmarks/profile_token.py smollm2-135m --dtype q4 --threads 1 --tokens 32
     .venv/bin/python benchmarks/profile_token.py smollm2-135m --dtype q4 --rows 5      # a 4-draft verification
@@ -98,6 +101,63 @@ def split(prof, n: int) -> tuple[dict[str, float], float, collections.Counter]:
     return {k: v / 1000 / n for k, v in parts.items()}, ops.total() / n, ops
 
 
+class Recorder:
+    """Kernel calls of one forward with copies of their inputs, to replay them alone."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.calls: list[tuple[Callable, tuple]] = []
+
+    def wrap(self, fn: Callable) -> Callable:
+        def run(*args):
+            if self.on:
+                self.calls.append((fn, tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in args)))
+            return fn(*args)
+        return run
+
+    def kernel(self, k):
+        """A Kernel (linear layer) whose calls are recorded; it keeps the kernel's attributes."""
+        rec = self
+
+        class Recorded:
+            dtype, check, pair = k.dtype, k.check, k.pair
+
+            def __call__(self, x):
+                return rec.wrap(k)(x)
+        return Recorded()
+
+    @torch.inference_mode()
+    def replay(self, repeats: int) -> float:
+        """Median seconds of the recorded calls run back to back."""
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            for fn, args in self.calls:
+                fn(*args)
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+
+def kernel_replay(model, run: "Run", repeats: int) -> tuple[float, int]:
+    """(median seconds of one forward's kernels replayed alone, kernel calls per forward)."""
+    rec = Recorder()
+    tables = [model.packed] + [layer.packed for layer in model.layers]
+    saved = [dict(t) for t in tables]
+    attend = decoder.native.qkv_attend
+    for t in tables:
+        for name, k in list(t.items()):
+            t[name] = rec.kernel(k)
+    decoder.native.qkv_attend = rec.wrap(attend)
+    rec.on = True
+    run.step()
+    rec.on = False
+    for t, s in zip(tables, saved):
+        t.clear()
+        t.update(s)
+    decoder.native.qkv_attend = attend
+    return rec.replay(repeats), len(rec.calls)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", default="smollm2-135m")
@@ -117,13 +177,14 @@ def main() -> None:
         model.packed["lm_head"] = pack(model.output if model.output.numel() else model.embed)
     elif a.head == "int4":
         model.packed["lm_head"] = model.head_kernels["int4"]
+    run = Run(model, a.prompt, a.rows, 4 * a.tokens + 8)
+    for _ in range(4):
+        run.step()                                                            # warm-up
+    replayed, n_calls = kernel_replay(model, run, a.tokens)
     decoder.attention = labelled(decoder.attention, "attention")
     decoder.native.qkv_attend = labelled(decoder.native.qkv_attend, "attention")
     model.lm_head = labelled(model.lm_head, "lm_head")
 
-    run = Run(model, a.prompt, a.rows, 3 * a.tokens + 4)
-    for _ in range(4):
-        run.step()                                                            # warm-up
     times = []
     for _ in range(a.tokens):
         t = time.perf_counter()
@@ -146,6 +207,9 @@ def main() -> None:
     wall = statistics.median(times) * 1000
     print(f"wall time per forward (no profiler): median {wall:.2f} ms, fastest {min(times) * 1000:.2f} ms "
           f"({1000 / wall * a.rows:.1f} rows/s at the median)")
+    outside = wall - replayed * 1000
+    print(f"kernels replayed alone ({n_calls} calls: linears, LM head, attention): {replayed * 1000:.2f} ms; "
+          f"outside them {outside:.2f} ms = {100 * outside / wall:.1f}% of the forward")
     profiled = sum(parts.values())
     print(f"under the profiler: {profiled:.2f} ms per forward")
     for k, v in parts.items():

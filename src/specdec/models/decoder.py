@@ -434,6 +434,19 @@ def truncated(model: Transformer, n_layers: int) -> Transformer:
     return out.eval()
 
 
+def materialize(module: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
+    """Give a module built under torch.device("meta") uninitialised storage on `device`, in place.
+    (Module.to_empty goes through torch's Python reference ops, whose first use imports sympy: 0.4 s.)"""
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None and p.is_meta:
+                m._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad)
+        for name, b in m._buffers.items():
+            if b is not None and b.is_meta:
+                m._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
+    return module
+
+
 def init_random(model: Transformer, seed: int = 0, std: float = 0.02) -> Transformer:
     """Random weights for tests (norms at one)."""
     g = torch.Generator().manual_seed(seed)

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from ..cache import KVCache
 from ..errors import SpecdecError
-from .decoder import Transformer, linear
+from .decoder import Transformer, materialize, linear
 from .eagle import read_weights, target_fingerprint, write_weights
 
 
@@ -27,7 +27,7 @@ class DistilledDraft(nn.Module):
         cfg = replace(target.config, n_layers=len(layers), name=f"{target.config.name}-draft{len(layers)}")
         with torch.device("meta"):
             core = Transformer(cfg)
-        core = core.to_empty(device="cpu").float()
+        core = materialize(core).float()
         core.cos, core.sin_signed = target.cos.cpu(), target.sin_signed.cpu()
         if cfg.sliding_window > 0:
             core.lcos, core.lsin_signed = target.lcos.cpu(), target.lsin_signed.cpu()

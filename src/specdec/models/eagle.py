@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from ..cache import KVCache
 from ..errors import SpecdecError
-from .decoder import Transformer
+from .decoder import Transformer, materialize
 from .kernels import linear, pack, packed_linear_available
 
 
@@ -36,7 +36,7 @@ class EagleHead(nn.Module):
         self.fc = nn.Linear(2 * cfg.dim, cfg.dim, bias=True)
         with torch.device("meta"):
             core = Transformer(cfg)
-        core = core.to_empty(device="cpu")
+        core = materialize(core)
         core.cos, core.sin_signed = target.cos.cpu(), target.sin_signed.cpu()
         for name, p in core.named_parameters():
             with torch.no_grad():
