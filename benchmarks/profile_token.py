@@ -5,7 +5,7 @@ a chain of K drafts) through the target and its LM head, as the engine does, and
 
 - the wall time without the profiler (median of the forwards), and under torch.profiler:
 - the linear kernels of the layers (int4 `_weight_int4pack_mm_for_cpu`, oneDNN, F.linear),
-- the LM head, attention (the native kernel `native.qkv_attend`: rope, cache writes and attention, or `attention.attention` without it),
+- the LM head, attention (the native kernel `native.Attend`: rope, cache writes and attention, or `attention.attention` without it),
   and everything else,
 - the number of profiler events (aten ops) per forward and the most frequent ones.
 
@@ -143,18 +143,18 @@ def kernel_replay(model, run: "Run", repeats: int) -> tuple[float, int]:
     rec = Recorder()
     tables = [model.packed] + [layer.packed for layer in model.layers]
     saved = [dict(t) for t in tables]
-    attend = decoder.native.qkv_attend
+    attend = decoder.native.Attend.__call__
     for t in tables:
         for name, k in list(t.items()):
             t[name] = rec.kernel(k)
-    decoder.native.qkv_attend = rec.wrap(attend)
+    decoder.native.Attend.__call__ = rec.wrap(attend)
     rec.on = True
     run.step()
     rec.on = False
     for t, s in zip(tables, saved):
         t.clear()
         t.update(s)
-    decoder.native.qkv_attend = attend
+    decoder.native.Attend.__call__ = attend
     return rec.replay(repeats), len(rec.calls)
 
 
@@ -182,7 +182,7 @@ def main() -> None:
         run.step()                                                            # warm-up
     replayed, n_calls = kernel_replay(model, run, a.tokens)
     decoder.attention = labelled(decoder.attention, "attention")
-    decoder.native.qkv_attend = labelled(decoder.native.qkv_attend, "attention")
+    decoder.native.Attend.__call__ = labelled(decoder.native.Attend.__call__, "attention")
     model.lm_head = labelled(model.lm_head, "lm_head")
 
     times = []

@@ -15,6 +15,8 @@ and not for a contiguous one).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -23,6 +25,10 @@ KV_BLOCK = 128             # keys per attention tile; caches are read in whole b
 ROW_TILE = 8               # query rows per attention tile
 INVARIANT_MAX_T = 72       # forwards of up to this many tokens (decode, verify, trees) use `attention`;
                            # longer ones (prefills) use SDPA, whose speed there matters more
+
+
+def _no_attend(*args: object) -> Tensor:
+    raise RuntimeError("this mask is scored by the torch form: no native attention was set up for it")
 
 
 class AttentionMask:
@@ -36,7 +42,8 @@ class AttentionMask:
                  tree_slots: Tensor = torch.empty(0, dtype=torch.long), tree_visible: Tensor = torch.empty(0),
                  native: bool = False) -> None:
         self.mask, self.n_kv, self.n_heads = mask, n_kv, n_heads
-        self.native = native          # scored by the native kernel (`native.qkv_attend`: no blocks, no tails)
+        self.native = native          # scored by the native kernel (`native.Attend`: no blocks, no tails)
+        self.attend: Callable[..., Tensor] = _no_attend  # with native: the forward's `native.Attend`
         self.tree_slots, self.tree_visible = tree_slots, tree_visible
         self._bias: dict[int, Tensor] = {}
         self._live: list[Tensor] = []

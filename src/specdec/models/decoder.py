@@ -77,6 +77,8 @@ def float32_prefill_pays(dtype: torch.dtype, device: torch.device) -> bool:
 
 LINEARS = ("wqkv", "wo", "w13", "w2")
 NO_NORM = torch.empty(0)                  # no q / k norm (Llama)
+NO_OUTPUT = torch.empty(0)                # a layer's input with nothing left to add (the first layer's)
+NATIVE_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def cfg_dtype_name(dtype: torch.dtype) -> str:
@@ -108,7 +110,7 @@ class Block(nn.Module):
     def _linear(self, x: Tensor, name: str, prefill: bool) -> Tensor:
         """x [N, in] @ weight.T; in a prefill through the prefill kernel if there is one."""
         kernels = self.prefill_kernels if prefill and name in self.prefill_kernels else self.packed
-        return linear(x, getattr(self, name), kernels, name)
+        return linear(x, self._parameters[name], kernels, name)
 
     def _w32(self, name: str) -> Tensor:
         """The norm weight `name` in float32: a copy made once by `Transformer.pack`, else converted here."""
@@ -137,19 +139,25 @@ class Block(nn.Module):
         return F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask.mask, scale=cfg.scale,
                                               enable_gqa=nkv != nh).transpose(1, 2)
 
-    def forward(self, x: Tensor, cos: Tensor, ssin: Tensor, mask: AttentionMask, slots: ForwardSlots,
-                prefill: bool) -> Tensor:
-        """x [B*T, D] the residual stream of B sequences of T tokens; cos, ssin [B, 1, T, hd] (see `rope`)."""
+    def forward(self, x: Tensor, o: Tensor, cos: Tensor, ssin: Tensor, mask: AttentionMask, slots: ForwardSlots,
+                prefill: bool) -> tuple[Tensor, Tensor]:
+        """x [B*T, D] the residual stream of B sequences of T tokens, before the previous layer's output
+        o [B*T, D] (empty: none) is added; cos, ssin [B, 1, T, hd] (see `rope`). Returns this layer's (x, o)
+        alike: the next layer adds o in its first norm's call (one native call for the add and the norm)."""
         cfg = self.cfg
         B, T = slots.rows.numel(), slots.t
         nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        fused = mask.native and x.is_contiguous() and x.dtype in (torch.bfloat16, torch.float32)  # norms, adds: native
-        h = native.add_rms_norm(x, NO_NORM, self._w32("attn_norm"), cfg.norm_eps)[1] if fused else self._norm(x, "attn_norm")
+        fused = (mask.native and x.is_contiguous() and x.dtype in NATIVE_DTYPES     # norms, adds, activation: native
+                 and (not o.numel() or (o.dtype == x.dtype and o.is_contiguous())))
+        if fused:
+            x, h = native.add_rms_norm(x, o, self._w32("attn_norm"), cfg.norm_eps)
+        else:
+            x = x + o if o.numel() else x
+            h = self._norm(x, "attn_norm")
         qkv = self._linear(h, "wqkv", prefill)                                  # [B*T, (nh+2nkv)*hd]
         if mask.native:                                                        # rope, cache writes, attention: one call
             norms = (self._w32("q_norm"), self._w32("k_norm")) if cfg.qk_norm else (NO_NORM, NO_NORM)
-            o = native.qkv_attend(qkv, cos, ssin, *norms, cfg.norm_eps, slots.cache.k, slots.cache.v, self.layer,
-                                  slots, mask.mask[:, 0], nh, cfg.scale, x.dtype)
+            o = mask.attend(qkv, *norms, cfg.norm_eps, self.layer, x.dtype)
         else:
             o = self._attention(qkv.float(), cos, ssin, mask, slots).reshape(B * T, nh * hd).to(x.dtype)
         o = self._linear(o, "wo", prefill)
@@ -160,12 +168,16 @@ class Block(nn.Module):
         else:
             x = x + o
             h = self._norm(x, "ffn_norm")
-        gate, up = self._linear(h, "w13", prefill).chunk(2, dim=-1)
-        act = F.gelu(gate, approximate="tanh") if cfg.gelu else F.silu(gate)
-        o = self._linear(act * up, "w2", prefill)
+        gate_up = self._linear(h, "w13", prefill)                              # [B*T, 2F]: gate | up
+        if fused and gate_up.dtype == x.dtype:
+            act = native.act_mul(gate_up, cfg.gelu)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = (F.gelu(gate, approximate="tanh") if cfg.gelu else F.silu(gate)) * up
+        o = self._linear(act, "w2", prefill)
         if cfg.sandwich_norm:
             o = self._norm(o, "post_ffn_norm")
-        return x + o
+        return x, o
 
 
 class Transformer(nn.Module):
@@ -359,18 +371,25 @@ class Transformer(nn.Module):
                 tvis = tvis & (positions[:, :, None] - vpos < self.config.sliding_window)
             local = AttentionMask(visible & window, nkv, nh, slots, tvis, native=use_native)
         where = cache.slots_of(rows, T, kv_len)
+        if use_native:                                                         # checked once, used by every layer
+            nh, scale = self.config.n_heads, self.config.scale
+            mask.attend = native.Attend(cos, sin, cache.k, cache.v, where, mask.mask[:, 0], nh, scale)
+            if self.config.sliding_window > 0:
+                local.attend = native.Attend(lcos, lsin, cache.k, cache.v, where, local.mask[:, 0], nh, scale)
         D = x.shape[-1]
         x = x.reshape(B * T, D)                                                # [B*T, D] rows of the residual stream
         taken: dict[int, Tensor] = {}
+        o = NO_OUTPUT                                                          # a layer's output, added by the next
         for i, layer in enumerate(self.layers):
             if i < first_layer:                                                # done by the caller (forward_reusing)
                 continue
             if self.config.is_local(i):
-                x = layer(x, lcos, lsin, local, where, prefill)
+                x, o = layer(x, o, lcos, lsin, local, where, prefill)
             else:
-                x = layer(x, cos, sin, mask, where, prefill)
+                x, o = layer(x, o, cos, sin, mask, where, prefill)
             if i in features:
-                taken[i] = x
+                taken[i] = x + o
+        x = x + o if o.numel() else x
         out = rms_norm(x, self.norm, self.config.norm_eps).view(B, T, D)
         if not features:
             return out

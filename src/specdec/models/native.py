@@ -86,6 +86,9 @@ def _build() -> str:
     fn = lib.specdec_add_rms_norm
     fn.restype = ctypes.c_int
     fn.argtypes = [_PTR, _PTR, ctypes.c_int, _I64, _I64, _PTR, ctypes.c_float, _PTR, _PTR]
+    fn = lib.specdec_act_mul
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_PTR, ctypes.c_int, _I64, _I64, _I64, ctypes.c_int, _PTR]
     fn = lib.specdec_q8_0_matmul
     fn.restype = ctypes.c_int
     fn.argtypes = [_PTR, ctypes.c_int, _I64, _I64, _PTR, _PTR, _I64, _PTR, ctypes.c_int]
@@ -104,36 +107,59 @@ def available(device: torch.device) -> bool:
     return not _TRIED[0]
 
 
+class Attend:
+    """One forward's native attention: what every layer shares (the rope tables cos, ssin [B, 1, T, hd] (see
+    `decoder.rope`), the cache k, v [L, R, nkv, Smax, hd], `where`'s scratch slots, the mask `visible`
+    [B, T, S]) checked once per forward; each call runs one layer (`qkv_attend`)."""
+
+    def __init__(self, cos: Tensor, ssin: Tensor, k: Tensor, v: Tensor, where: "ForwardSlots", visible: Tensor,
+                 n_heads: int, scale: float) -> None:
+        B, T, S = visible.shape
+        L, R, nkv, Smax, hd = k.shape
+        if where.t != T or where.rows.numel() != B or where.kv_len != S:
+            raise ValueError("native attention: the tokens, slots and mask disagree")
+        if (not (cos.is_contiguous() and ssin.is_contiguous() and visible.is_contiguous())
+                or not (k.is_contiguous() and v.is_contiguous()) or k.dtype != torch.float32 or hd % 8
+                or cos.dtype != torch.float32 or ssin.dtype != torch.float32 or cos.shape != ssin.shape
+                or cos.shape[-1] != hd or cos.numel() != B * T * hd or visible.dtype != torch.bool):
+            raise ValueError("native attention: unsupported layout")
+        self._keep = (cos, ssin, k, v, where, visible)                      # the pointers below stay valid
+        self.rows, self.width = B * T, (n_heads + 2 * nkv) * hd
+        self.out_width = n_heads * hd
+        self._layer_bytes = R * nkv * Smax * hd * 4
+        self._k, self._v = k.data_ptr(), v.data_ptr()
+        self._head = (cos.data_ptr(), ssin.data_ptr())
+        self._tail = (where.row_off.data_ptr(), where.at.data_ptr(), Smax * hd, visible.data_ptr(), S, B, T,
+                      n_heads, nkv, hd, scale)
+
+    def __call__(self, qkv: Tensor, q_norm: Tensor, k_norm: Tensor, eps: float, layer: int,
+                 out_dtype: torch.dtype) -> Tensor:
+        """qkv [B*T, (nh + 2 nkv) * hd] (bfloat16 or float32) -> [B*T, nh * hd] in out_dtype (bfloat16 or
+        float32): queries and keys roped, after a per-head RMSNorm where q_norm / k_norm are float32 weights
+        [hd] (empty: none); keys and values written to `layer`'s scratch slots; each token attends over the
+        slots the mask allows."""
+        if (qkv.dtype not in _WIDE or out_dtype not in _WIDE or qkv.stride(-1) != 1
+                or qkv.shape != (self.rows, self.width)):
+            raise ValueError("native attention: unsupported layout")
+        out = torch.empty(self.rows, self.out_width, dtype=out_dtype)
+        off = layer * self._layer_bytes
+        rc = _LIB[0].specdec_qkv_attend(qkv.data_ptr(), qkv.dtype == torch.bfloat16, qkv.stride(0), *self._head,
+                                        q_norm.data_ptr() if q_norm.numel() else None,
+                                        k_norm.data_ptr() if k_norm.numel() else None, eps, self._k + off,
+                                        self._v + off, *self._tail, out.data_ptr(), out_dtype == torch.bfloat16)
+        if rc:
+            raise MemoryError("native attention: out of memory") if rc == -1 else ValueError("native attention: too many query heads per kv head")
+        return out
+
+
+_WIDE = (torch.bfloat16, torch.float32)
+
+
 def qkv_attend(qkv: Tensor, cos: Tensor, ssin: Tensor, q_norm: Tensor, k_norm: Tensor, eps: float,
                k: Tensor, v: Tensor, layer: int, where: "ForwardSlots", visible: Tensor, n_heads: int,
                scale: float, out_dtype: torch.dtype) -> Tensor:
-    """A layer's attention from its fused projection: qkv [B*T, (nh + 2 nkv) * hd] (bfloat16 or float32) ->
-    [B*T, nh * hd] in out_dtype (bfloat16 or float32). Queries and keys are roped (cos, ssin [B, 1, T, hd],
-    see `decoder.rope`), after a per-head RMSNorm where q_norm / k_norm are float32 weights [hd] (empty: none);
-    keys and values go into the cache k, v [L, R, nkv, Smax, hd] at `where`'s scratch slots of `layer`;
-    each token attends over the slots `visible` [B, T, S] allows."""
-    B, T, S = visible.shape
-    L, R, nkv, Smax, hd = k.shape
-    if where.t != T or where.rows.numel() != B or qkv.shape[0] != B * T or where.kv_len != S:
-        raise ValueError("native attention: the tokens, slots and mask disagree")
-    if (qkv.dtype not in (torch.bfloat16, torch.float32) or out_dtype not in (torch.bfloat16, torch.float32)
-            or qkv.stride(-1) != 1 or not (cos.is_contiguous() and ssin.is_contiguous() and visible.is_contiguous())
-            or not (k.is_contiguous() and v.is_contiguous()) or k.dtype != torch.float32 or hd % 8
-            or cos.dtype != torch.float32 or ssin.dtype != torch.float32 or cos.shape != ssin.shape
-            or cos.shape[-1] != hd or cos.numel() != B * T * hd
-            or visible.dtype != torch.bool or qkv.shape[-1] != (n_heads + 2 * nkv) * hd):
-        raise ValueError("native attention: unsupported layout")
-    out = torch.empty(B * T, n_heads * hd, dtype=out_dtype)
-    layer_bytes = layer * R * nkv * Smax * hd * 4
-    norms = [w.data_ptr() if w.numel() else None for w in (q_norm, k_norm)]           # None: NULL, no norm
-    rc = _LIB[0].specdec_qkv_attend(qkv.data_ptr(), qkv.dtype == torch.bfloat16, qkv.stride(0), cos.data_ptr(),
-                                    ssin.data_ptr(), norms[0], norms[1], eps, k.data_ptr() + layer_bytes,
-                                    v.data_ptr() + layer_bytes, where.row_off.data_ptr(), where.at.data_ptr(),
-                                    Smax * hd, visible.data_ptr(), S, B, T, n_heads, nkv, hd, scale,
-                                    out.data_ptr(), out_dtype == torch.bfloat16)
-    if rc:
-        raise MemoryError("native attention: out of memory") if rc == -1 else ValueError("native attention: too many query heads per kv head")
-    return out
+    """One layer's attention from its fused projection (see `Attend`; a forward builds that once)."""
+    return Attend(cos, ssin, k, v, where, visible, n_heads, scale)(qkv, q_norm, k_norm, eps, layer, out_dtype)
 
 
 def add_rms_norm(x: Tensor, o: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -152,6 +178,19 @@ def add_rms_norm(x: Tensor, o: Tensor, w: Tensor, eps: float) -> tuple[Tensor, T
     if rc:
         raise MemoryError("native norm: out of memory")
     return xo, h
+
+
+def act_mul(gu: Tensor, gelu: bool) -> Tensor:
+    """act(gate) * up from a gated MLP's fused projection gu [N, 2F] = [gate | up] (bfloat16 or float32,
+    rows contiguous) -> [N, F] in its dtype; act = SiLU, or GELU's tanh form. Like F.silu (F.gelu) then *,
+    each rounding to the dtype, in one call instead of four."""
+    N, F2 = gu.shape
+    if gu.dtype not in _WIDE or gu.stride(-1) != 1 or F2 % 2:
+        raise ValueError("native activation: unsupported layout")
+    out = torch.empty(N, F2 // 2, dtype=gu.dtype)
+    _LIB[0].specdec_act_mul(gu.data_ptr(), gu.dtype == torch.bfloat16, gu.stride(0), N, F2 // 2, gelu,
+                            out.data_ptr())
+    return out
 
 
 def describe(device: torch.device) -> str:
