@@ -273,25 +273,3 @@ int specdec_add_rms_norm(const void *x, const void *o, int bf16, int64_t N, int6
     free(row);
     return 0;
 }
-
-/* ---- The gated MLP's activation: act(gate) * up ----
- * gu [N, 2F] (row stride `stride`) in bfloat16 (bf16) or float32 holds gate | up; out [N, F] in that dtype gets
- * a(gate) rounded to the dtype, times up, rounded again (torch's F.silu / F.gelu, then *, each rounding its
- * result); a = SiLU, or GELU's tanh form where gelu is set. Elementwise: a row's bits are its own. */
-int specdec_act_mul(const void *gu, int bf16, int64_t stride, int64_t N, int64_t F, int gelu, void *out) {
-    for (int64_t r = 0; r < N; r++)
-        for (int64_t f = 0; f < F; f++) {
-            int64_t e = r * stride + f;
-            float g = bf16 ? bf16_to_f32(((const uint16_t *)gu)[e]) : ((const float *)gu)[e];
-            float u = bf16 ? bf16_to_f32(((const uint16_t *)gu)[e + F]) : ((const float *)gu)[e + F];
-            float a = gelu ? 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)))
-                           : g / (1.0f + expf(-g));
-            if (bf16) {
-                a = bf16_to_f32(f32_to_bf16(a));
-                ((uint16_t *)out)[r * F + f] = f32_to_bf16(a * u);
-            } else {
-                ((float *)out)[r * F + f] = a * u;
-            }
-        }
-    return 0;
-}

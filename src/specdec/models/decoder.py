@@ -147,7 +147,7 @@ class Block(nn.Module):
         cfg = self.cfg
         B, T = slots.rows.numel(), slots.t
         nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        fused = (mask.native and x.is_contiguous() and x.dtype in NATIVE_DTYPES     # norms, adds, activation: native
+        fused = (mask.native and x.is_contiguous() and x.dtype in NATIVE_DTYPES     # norms and adds: native
                  and (not o.numel() or (o.dtype == x.dtype and o.is_contiguous())))
         if fused:
             x, h = native.add_rms_norm(x, o, self._w32("attn_norm"), cfg.norm_eps)
@@ -168,13 +168,9 @@ class Block(nn.Module):
         else:
             x = x + o
             h = self._norm(x, "ffn_norm")
-        gate_up = self._linear(h, "w13", prefill)                              # [B*T, 2F]: gate | up
-        if fused and gate_up.dtype == x.dtype:
-            act = native.act_mul(gate_up, cfg.gelu)
-        else:
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = (F.gelu(gate, approximate="tanh") if cfg.gelu else F.silu(gate)) * up
-        o = self._linear(act, "w2", prefill)
+        gate, up = self._linear(h, "w13", prefill).chunk(2, dim=-1)           # [B*T, F] each
+        act = F.gelu(gate, approximate="tanh") if cfg.gelu else F.silu(gate)   # torch's (a native loop was slower)
+        o = self._linear(act * up, "w2", prefill)
         if cfg.sandwich_norm:
             o = self._norm(o, "post_ffn_norm")
         return x, o

@@ -86,9 +86,6 @@ def _build() -> str:
     fn = lib.specdec_add_rms_norm
     fn.restype = ctypes.c_int
     fn.argtypes = [_PTR, _PTR, ctypes.c_int, _I64, _I64, _PTR, ctypes.c_float, _PTR, _PTR]
-    fn = lib.specdec_act_mul
-    fn.restype = ctypes.c_int
-    fn.argtypes = [_PTR, ctypes.c_int, _I64, _I64, _I64, ctypes.c_int, _PTR]
     fn = lib.specdec_q8_0_matmul
     fn.restype = ctypes.c_int
     fn.argtypes = [_PTR, ctypes.c_int, _I64, _I64, _PTR, _PTR, _I64, _PTR, ctypes.c_int]
@@ -178,19 +175,6 @@ def add_rms_norm(x: Tensor, o: Tensor, w: Tensor, eps: float) -> tuple[Tensor, T
     if rc:
         raise MemoryError("native norm: out of memory")
     return xo, h
-
-
-def act_mul(gu: Tensor, gelu: bool) -> Tensor:
-    """act(gate) * up from a gated MLP's fused projection gu [N, 2F] = [gate | up] (bfloat16 or float32,
-    rows contiguous) -> [N, F] in its dtype; act = SiLU, or GELU's tanh form. Like F.silu (F.gelu) then *,
-    each rounding to the dtype, in one call instead of four."""
-    N, F2 = gu.shape
-    if gu.dtype not in _WIDE or gu.stride(-1) != 1 or F2 % 2:
-        raise ValueError("native activation: unsupported layout")
-    out = torch.empty(N, F2 // 2, dtype=gu.dtype)
-    _LIB[0].specdec_act_mul(gu.data_ptr(), gu.dtype == torch.bfloat16, gu.stride(0), N, F2 // 2, gelu,
-                            out.data_ptr())
-    return out
 
 
 def describe(device: torch.device) -> str:
