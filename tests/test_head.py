@@ -92,7 +92,7 @@ def test_fastest_never_picks_a_kernel_that_failed_its_row_check(monkeypatch, tmp
     assert kernels.fastest(("test", 96, 64), makers, W) == Slow(0.002)
 
 
-@pytest.fixture(scope="module", params=["int4", "native-q8"])
+@pytest.fixture(scope="module", params=["int4", "native-q8", "native-q8x8"])
 def q4_int4_head(request):
     """smollm2-135m in q4, its LM head forced to one 8-bit kernel (the 4-bit halves, or the native Q8_0 kernel)
     whatever this machine chose, and the logits of a few hidden states through the dense head."""
@@ -101,7 +101,7 @@ def q4_int4_head(request):
 
     if not probe().int4_kernel:
         pytest.skip("no int4 kernel in this torch build")
-    if request.param == "native-q8" and not native.available(torch.device("cpu")):
+    if request.param.startswith("native") and not native.available(torch.device("cpu")):
         pytest.skip("no native kernels here")
     model, tok, _ = load_model("smollm2-135m", "q4")
     assert request.param in model.head_kernels                 # its head is Q8_0
@@ -148,6 +148,54 @@ class _WideOut:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return (x.float()[:, None, :] * W.float()[None]).sum(-1) / 3             # [M, 96], each row on its own
+
+
+def q8x8_reference(x: Tensor, q: Tensor, d: Tensor) -> Tensor:
+    """What the native Q8_0 x Q8_0 head computes, step by step in torch: x [M, K] quantized per block of 32
+    (round half away from zero), each block's 32 integer products in 8 lanes of 4, lane l's float32 sum adding
+    lane * (d * dx) block by block, then the fixed pairwise tree of the 8 sums."""
+    M, K = x.shape
+    N, nb = q.shape[0], K // 32
+    xb = x.float().view(M, nb, 32)
+    dx = xb.abs().amax(-1) / 127                                               # [M, nb] float32
+    inv = torch.where(dx != 0, 1 / dx, torch.zeros_like(dx))
+    y = (xb * inv[..., None]).double()                                         # float32 product, then exact
+    xq = (torch.sign(y) * torch.floor(y.abs() + 0.5)).long()                   # roundf: half away from zero
+    lanes = (q.long().view(1, N, nb, 8, 4) * xq.view(M, 1, nb, 8, 4)).sum(-1)  # [M, N, nb, 8] exact integers
+    acc = torch.zeros(M, N, 8)
+    for b in range(nb):
+        acc = acc + lanes[:, :, b].float() * (d[:, b][None, :, None] * dx[:, b][:, None, None])
+    a = acc.unbind(-1)
+    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]))
+
+
+def test_the_native_q8x8_head_is_its_integer_reference_bit_for_bit_for_any_rows_and_threads():
+    """Exact integer block sums make the native 8-bit x 8-bit head a plain function of each row: equal to the
+    torch reference bit for bit (AVX2 groups of 4 outputs and the plain-C tail alike), whatever rows or
+    threads share the call; within Q8_0 rounding of the float-input head."""
+    from specdec.models import native
+    from specdec.models.native import Q8Head, q8_0_codes
+
+    if not native.available(torch.device("cpu")):
+        pytest.skip("no native kernels here")
+    data, ref = q8_0(46, 256, seed=4)                                          # 46 = 11 groups of 4 + a tail of 2
+    codes = q8_0_codes(data, (46, 256))
+    head = Q8Head.of(codes["q"], codes["d"], quantized=True)
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(5)).bfloat16()
+    x[2] = 0                                                                   # an all-zero row: dx = 0
+    out = head(x)
+    assert torch.equal(out, q8x8_reference(x, codes["q"], codes["d"]))
+    for r in (0, 2, 6):
+        assert torch.equal(head(x[r:r + 1]), out[r:r + 1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(head(x), out)
+    finally:
+        torch.set_num_threads(threads)
+    dense = x.float() @ torch.from_numpy(ref).t()
+    assert float((out - dense).abs().max() / dense.abs().max()) < 0.02
+    assert head.check.many_rows and head.check.lone_row
 
 
 def test_rows_past_a_kernels_checked_limit_keep_the_kernels_output_dtype():

@@ -239,6 +239,117 @@ int specdec_q8_0_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const i
     return rc;
 }
 
+/* ---- The 8-bit LM head with 8-bit activations (llama.cpp's Q8_0 x Q8_0 dot) ----
+ * Each input row is quantized per block of 32 as Q8_0 does: dx = max|x| / 127, codes round(x / dx). A block's
+ * 32 products are summed as 8 exact integer lanes of 4 (lane l: inputs 4l..4l+3); lane l's float running
+ * sum adds (float)lane * (d[n][b] * dx_b) block by block, and the 8 sums meet in the fixed tree. Integer sums
+ * are exact whatever instructions form them, so every output is the same operations for any row count,
+ * thread count or instruction set: the AVX2 path and the plain C one give the same bits. The weights are
+ * memory-bound for one row: the AVX2 path prefetches the rows 32 ahead. */
+#ifdef __AVX2__
+#include <immintrin.h>
+
+/* The 32 products of a block summed into 8 int32 lanes: |w| * sign(x, w) pairs (maddubs cannot overflow:
+ * |codes| <= 127), then pairs of those. */
+static inline __m256i block_dot8(__m256i w, __m256i x) {
+    __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+    return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+}
+#endif
+
+typedef struct {
+    const int8_t *xq; const float *dx; int64_t M, K; const int8_t *q; const float *d; int64_t n0, n1;
+    float *out; int64_t N;
+} q8x8_job;
+
+static void *q8x8_rows(void *arg) {
+    const q8x8_job *j = arg;
+    const int64_t nb = j->K / QB;
+    int64_t n = j->n0;
+#ifdef __AVX2__
+    for (; n + 4 <= j->n1; n += 4)
+        for (int64_t m = 0; m < j->M; m++) {
+            const int8_t *xm = j->xq + m * j->K;
+            const float *dxm = j->dx + m * nb;
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            for (int64_t b = 0; b < nb; b++) {
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(xm + b * QB));
+                if (m == 0 && (b & 1) == 0)                  /* the rows 32 ahead, a cache line per 2 blocks */
+                    for (int r = 0; r < 4; r++)
+                        _mm_prefetch((const char *)(j->q + (n + 32 + r) * j->K + b * QB), _MM_HINT_T0);
+                for (int r = 0; r < 4; r++) {
+                    __m256i s = block_dot8(_mm256_loadu_si256((const __m256i *)(j->q + (n + r) * j->K + b * QB)), xv);
+                    __m256 sc = _mm256_set1_ps(j->d[(n + r) * nb + b] * dxm[b]);
+                    acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(s), sc));
+                }
+            }
+            for (int r = 0; r < 4; r++) {
+                float a[8];
+                _mm256_storeu_ps(a, acc[r]);
+                j->out[m * j->N + n + r] = tree8(a);
+            }
+        }
+#endif
+    for (; n < j->n1; n++)                               /* the same sums in plain C (no AVX2, or a tail) */
+        for (int64_t m = 0; m < j->M; m++) {
+            const int8_t *xm = j->xq + m * j->K, *qn = j->q + n * j->K;
+            float acc[LANES] = {0};
+            for (int64_t b = 0; b < nb; b++) {
+                const float sc = j->d[n * nb + b] * j->dx[m * nb + b];
+                for (int l = 0; l < LANES; l++) {
+                    int32_t lane = 0;
+                    for (int i = 4 * l; i < 4 * l + 4; i++) lane += (int32_t)qn[b * QB + i] * (int32_t)xm[b * QB + i];
+                    acc[l] = acc[l] + (float)lane * sc;
+                }
+            }
+            j->out[m * j->N + n] = tree8(acc);
+        }
+    return NULL;
+}
+
+/* x [M, K] bfloat16 (x_bf16) or float32; q [N, K] int8 codes; d [N, K / 32] float32 scales -> out [M, N]
+ * float32, x quantized to Q8_0 first. Output rows split over `threads` threads. 0, or -1: out of memory. */
+int specdec_q8_0_q8_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *q, const float *d,
+                           int64_t N, float *out, int threads) {
+    if (threads < 1) threads = 1;
+    if (threads > 64) threads = 64;
+    const int64_t nb = K / QB;
+    int8_t *xq = malloc((size_t)(M * K));
+    float *dx = malloc(sizeof(float) * (size_t)(M * nb));
+    if (!xq || !dx) { free(xq); free(dx); return -1; }
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < nb; b++) {
+            float v[QB], amax = 0.0f;
+            for (int i = 0; i < QB; i++) {
+                int64_t e = m * K + b * QB + i;
+                v[i] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[e]) : ((const float *)x)[e];
+                float a = fabsf(v[i]);
+                amax = a > amax ? a : amax;
+            }
+            float db = amax / 127.0f, inv = db != 0.0f ? 1.0f / db : 0.0f;
+            dx[m * nb + b] = db;
+            for (int i = 0; i < QB; i++) xq[m * K + b * QB + i] = (int8_t)roundf(v[i] * inv);
+        }
+    q8x8_job jobs[64];
+    pthread_t tid[64];
+    int64_t per = ((N + threads - 1) / threads + 3) / 4 * 4;  /* whole groups of 4 outputs per thread */
+    int started = 0, rc = 0;
+    for (int t = 0; t < threads; t++) {
+        int64_t n0 = t * per < N ? t * per : N, n1 = n0 + per < N ? n0 + per : N;
+        jobs[t] = (q8x8_job){xq, dx, M, K, q, d, n0, n1, out, N};
+    }
+    for (int t = 1; t < threads; t++) {
+        if (pthread_create(&tid[t], NULL, q8x8_rows, &jobs[t]) != 0) break;
+        started = t;
+    }
+    for (int t = started + 1; t < threads; t++) q8x8_rows(&jobs[t]);   /* threads that did not start */
+    q8x8_rows(&jobs[0]);
+    for (int t = 1; t <= started; t++) pthread_join(tid[t], NULL);
+    free(xq);
+    free(dx);
+    return rc;
+}
+
 /* ---- RMSNorm of the residual stream, optionally after adding a layer's output to it ----
  * x [N, D] and o [N, D] (o NULL: nothing added) in bfloat16 (bf16) or float32; xo = x + o rounded to that
  * dtype (skipped without o), h = (x' / sqrt(mean(x'^2) + eps)) * w in that dtype, x' the float of xo. Each

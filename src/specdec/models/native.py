@@ -86,9 +86,9 @@ def _build() -> str:
     fn = lib.specdec_add_rms_norm
     fn.restype = ctypes.c_int
     fn.argtypes = [_PTR, _PTR, ctypes.c_int, _I64, _I64, _PTR, ctypes.c_float, _PTR, _PTR]
-    fn = lib.specdec_q8_0_matmul
-    fn.restype = ctypes.c_int
-    fn.argtypes = [_PTR, ctypes.c_int, _I64, _I64, _PTR, _PTR, _I64, _PTR, ctypes.c_int]
+    for fn in (lib.specdec_q8_0_matmul, lib.specdec_q8_0_q8_matmul):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [_PTR, ctypes.c_int, _I64, _I64, _PTR, _PTR, _I64, _PTR, ctypes.c_int]
     _LIB.append(lib)
     return ""
 
@@ -188,10 +188,13 @@ def describe(device: torch.device) -> str:
 class Q8Head:
     """An 8-bit LM head as the GGUF stores it (Q8_0: int8 codes, a scale per 32 inputs) through the native
     kernel: half the bytes of a bfloat16 head, every output the same operations whatever the row count
-    or thread count (rows keep their bits by construction; `kernels.checked` confirms it anyway)."""
+    or thread count (rows keep their bits by construction; `kernels.checked` confirms it anyway).
+    quantized: the inputs are quantized to Q8_0 as well and each block is an integer dot product, as
+    llama.cpp computes a Q8_0 head (exact integer sums: cheap, the same bits on every instruction set)."""
     q: Tensor             # [N, K] int8
     d: Tensor             # [N, K / 32] float32
     check: "RowCheck"
+    quantized: bool = False
 
     dtype = torch.bfloat16  # of its inputs (float32 outputs)
     pair = False
@@ -203,19 +206,21 @@ class Q8Head:
             raise ValueError(f"Q8 head: expected bfloat16 [M, {self.q.shape[1]}], got {x.dtype} {list(x.shape)}")
         x = x.contiguous()
         out = torch.empty(M, self.q.shape[0], dtype=torch.float32)
-        rc = _LIB[0].specdec_q8_0_matmul(x.data_ptr(), 1, M, K, self.q.data_ptr(), self.d.data_ptr(),
-                                         self.q.shape[0], out.data_ptr(), torch.get_num_threads())
+        fn = _LIB[0].specdec_q8_0_q8_matmul if self.quantized else _LIB[0].specdec_q8_0_matmul
+        rc = fn(x.data_ptr(), 1, M, K, self.q.data_ptr(), self.d.data_ptr(), self.q.shape[0], out.data_ptr(),
+                torch.get_num_threads())
         if rc:
             raise MemoryError("Q8 head: out of memory")
         return out
 
     @staticmethod
-    def of(q: Tensor, d: Tensor) -> "Q8Head":
+    def of(q: Tensor, d: Tensor, quantized: bool = False) -> "Q8Head":
         """The head of codes q [N, K] int8 and scales d [N, K / 32] float32, its rows checked on this machine."""
         from .kernels import RowCheck, checked
 
-        head = Q8Head(q, d, RowCheck(True, True))
-        return Q8Head(q, d, checked(("native-q8", *q.shape), head, q.shape[1], torch.bfloat16))
+        head = Q8Head(q, d, RowCheck(True, True), quantized)
+        name = "native-q8x8" if quantized else "native-q8"
+        return Q8Head(q, d, checked((name, *q.shape), head, q.shape[1], torch.bfloat16), quantized)
 
 
 def q8_0_codes(data, shape: tuple[int, int]) -> dict[str, Tensor]:
