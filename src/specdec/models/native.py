@@ -3,9 +3,11 @@
 A decoding or verification forward scores a handful of tokens per layer, so its cost is per-call
 overhead as much as arithmetic: as torch ops, the row-invariant block attention (`attention.attention`)
 costs 30-40 ATen calls per layer, 100-270 us on a one-thread AMD EPYC for 1-3 key blocks, and the
-composite F.rms_norm about 10 us per call. The C kernels take one call each: `qkv_attend` (q/k norms,
+composite F.rms_norm about 10 us per call. The C kernels take one call each: `Attend` (q/k norms,
 rope, cache writes and attention, each query over its own keys in slot order, so its bits depend on
-its keys alone, trees included), `add_rms_norm`, and `Q8Head`, an 8-bit LM head as the GGUF stores it.
+its keys alone, trees included; its shared arguments checked once per forward), `add_rms_norm`, and
+`Q8Head`, an 8-bit LM head as the GGUF stores it (float inputs, or inputs quantized to 8 bits as well:
+exact integer block sums).
 
 Built with `cc -O3 -march=native -mno-avx512f` into $SPECDEC_CACHE/native, keyed by the source, the CPU,
 the compiler and its flags; where no compiler is found, the build fails or $SPECDEC_NATIVE=0, `available()` is False
