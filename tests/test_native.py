@@ -172,4 +172,3 @@ def test_native_add_and_norm_is_torchs_add_then_rms_norm(dtype):
         assert torch.equal(native.add_rms_norm(x[r:r + 1], o[r:r + 1], w, 1e-5)[1][0], h[r])
     same, h2 = native.add_rms_norm(xo, torch.empty(0), w, 1e-5)                # nothing added: the norm alone
     assert same is xo and torch.equal(h2, h)
-
