@@ -1,6 +1,7 @@
 """The LM head's kernels: an 8-bit head as two 4-bit halves, and the per-machine choice of the fastest head."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -178,13 +179,15 @@ def test_the_native_q8x8_head_is_its_integer_reference_bit_for_bit_for_any_rows_
 
     if not native.available(torch.device("cpu")):
         pytest.skip("no native kernels here")
-    data, ref = q8_0(46, 256, seed=4)                                          # 46 = 11 groups of 4 + a tail of 2
-    codes = q8_0_codes(data, (46, 256))
+    data, ref = q8_0(47, 256, seed=4)                                          # 47 = 11 groups of 4 + a tail of 3
+    codes = q8_0_codes(data, (47, 256))
     head = Q8Head.of(codes["q"], codes["d"], quantized=True)
-    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(5)).bfloat16()
+    x = torch.randn(11, 256, generator=torch.Generator().manual_seed(5)).bfloat16()   # 11: a chunk of 8 and 3
     x[2] = 0                                                                   # an all-zero row: dx = 0
     out = head(x)
     assert torch.equal(out, q8x8_reference(x, codes["q"], codes["d"]))
+    for isa in range(native.q8x8_isa() + 1):                                   # plain C, AVX2, AVX-512 VNNI
+        assert torch.equal(dataclasses.replace(head, isa=isa)(x), out), isa
     for r in (0, 2, 6):
         assert torch.equal(head(x[r:r + 1]), out[r:r + 1])
     threads = torch.get_num_threads()

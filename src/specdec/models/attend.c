@@ -246,8 +246,10 @@ int specdec_q8_0_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const i
  * are exact whatever instructions form them, so every output is the same operations for any row count,
  * thread count or instruction set: the AVX2 path and the plain C one give the same bits. The weights are
  * memory-bound for one row: the AVX2 path prefetches the rows 32 ahead. */
-#ifdef __AVX2__
+#if defined(__x86_64__)
 #include <immintrin.h>
+#endif
+#ifdef __AVX2__
 
 /* The 32 products of a block summed into 8 int32 lanes: |w| * sign(x, w) pairs (maddubs cannot overflow:
  * |codes| <= 127), then pairs of those. */
@@ -258,15 +260,75 @@ static inline __m256i block_dot8(__m256i w, __m256i x) {
 #endif
 
 typedef struct {
-    const int8_t *xq; const float *dx; int64_t M, K; const int8_t *q; const float *d; int64_t n0, n1;
-    float *out; int64_t N;
+    const int8_t *xq; const float *dx; const int32_t *xc; int64_t M, K; const int8_t *q; const float *d;
+    int64_t n0, n1; float *out; int64_t N; int isa;
 } q8x8_job;
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define HAVE_512 1
+/* AVX-512 VNNI: 2 outputs per register (lanes 0-7 row n, 8-15 row n + 1), 4 outputs per step, the weights
+ * of a block loaded once for up to 8 input rows. vpdpbusd takes unsigned x signed bytes: the codes offset
+ * by 128 (w ^ 0x80), and each lane starts from -128 times its 4 inputs' sum (xc), so it ends at the same
+ * exact integer as the other paths' lanes. Returns the first output row it did not compute. */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+static inline __m512i pair_codes(const int8_t *q, int64_t K, int64_t n, int64_t b) {
+    __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(q + n * K + b * QB))),
+                                   _mm256_loadu_si256((const __m256i *)(q + (n + 1) * K + b * QB)), 1);
+    return _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+static inline __m512 pair_scales(const float *d, int64_t nb, int64_t n, int64_t b) {
+    return _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castps_si512(_mm512_set1_ps(d[n * nb + b])),
+                                                  _mm256_castps_si256(_mm256_set1_ps(d[(n + 1) * nb + b])), 1));
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+static int64_t q8x8_pairs512(const q8x8_job *j, int64_t n, int64_t n1) {
+    const int64_t nb = j->K / QB;
+    for (; n + 4 <= n1; n += 4)                            /* two pairs: the inputs' loads serve both */
+        for (int64_t m0 = 0; m0 < j->M; m0 += 8) {
+            const int mc = j->M - m0 < 8 ? (int)(j->M - m0) : 8;
+            __m512 acc[8][2];
+            for (int c = 0; c < 8; c++) acc[c][0] = acc[c][1] = _mm512_setzero_ps();
+            for (int64_t b = 0; b < nb; b++) {
+                if (m0 == 0 && (b & 1) == 0)                 /* the rows 32 ahead, a cache line per 2 blocks */
+                    for (int r = 0; r < 4; r++)
+                        _mm_prefetch((const char *)(j->q + (n + 32 + r) * j->K + b * QB), _MM_HINT_T0);
+                const __m512i w0 = pair_codes(j->q, j->K, n, b), w1 = pair_codes(j->q, j->K, n + 2, b);
+                const __m512 d0 = pair_scales(j->d, nb, n, b), d1 = pair_scales(j->d, nb, n + 2, b);
+                for (int c = 0; c < mc; c++) {
+                    const int64_t m = m0 + c;
+                    __m512i xv = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(j->xq + m * j->K + b * QB)));
+                    __m512i xc = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(j->xc + (m * nb + b) * LANES)));
+                    __m512 dx = _mm512_set1_ps(j->dx[m * nb + b]);
+                    acc[c][0] = _mm512_add_ps(acc[c][0], _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(xc, w0, xv)),
+                                                                       _mm512_mul_ps(d0, dx)));
+                    acc[c][1] = _mm512_add_ps(acc[c][1], _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(xc, w1, xv)),
+                                                                       _mm512_mul_ps(d1, dx)));
+                }
+            }
+            for (int c = 0; c < mc; c++)
+                for (int h = 0; h < 2; h++) {
+                    float a[16];
+                    _mm512_storeu_ps(a, acc[c][h]);
+                    j->out[(m0 + c) * j->N + n + 2 * h] = tree8(a);
+                    j->out[(m0 + c) * j->N + n + 2 * h + 1] = tree8(a + 8);
+                }
+        }
+    return n;
+}
+#endif
 
 static void *q8x8_rows(void *arg) {
     const q8x8_job *j = arg;
     const int64_t nb = j->K / QB;
     int64_t n = j->n0;
+#ifdef HAVE_512
+    if (j->isa >= 2) n = q8x8_pairs512(j, n, j->n1);
+#endif
 #ifdef __AVX2__
+    if (j->isa >= 1)
     for (; n + 4 <= j->n1; n += 4)
         for (int64_t m = 0; m < j->M; m++) {
             const int8_t *xm = j->xq + m * j->K;
@@ -307,16 +369,35 @@ static void *q8x8_rows(void *arg) {
     return NULL;
 }
 
+/* The instructions q8x8 may use, at most `isa` (0: plain C, 1: AVX2, 2: AVX-512 VNNI): what this CPU and
+ * this build have. Every level gives the same bits. */
+int specdec_q8x8_isa(int isa) {
+#ifndef __AVX2__
+    if (isa > 0) isa = 0;
+#endif
+#ifdef HAVE_512
+    if (isa >= 2 && !(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                      && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni")))
+        isa = 1;
+#else
+    if (isa > 1) isa = 1;
+#endif
+    return isa;
+}
+
 /* x [M, K] bfloat16 (x_bf16) or float32; q [N, K] int8 codes; d [N, K / 32] float32 scales -> out [M, N]
- * float32, x quantized to Q8_0 first. Output rows split over `threads` threads. 0, or -1: out of memory. */
+ * float32, x quantized to Q8_0 first. Output rows split over `threads` threads, instructions up to `isa`
+ * (see specdec_q8x8_isa). 0, or -1: out of memory. */
 int specdec_q8_0_q8_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *q, const float *d,
-                           int64_t N, float *out, int threads) {
+                           int64_t N, float *out, int threads, int isa) {
     if (threads < 1) threads = 1;
     if (threads > 64) threads = 64;
+    isa = specdec_q8x8_isa(isa);
     const int64_t nb = K / QB;
     int8_t *xq = malloc((size_t)(M * K));
     float *dx = malloc(sizeof(float) * (size_t)(M * nb));
-    if (!xq || !dx) { free(xq); free(dx); return -1; }
+    int32_t *xc = malloc(sizeof(int32_t) * (size_t)(M * nb * LANES));
+    if (!xq || !dx || !xc) { free(xq); free(dx); free(xc); return -1; }
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < nb; b++) {
             float v[QB], amax = 0.0f;
@@ -329,6 +410,11 @@ int specdec_q8_0_q8_matmul(const void *x, int x_bf16, int64_t M, int64_t K, cons
             float db = amax / 127.0f, inv = db != 0.0f ? 1.0f / db : 0.0f;
             dx[m * nb + b] = db;
             for (int i = 0; i < QB; i++) xq[m * K + b * QB + i] = (int8_t)roundf(v[i] * inv);
+            for (int l = 0; l < LANES; l++) {              /* -128 x each lane's input sum (the VNNI path) */
+                int32_t sum = 0;
+                for (int i = 4 * l; i < 4 * l + 4; i++) sum += xq[m * K + b * QB + i];
+                xc[(m * nb + b) * LANES + l] = -128 * sum;
+            }
         }
     q8x8_job jobs[64];
     pthread_t tid[64];
@@ -336,7 +422,7 @@ int specdec_q8_0_q8_matmul(const void *x, int x_bf16, int64_t M, int64_t K, cons
     int started = 0, rc = 0;
     for (int t = 0; t < threads; t++) {
         int64_t n0 = t * per < N ? t * per : N, n1 = n0 + per < N ? n0 + per : N;
-        jobs[t] = (q8x8_job){xq, dx, M, K, q, d, n0, n1, out, N};
+        jobs[t] = (q8x8_job){xq, dx, xc, M, K, q, d, n0, n1, out, N, isa};
     }
     for (int t = 1; t < threads; t++) {
         if (pthread_create(&tid[t], NULL, q8x8_rows, &jobs[t]) != 0) break;
@@ -347,6 +433,7 @@ int specdec_q8_0_q8_matmul(const void *x, int x_bf16, int64_t M, int64_t K, cons
     for (int t = 1; t <= started; t++) pthread_join(tid[t], NULL);
     free(xq);
     free(dx);
+    free(xc);
     return rc;
 }
 

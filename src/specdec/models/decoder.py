@@ -274,7 +274,10 @@ class Transformer(nn.Module):
         if not self.head_kernels:
             return pack(w)
         makers = {"dense": lambda: pack(w), **{n: (lambda k=k: k) for n, k in self.head_kernels.items()}}
-        return fastest(("lm_head", *w.shape, cfg_dtype_name(w.dtype), *sorted(makers)), makers, w)
+        key = ("lm_head", *w.shape, cfg_dtype_name(w.dtype), *sorted(makers))
+        if any(n.startswith("native") for n in makers):
+            key += (native.source_stamp(),)                                   # a changed native kernel is timed again
+        return fastest(key, makers, w)
 
     def use_int4(self, kernels: dict[tuple[int, str], Kernel]) -> "Transformer":
         """Decode and verify through 4-bit kernels ((layer, linear name) -> kernel, e.g. `int4.Int4Linear`);

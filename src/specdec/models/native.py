@@ -88,11 +88,21 @@ def _build() -> str:
     fn = lib.specdec_add_rms_norm
     fn.restype = ctypes.c_int
     fn.argtypes = [_PTR, _PTR, ctypes.c_int, _I64, _I64, _PTR, ctypes.c_float, _PTR, _PTR]
-    for fn in (lib.specdec_q8_0_matmul, lib.specdec_q8_0_q8_matmul):
-        fn.restype = ctypes.c_int
-        fn.argtypes = [_PTR, ctypes.c_int, _I64, _I64, _PTR, _PTR, _I64, _PTR, ctypes.c_int]
+    fn = lib.specdec_q8_0_matmul
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_PTR, ctypes.c_int, _I64, _I64, _PTR, _PTR, _I64, _PTR, ctypes.c_int]
+    fn = lib.specdec_q8_0_q8_matmul
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_PTR, ctypes.c_int, _I64, _I64, _PTR, _PTR, _I64, _PTR, ctypes.c_int, ctypes.c_int]
+    lib.specdec_q8x8_isa.restype = ctypes.c_int
+    lib.specdec_q8x8_isa.argtypes = [ctypes.c_int]
     _LIB.append(lib)
     return ""
+
+
+def source_stamp() -> str:
+    """A short hash of the kernels' source: part of the key of anything timed with them."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
 
 
 def available(device: torch.device) -> bool:
@@ -197,6 +207,7 @@ class Q8Head:
     d: Tensor             # [N, K / 32] float32
     check: "RowCheck"
     quantized: bool = False
+    isa: int = 2          # the quantized form's instructions at most: 0 plain C, 1 AVX2, 2 AVX-512 VNNI (same bits)
 
     dtype = torch.bfloat16  # of its inputs (float32 outputs)
     pair = False
@@ -208,9 +219,9 @@ class Q8Head:
             raise ValueError(f"Q8 head: expected bfloat16 [M, {self.q.shape[1]}], got {x.dtype} {list(x.shape)}")
         x = x.contiguous()
         out = torch.empty(M, self.q.shape[0], dtype=torch.float32)
-        fn = _LIB[0].specdec_q8_0_q8_matmul if self.quantized else _LIB[0].specdec_q8_0_matmul
-        rc = fn(x.data_ptr(), 1, M, K, self.q.data_ptr(), self.d.data_ptr(), self.q.shape[0], out.data_ptr(),
+        args = (x.data_ptr(), 1, M, K, self.q.data_ptr(), self.d.data_ptr(), self.q.shape[0], out.data_ptr(),
                 torch.get_num_threads())
+        rc = _LIB[0].specdec_q8_0_q8_matmul(*args, self.isa) if self.quantized else _LIB[0].specdec_q8_0_matmul(*args)
         if rc:
             raise MemoryError("Q8 head: out of memory")
         return out
@@ -220,9 +231,18 @@ class Q8Head:
         """The head of codes q [N, K] int8 and scales d [N, K / 32] float32, its rows checked on this machine."""
         from .kernels import RowCheck, checked
 
-        head = Q8Head(q, d, RowCheck(True, True), quantized)
+        isa = q8x8_isa()
+        head = Q8Head(q, d, RowCheck(True, True), quantized, isa)
         name = "native-q8x8" if quantized else "native-q8"
-        return Q8Head(q, d, checked((name, *q.shape), head, q.shape[1], torch.bfloat16), quantized)
+        return Q8Head(q, d, checked((name, *q.shape), head, q.shape[1], torch.bfloat16), quantized, isa)
+
+
+def q8x8_isa(limit: int = 2) -> int:
+    """The instructions the quantized 8-bit head runs here (0 plain C, 1 AVX2, 2 AVX-512 VNNI), at most `limit`
+    and at most AVX2 under SPECDEC_ISA=avx2. Every level gives the same bits (exact integer block sums)."""
+    from ..machine import probe
+
+    return _LIB[0].specdec_q8x8_isa(min(limit, 1) if probe().isa_limit == "avx2" else limit)
 
 
 def q8_0_codes(data, shape: tuple[int, int]) -> dict[str, Tensor]:
