@@ -13,6 +13,7 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define LANES 8
 
@@ -52,6 +53,26 @@ static inline uint16_t f32_to_bf16(float f) {            /* round to nearest eve
     return (uint16_t)((c.u + 0x7fff + ((c.u >> 16) & 1)) >> 16);
 }
 
+/* exp(x) for x <= 0 by Cephes' expf polynomial (within 2 ulp of expf): branch-free, so the softmax loop
+ * vectorises (libm's expf does not without -ffast-math). Below -86 it returns exp(-86) (about 4e-38,
+ * still a normal float: no slow denormals), which no softmax weight beside exp(0) can tell from 0. */
+static inline float exp_neg(float x) {
+    x = x < -86.0f ? -86.0f : x;
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;          /* round(x / ln 2) */
+    float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;                                     /* 2^n */
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
 /* One query token's attention for the g query heads sharing a kv head: qs [g][hd] against the n visible
  * slots (in slot order) of kr, vr (rows of hd floats); o [g][hd] float. score: [g][n] scratch. */
 static void attend_group(const float *qs, int64_t g, const float *kr, const float *vr, const int64_t *slots,
@@ -66,7 +87,7 @@ static void attend_group(const float *qs, int64_t g, const float *kr, const floa
         float *sh = score + h * n, top = -INFINITY;
         for (int64_t i = 0; i < n; i++)
             if (sh[i] > top) top = sh[i];
-        for (int64_t i = 0; i < n; i++) sh[i] = expf(sh[i] - top);
+        for (int64_t i = 0; i < n; i++) sh[i] = exp_neg(sh[i] - top);
     }
     float sum[64] = {0};                                   /* g <= 64 (checked by the caller) */
     for (int64_t i = 0; i < n; i++) {
