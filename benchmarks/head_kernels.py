@@ -1,8 +1,8 @@
 """The LM head's candidate kernels on this machine: ms per call for M rows, and the one specdec chose.
 
 In q4 an 8-bit (Q8_0) head can run as two 4-bit halves through torch's int4 kernel, as stored through
-the native kernel (`native-q8`, where a C compiler built it), or dense (prepacked oneDNN, in the model's
-dtype). `Transformer.pack` times them once per machine for 1, 4 and 8 rows and keeps the fastest (`kernels.fastest`); this prints the full picture, medians of
+the native kernels (`native-q8`, and `native-q8x8` with 8-bit inputs, where a C compiler built them), or
+dense (prepacked oneDNN, in the model's dtype). `Transformer.pack` times them once per machine for 1, 4 and 8 rows and keeps the fastest (`kernels.fastest`); this prints the full picture, medians of
 interleaved calls.
 
     .venv/bin/python benchmarks/head_kernels.py [--model smollm2-135m] [--threads 1] [--rows 1,2,4,5,8,16]
