@@ -10,6 +10,9 @@
  * whatever the rows around it.
  */
 #include <math.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -79,7 +82,30 @@ static void attend_group(const float *qs, int64_t g, const float *kr, const floa
                          int64_t n, int64_t hd, float scale, float *score, float *o) {
     for (int64_t x = 0; x < g * hd; x++) o[x] = 0.0f;
     if (n == 0) return;
-    for (int64_t i = 0; i < n; i++) {
+    int64_t i0 = 0;
+#ifdef __AVX2__
+    if (hd == 64)                                         /* 8 keys at a time, each dot as `dot` computes it */
+        for (; i0 + 8 <= n; i0 += 8)
+            for (int64_t h = 0; h < g; h++) {
+                const float *q = qs + h * hd;
+                __m256 lanes[8];                          /* key j: lane l sums q k over d = l, l + 8, ... */
+                for (int j = 0; j < 8; j++) {
+                    const float *ks = kr + slots[i0 + j] * hd;
+                    __m256 acc = _mm256_setzero_ps();
+                    for (int c = 0; c < 8; c++)
+                        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(ks + 8 * c)));
+                    lanes[j] = acc;
+                }
+                /* tree8 of each key's lanes, 8 keys at once: hadd pairs adjacent lanes, so two rounds give
+                 * (a0 + a1) + (a2 + a3) in the low half and (a4 + a5) + (a6 + a7) in the high half */
+                __m256 h01 = _mm256_hadd_ps(_mm256_hadd_ps(lanes[0], lanes[1]), _mm256_hadd_ps(lanes[2], lanes[3]));
+                __m256 h45 = _mm256_hadd_ps(_mm256_hadd_ps(lanes[4], lanes[5]), _mm256_hadd_ps(lanes[6], lanes[7]));
+                __m256 lo = _mm256_permute2f128_ps(h01, h45, 0x20), hi = _mm256_permute2f128_ps(h01, h45, 0x31);
+                __m256 dots = _mm256_add_ps(lo, hi);         /* keys i0 .. i0 + 7 in order */
+                _mm256_storeu_ps(score + h * n + i0, _mm256_mul_ps(dots, _mm256_set1_ps(scale)));
+            }
+#endif
+    for (int64_t i = i0; i < n; i++) {
         const float *ks = kr + slots[i] * hd;
         for (int64_t h = 0; h < g; h++) score[h * n + i] = dot(qs + h * hd, ks, hd) * scale;
     }
@@ -89,18 +115,29 @@ static void attend_group(const float *qs, int64_t g, const float *kr, const floa
             if (sh[i] > top) top = sh[i];
         for (int64_t i = 0; i < n; i++) sh[i] = exp_neg(sh[i] - top);
     }
-    float sum[64] = {0};                                   /* g <= 64 (checked by the caller) */
-    for (int64_t i = 0; i < n; i++) {
-        const float *vs = vr + slots[i] * hd;
-        for (int64_t h = 0; h < g; h++) {
-            float p = score[h * n + i];
-            float *oh = o + h * hd;
-            sum[h] += p;
-            for (int64_t d = 0; d < hd; d++) oh[d] += p * vs[d];
+    for (int64_t h = 0; h < g; h++) {                     /* o[h] = sum over slots of p v, in slot order */
+        const float *sh = score + h * n;
+        float *oh = o + h * hd, sum = 0.0f;
+        for (int64_t i = 0; i < n; i++) sum += sh[i];
+        int64_t d0 = 0;
+#ifdef __AVX2__
+        for (; d0 + 64 <= hd; d0 += 64) {                 /* 64 outputs in 8 registers across all the slots */
+            __m256 acc[8];
+            for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
+            for (int64_t i = 0; i < n; i++) {
+                const __m256 p = _mm256_set1_ps(sh[i]);
+                const float *vs = vr + slots[i] * hd + d0;
+                for (int c = 0; c < 8; c++) acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(p, _mm256_loadu_ps(vs + 8 * c)));
+            }
+            for (int c = 0; c < 8; c++) _mm256_storeu_ps(oh + d0 + 8 * c, acc[c]);
         }
+#endif
+        for (int64_t i = 0; i < n; i++) {                 /* the same sums in plain C (no AVX2, or hd % 64) */
+            const float p = sh[i], *vs = vr + slots[i] * hd;
+            for (int64_t d = d0; d < hd; d++) oh[d] += p * vs[d];
+        }
+        for (int64_t d = 0; d < hd; d++) oh[d] /= sum;
     }
-    for (int64_t h = 0; h < g; h++)
-        for (int64_t d = 0; d < hd; d++) o[h * hd + d] /= sum[h];
 }
 
 /*
@@ -267,9 +304,6 @@ int specdec_q8_0_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const i
  * are exact whatever instructions form them, so every output is the same operations for any row count,
  * thread count or instruction set: the AVX2 path and the plain C one give the same bits. The weights are
  * memory-bound for one row: the AVX2 path prefetches the rows 32 ahead. */
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
 #ifdef __AVX2__
 
 /* The 32 products of a block summed into 8 int32 lanes: |w| * sign(x, w) pairs (maddubs cannot overflow:
