@@ -46,6 +46,30 @@ def test_interrupted_run_saves_and_resumes(tmp_path):
     assert not out.with_suffix(".ckpt").exists()
 
 
+def test_sigterm_stops_a_run_like_ctrl_c_and_keeps_its_state(tmp_path):
+    """`kill` reaches a background run as SIGTERM (its SIGINT is ignored): the loop saves its checkpoint and
+    stops as on Ctrl-C; afterwards the previous SIGTERM handler is back."""
+    import signal
+
+    out = tmp_path / "toy.safetensors"
+    x, y = torch.randn(32, 4), torch.randn(32, 1)
+    m, opt = _toy()
+    calls = []
+
+    def step_fn():
+        calls.append(1)
+        if len(calls) == 4:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return torch.nn.functional.mse_loss(m(x), y), {}
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        train_loop("toy", list(m.parameters()), opt, 1e-2, 10.0, Checkpoint(out, m, opt), step_fn)
+    assert signal.getsignal(signal.SIGTERM) is before
+    step, _ = Checkpoint(out, *_toy(seed=1)).resume()
+    assert 3 <= step <= 4                                     # the signal lands during step 4 or just after
+
+
 def test_budget_counts_across_runs(tmp_path):
     out = tmp_path / "toy.safetensors"
     m, opt = _toy()

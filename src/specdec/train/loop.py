@@ -108,6 +108,7 @@ def train_loop(desc: str, params: list[torch.nn.Parameter], opt: torch.optim.Opt
     t0 = time.time() - spent - setup_s
     bar = tqdm(desc=desc, unit="step", initial=step, mininterval=0.1 if sys.stderr.isatty() else 60.0)
     reports, step_s = _Reports(report_every_s), 0.0
+    on_term = _terminate_as_interrupt()
     try:
         while (elapsed := time.time() - t0) < budget:
             a = time.time()
@@ -136,5 +137,23 @@ def train_loop(desc: str, params: list[torch.nn.Parameter], opt: torch.optim.Opt
         bar.close()
         print(f"\ninterrupted: state saved in {ckpt.path}; run the same command again to resume")
         raise
+    finally:
+        on_term()
     bar.close()
     return step, (time.time() - t0) / 60
+
+
+def _terminate_as_interrupt() -> Callable[[], None]:
+    """Make SIGTERM (`kill`; a background job ignores Ctrl-C's SIGINT) stop training like Ctrl-C does,
+    checkpoint included, while the loop runs; returns what restores the previous handler."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    return lambda: signal.signal(signal.SIGTERM, previous)
