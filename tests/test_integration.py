@@ -173,7 +173,7 @@ def test_cli_json_contract():
     default = json.loads(subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "--prompt", "Say hello.",
                                          "--max-new-tokens", "12", "--json"], capture_output=True, text=True,
                                         timeout=300).stdout)
-    assert default["method"] == "hybrid" and default["tokens"] == plain["tokens"]      # speculation on by default
+    assert default["method"] == "suffix" and default["tokens"] == plain["tokens"]      # speculation on by default
 
 
 @pytest.fixture(scope="module")

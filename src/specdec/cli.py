@@ -73,7 +73,7 @@ def add_model_args(p: argparse.ArgumentParser, default_method: str = DEFAULT_MET
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"registered name ({', '.join(MODELS)}) or a .gguf path")
     p.add_argument("--method", default=default_method, type=one_of("method", names.METHOD_CHOICES), metavar="METHOD",
                    help=f"speculative method: {', '.join(names.METHODS)}; auto: the best lossless one for the "
-                        "model (hybrid where an EAGLE head is shipped for it, else suffix); none: plain decoding")
+                        "model (suffix, prompt and output lookup, with the auto draft length); none: plain decoding")
     p.add_argument("--draft-model", default=None,
                    help="what the method drafts with: for draft and staged a registered name, a .gguf path, a "
                         "distilled draft (.safetensors from `specdec train draft`) or self:N (the target's first N "
