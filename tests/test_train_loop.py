@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -19,17 +20,27 @@ def _toy(seed: int = 0) -> tuple[torch.nn.Linear, torch.optim.Optimizer]:
     return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
 
 
-def test_interrupted_run_saves_and_resumes(tmp_path):
-    out = tmp_path / "toy.safetensors"
+def _stepper(m: torch.nn.Linear, at_call: int, act) -> Callable[[], tuple[torch.Tensor, dict]]:
+    """A training step on fixed toy data that calls `act()` on its `at_call`-th call."""
     x, y = torch.randn(32, 4), torch.randn(32, 1)
-    m, opt = _toy()
     calls = []
 
     def step_fn():
         calls.append(1)
-        if len(calls) == 6:
-            raise KeyboardInterrupt
+        if len(calls) == at_call:
+            act()
         return torch.nn.functional.mse_loss(m(x), y), {}
+    return step_fn
+
+
+def _interrupt():
+    raise KeyboardInterrupt
+
+
+def test_interrupted_run_saves_and_resumes(tmp_path):
+    out = tmp_path / "toy.safetensors"
+    m, opt = _toy()
+    step_fn = _stepper(m, 6, _interrupt)
 
     with pytest.raises(KeyboardInterrupt):
         train_loop("toy", list(m.parameters()), opt, 1e-2, 10.0, Checkpoint(out, m, opt), step_fn)
@@ -52,15 +63,8 @@ def test_sigterm_stops_a_run_like_ctrl_c_and_keeps_its_state(tmp_path):
     import signal
 
     out = tmp_path / "toy.safetensors"
-    x, y = torch.randn(32, 4), torch.randn(32, 1)
     m, opt = _toy()
-    calls = []
-
-    def step_fn():
-        calls.append(1)
-        if len(calls) == 4:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return torch.nn.functional.mse_loss(m(x), y), {}
+    step_fn = _stepper(m, 4, lambda: os.kill(os.getpid(), signal.SIGTERM))
 
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(KeyboardInterrupt):

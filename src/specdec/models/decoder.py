@@ -78,7 +78,6 @@ def float32_prefill_pays(dtype: torch.dtype, device: torch.device) -> bool:
 LINEARS = ("wqkv", "wo", "w13", "w2")
 NO_NORM = torch.empty(0)                  # no q / k norm (Llama)
 NO_OUTPUT = torch.empty(0)                # a layer's input with nothing left to add (the first layer's)
-NATIVE_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def cfg_dtype_name(dtype: torch.dtype) -> str:
@@ -147,7 +146,7 @@ class Block(nn.Module):
         cfg = self.cfg
         B, T = slots.rows.numel(), slots.t
         nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        fused = (mask.native and x.is_contiguous() and x.dtype in NATIVE_DTYPES     # norms and adds: native
+        fused = (mask.native and x.is_contiguous() and x.dtype in native.DTYPES     # norms and adds: native
                  and (not o.numel() or (o.dtype == x.dtype and o.is_contiguous())))
         if fused:
             x, h = native.add_rms_norm(x, o, self._w32("attn_norm"), cfg.norm_eps)

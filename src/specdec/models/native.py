@@ -38,6 +38,7 @@ _LIB: list[ctypes.CDLL] = []       # the loaded kernel, once built
 _TRIED: list[str] = []             # why the kernel is not available ("" = it is)
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+DTYPES = (torch.bfloat16, torch.float32)  # the activation dtypes the kernels take
 
 
 def _compiler() -> str:
@@ -149,7 +150,7 @@ class Attend:
         float32): queries and keys roped, after a per-head RMSNorm where q_norm / k_norm are float32 weights
         [hd] (empty: none); keys and values written to `layer`'s scratch slots; each token attends over the
         slots the mask allows."""
-        if (qkv.dtype not in _WIDE or out_dtype not in _WIDE or qkv.stride(-1) != 1
+        if (qkv.dtype not in DTYPES or out_dtype not in DTYPES or qkv.stride(-1) != 1
                 or qkv.shape != (self.rows, self.width)):
             raise ValueError("native attention: unsupported layout")
         out = torch.empty(self.rows, self.out_width, dtype=out_dtype)
@@ -161,9 +162,6 @@ class Attend:
         if rc:
             raise MemoryError("native attention: out of memory") if rc == -1 else ValueError("native attention: too many query heads per kv head")
         return out
-
-
-_WIDE = (torch.bfloat16, torch.float32)
 
 
 def qkv_attend(qkv: Tensor, cos: Tensor, ssin: Tensor, q_norm: Tensor, k_norm: Tensor, eps: float,
