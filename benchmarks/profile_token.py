@@ -6,6 +6,7 @@ a chain of K drafts) through the target and its LM head, as the engine does, and
 - the wall time without the profiler (median of the forwards), and under torch.profiler:
 - the linear kernels of the layers (int4 `_weight_int4pack_mm_for_cpu`, oneDNN, F.linear),
 - the LM head, attention (the native kernel `native.Attend`: rope, cache writes and attention, or `attention.attention` without it),
+- the native layer loop (`native.LayerLoop`: every layer's linears, attention and norms in one call, where it runs),
   and everything else,
 - the number of profiler events (aten ops) per forward and the most frequent ones.
 
@@ -39,7 +40,7 @@ from specdec.models.kernels import pack
 
 LINEAR_OPS = ("aten::_weight_int4pack_mm_for_cpu", "mkldnn::_linear_pointwise", "aten::linear", "aten::addmm",
               "aten::mm", "aten::matmul")
-LABELS = ("forward", "lm_head", "attention")      # record_function labels this script adds
+LABELS = ("forward", "lm_head", "attention", "layer loop")  # record_function labels this script adds
 
 
 def labelled(fn: Callable, label: str) -> Callable:
@@ -48,6 +49,18 @@ def labelled(fn: Callable, label: str) -> Callable:
         with record_function(label):
             return fn(*args, **kw)
     return run
+
+
+class LabelledLoop:
+    """A native layer loop whose calls are marked "layer loop" in the profile (the kernels it runs are not
+    recorded by the profiler: they bypass the dispatcher)."""
+
+    def __init__(self, loop) -> None:
+        self.loop, self.max_rows, self.dtype = loop, loop.max_rows, loop.dtype
+
+    def __call__(self, *args):
+        with record_function("layer loop"):
+            return self.loop(*args)
 
 
 class Run:
@@ -80,7 +93,7 @@ class Run:
 
 def split(prof, n: int) -> tuple[dict[str, float], float, collections.Counter]:
     """(ms per forward by part, profiler events per forward, op counts) from the profiled forwards."""
-    parts = dict.fromkeys(("linear kernels", "LM head", "attention", "rest"), 0.0)
+    parts = dict.fromkeys(("linear kernels", "LM head", "attention", "layer loop", "rest"), 0.0)
     ops: collections.Counter = collections.Counter()
     total = 0.0
     for e in prof.events():
@@ -88,7 +101,7 @@ def split(prof, n: int) -> tuple[dict[str, float], float, collections.Counter]:
             total += e.cpu_time_total
             continue
         if e.name in LABELS[1:]:
-            parts["LM head" if e.name == "lm_head" else "attention"] += e.cpu_time_total
+            parts[{"lm_head": "LM head", "attention": "attention"}.get(e.name, e.name)] += e.cpu_time_total
             continue
         ops[e.name] += 1
         up, inside = e.cpu_parent, False
@@ -141,8 +154,10 @@ class Recorder:
 
 
 def kernel_replay(model, run: "Run", repeats: int) -> tuple[float, int]:
-    """(median seconds of one forward's kernels replayed alone, kernel calls per forward)."""
+    """(median seconds of one forward's kernels replayed alone, kernel calls per forward). The forward recorded
+    runs its layers from Python (the native layer loop calls the same kernels in the same order)."""
     rec = Recorder()
+    loop, model.loop = model.loop, None
     tables = [model.packed] + [layer.packed for layer in model.layers]
     saved = [dict(t) for t in tables]
     attend = decoder.native.Attend.__call__
@@ -157,6 +172,7 @@ def kernel_replay(model, run: "Run", repeats: int) -> tuple[float, int]:
         t.clear()
         t.update(s)
     decoder.native.Attend.__call__ = attend
+    model.loop = loop
     return rec.replay(repeats), len(rec.calls)
 
 
@@ -171,6 +187,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12, help="most frequent ops to list")
     ap.add_argument("--head", choices=("chosen", "dense", "int4"), default="chosen",
                     help="the LM head kernel: the one chosen on this machine, or force one of the candidates")
+    ap.add_argument("--python-layers", action="store_true",
+                    help="run the layers from Python even where the native layer loop is available")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     model, _, _ = load_model(a.model, a.dtype)
@@ -179,6 +197,8 @@ def main() -> None:
         model.packed["lm_head"] = pack(model.output if model.output.numel() else model.embed)
     elif a.head == "int4":
         model.packed["lm_head"] = model.head_kernels["int4"]
+    if a.python_layers:
+        model.loop = None
     run = Run(model, a.prompt, a.rows, 4 * a.tokens + 8)
     for _ in range(4):
         run.step()                                                            # warm-up
@@ -191,6 +211,8 @@ def main() -> None:
     decoder.attention = labelled(decoder.attention, "attention")
     decoder.native.Attend.__call__ = labelled(decoder.native.Attend.__call__, "attention")
     model.lm_head = labelled(model.lm_head, "lm_head")
+    if model.loop is not None:
+        model.loop = LabelledLoop(model.loop)                    # its kernels run unseen by the profiler
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(a.tokens):
             run.step()
@@ -202,7 +224,8 @@ def main() -> None:
 
     head = model.packed["lm_head"]
     print(f"{a.model} {model.compute} (LM head: {type(head).__name__} {str(head.dtype).removeprefix('torch.')}), "
-          f"{a.threads} thread(s), {a.rows} row(s) per forward, {a.tokens} forwards after {a.prompt} prompt tokens")
+          f"{a.threads} thread(s), layers run {'from Python' if model.loop is None else 'by the native loop'}, "
+          f"{a.rows} row(s) per forward, {a.tokens} forwards after {a.prompt} prompt tokens")
     print(f"CPU: {cpu_model()}, torch {torch.__version__} kernels {m.torch_capability}"
           f"{', ISA limit ' + m.isa_limit if m.isa_limit else ''}")
     wall = statistics.median(times) * 1000

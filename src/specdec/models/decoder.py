@@ -188,6 +188,7 @@ class Transformer(nn.Module):
         self.packed: dict[str, Kernel] = {}
         self.int4 = False                                   # decoding runs 4-bit kernels (see use_int4)
         self.head_kernels: dict[str, Kernel] = {}           # LM head candidates besides the dense one (see pack)
+        self.loop: native.LayerLoop | None = None           # the layers as one native call (q4; see pack)
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_base, cfg.max_seq_len)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin_signed", signed_sin(sin), persistent=False)  # see `rope`
@@ -264,6 +265,7 @@ class Transformer(nn.Module):
             layer.norms32 = {n: p.detach().float() for n, p in layer.named_parameters()
                              if n.endswith("norm") and p.dtype != torch.float32}
         self.packed = {"lm_head": self._head_kernel()}
+        self.loop = native.LayerLoop.of(self) if self.int4 and native.available(self.device) else None
         return self
 
     def _head_kernel(self) -> Kernel:
@@ -378,6 +380,18 @@ class Transformer(nn.Module):
         x = x.reshape(B * T, D)                                                # [B*T, D] rows of the residual stream
         taken: dict[int, Tensor] = {}
         o = NO_OUTPUT                                                          # a layer's output, added by the next
+        loop = self.loop
+        if (loop is not None and use_native and not prefill and B * T <= loop.max_rows and x.dtype == loop.dtype
+                and x.is_contiguous()):                                        # the same kernels in one native call
+            local_attend = local.attend if self.config.sliding_window > 0 else mask.attend
+            start = first_layer
+            for stop in sorted({i + 1 for i in features if i >= first_layer} | {len(self.layers)}):
+                if stop > start:
+                    x, o = loop(x, o, start, stop, mask.attend, local_attend)
+                    if stop - 1 in features:
+                        taken[stop - 1] = x + o
+                start = stop
+            first_layer = len(self.layers)
         for i, layer in enumerate(self.layers):
             if i < first_layer:                                                # done by the caller (forward_reusing)
                 continue
@@ -447,7 +461,7 @@ def truncated(model: Transformer, n_layers: int) -> Transformer:
     out.cos, out.sin_signed = model.cos, model.sin_signed
     if cfg.sliding_window > 0:
         out.lcos, out.lsin_signed = model.lcos, model.lsin_signed
-    out.packed, out.int4 = model.packed, model.int4
+    out.packed, out.int4, out.loop = model.packed, model.int4, model.loop   # the loop runs layers [0, n_layers)
     return out.eval()
 
 

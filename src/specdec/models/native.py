@@ -12,6 +12,11 @@ exact integer block sums).
 Built with `cc -O3 -march=native -mno-avx512f` into $SPECDEC_CACHE/native, keyed by the source, the CPU,
 the compiler and its flags; where no compiler is found, the build fails or $SPECDEC_NATIVE=0, `available()` is False
 and the forward keeps the torch form (a log line says why).
+
+`LayerLoop` (layers.cpp, C++ against the running torch's headers, built once in ~2 s) runs a q4 model's layers
+in one call per forward: the same kernels in the same order as `decoder.Block` (torch's int4 kernel through
+`at::cpu`, the C kernels above, torch's activations), so the same bits, without ~60 us of Python per layer.
+$SPECDEC_LOOP=0 or no C++ compiler: the layers run from Python.
 """
 from __future__ import annotations
 
@@ -103,6 +108,80 @@ def _build() -> str:
     return ""
 
 
+LOOP_SOURCE = Path(__file__).with_name("layers.cpp")
+_LOOP: list[ctypes.CDLL] = []      # the loaded layer loop, once built
+_LOOP_TRIED: list[str] = []        # why it is not available ("" = it is)
+
+
+def _cxx() -> str:
+    return os.environ.get("CXX", "") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++") or ""
+
+
+def _loop_flags() -> list[str]:
+    """Flags of the layer loop: built against the running torch's headers and libraries, with its C++ ABI."""
+    base = Path(torch.__file__).parent
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return ["-O2", "-std=c++20", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{base / 'include'}",
+            f"-L{base / 'lib'}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{base / 'lib'}"]
+
+
+def _build_loop() -> str:
+    """Load (building if needed, ~2 s once) the layer loop; returns "" or why it is not available."""
+    if not available(torch.device("cpu")):
+        return "no native kernels"
+    if os.environ.get("SPECDEC_LOOP", "1") == "0":
+        return "disabled by SPECDEC_LOOP=0"
+    cxx = _cxx()
+    if not cxx:
+        return "no C++ compiler found (c++, g++ or clang++; or set $CXX)"
+    from .registry import cache_dir
+
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
+        stamp = "|".join([LOOP_SOURCE.read_text(), torch.__version__, cxx, version, *_loop_flags()])
+        path = cache_dir() / "native" / f"layers-{hashlib.sha256(stamp.encode()).hexdigest()[:16]}.so"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+                out = Path(tmp) / path.name
+                r = subprocess.run([cxx, str(LOOP_SOURCE), "-o", str(out), *_loop_flags()],
+                                   capture_output=True, text=True, timeout=300)
+                if r.returncode != 0:
+                    return f"{cxx} failed: {r.stderr.strip()[-300:]}"
+                os.replace(out, path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"could not build or load it: {e}"
+    lib.specdec_loop_new.restype = _PTR
+    lib.specdec_loop_new.argtypes = [_I64, _I64, ctypes.c_double, ctypes.c_int, ctypes.c_int, _PTR, _PTR]
+    lib.specdec_loop_free.restype = None
+    lib.specdec_loop_free.argtypes = [_PTR]
+    lib.specdec_loop_linear.restype = ctypes.c_int
+    lib.specdec_loop_linear.argtypes = [_PTR, _I64, ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64]
+    lib.specdec_loop_norms.restype = ctypes.c_int
+    lib.specdec_loop_norms.argtypes = [_PTR, _I64, *[_PTR] * 6, ctypes.c_int]
+    lib.specdec_loop_run.restype = ctypes.c_int
+    lib.specdec_loop_run.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR]
+    _LOOP.append(lib)
+    return ""
+
+
+def loop_available() -> bool:
+    """Whether the layer loop (`LayerLoop`) is built and loaded here."""
+    if not _LOOP_TRIED:
+        _LOOP_TRIED.append(_build_loop())
+        if _LOOP_TRIED[0]:
+            logging.getLogger("specdec").info("native layer loop unavailable (%s): layers run from Python", _LOOP_TRIED[0])
+    return not _LOOP_TRIED[0]
+
+
+class _Plan(ctypes.Structure):
+    """`specdec_plan` of layers.cpp: one forward's attention arguments shared by every layer."""
+    _fields_ = [("cos", _PTR), ("ssin", _PTR), ("k", _PTR), ("v", _PTR), ("layer_bytes", _I64), ("row_off", _PTR),
+                ("at", _PTR), ("head_stride", _I64), ("mask", _PTR), ("S", _I64), ("B", _I64), ("T", _I64),
+                ("nh", _I64), ("nkv", _I64), ("hd", _I64), ("scale", ctypes.c_float)]
+
+
 def source_stamp() -> str:
     """A short hash of the kernels' source: part of the key of anything timed with them."""
     return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
@@ -143,6 +222,10 @@ class Attend:
         self._head = (cos.data_ptr(), ssin.data_ptr())
         self._tail = (where.row_off.data_ptr(), where.at.data_ptr(), Smax * hd, visible.data_ptr(), S, B, T,
                       n_heads, nkv, hd, scale)
+
+    def plan(self) -> _Plan:
+        """These arguments as the C struct `LayerLoop` takes."""
+        return _Plan(*self._head, self._k, self._v, self._layer_bytes, *self._tail)
 
     def __call__(self, qkv: Tensor, q_norm: Tensor, k_norm: Tensor, eps: float, layer: int,
                  out_dtype: torch.dtype) -> Tensor:
@@ -255,3 +338,75 @@ def q8_0_codes(data, shape: tuple[int, int]) -> dict[str, Tensor]:
     d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     q = b[..., 2:].copy().view(np.int8).reshape(N, K)
     return {"q": torch.from_numpy(q), "d": torch.from_numpy(d)}
+
+
+class LayerLoop:
+    """A decoder's layers run by one native call per forward (layers.cpp): the same kernels as the Python loop
+    of `decoder.Block` in the same order, so the same bits, without the Python between them. For models whose
+    every layer decodes through torch's int4 kernel (the q4 mode); `of` says None otherwise."""
+
+    def __init__(self, lib: ctypes.CDLL, handle: int, keep: list, max_rows: int, dtype: torch.dtype) -> None:
+        self._lib, self._handle, self._keep = lib, handle, keep
+        self.max_rows, self.dtype = max_rows, dtype
+
+    def __del__(self) -> None:
+        if getattr(self, "_handle", None):
+            self._lib.specdec_loop_free(self._handle)
+            self._handle = None
+
+    @staticmethod
+    def of(model) -> "LayerLoop | None":
+        """The loop of a packed `decoder.Transformer`, or None where it cannot run it (a linear not int4, an 8-bit
+        head pair, other activation dtypes, no compiler)."""
+        from .int4 import Int4Linear
+
+        cfg = model.config
+        layers = list(model.layers)
+        if model.dtype not in DTYPES or not layers or model.device.type != "cpu":
+            return None
+        kernels = [[layer.packed.get(n) for n in ("wqkv", "wo", "w13", "w2")] for layer in layers]
+        if not all(isinstance(k, Int4Linear) and k.copies == 1 and k.check.many_rows for ks in kernels for k in ks):
+            return None
+        if not loop_available():
+            return None
+        lib = _LOOP[0]
+        attend = ctypes.cast(_LIB[0].specdec_qkv_attend, _PTR).value
+        norm = ctypes.cast(_LIB[0].specdec_add_rms_norm, _PTR).value
+        handle = lib.specdec_loop_new(len(layers), cfg.dim, cfg.norm_eps, int(cfg.gelu),
+                                      int(model.dtype == torch.bfloat16), attend, norm)
+        if not handle:
+            raise MemoryError("native layer loop: out of memory")
+        keep: list = []
+        loop = LayerLoop(lib, handle, keep, min(k.check.max_rows for ks in kernels for k in ks), model.dtype)
+        names = ("attn_norm", "ffn_norm", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")
+        for i, (layer, ks) in enumerate(zip(layers, kernels)):
+            for which, k in enumerate(ks):
+                keep += [k.packed, k.scale_zero]
+                n_out, n_in = k.scale_zero.shape[1], k.scale_zero.shape[0] * 32
+                if lib.specdec_loop_linear(handle, i, which, k.packed.data_ptr(), n_out, n_in,
+                                           k.scale_zero.data_ptr(), k.check.max_rows):
+                    raise RuntimeError("native layer loop: could not take a linear")
+            norms = [layer._w32(n).contiguous() if hasattr(layer, n) else None for n in names]
+            keep += [w for w in norms if w is not None]
+            if lib.specdec_loop_norms(handle, i, *[w.data_ptr() if w is not None else None for w in norms],
+                                      int(cfg.is_local(i))):
+                raise RuntimeError("native layer loop: could not take the norms")
+        return loop
+
+    def __call__(self, x: Tensor, o: Tensor, first: int, last: int, attend: Attend,
+                 local: Attend) -> tuple[Tensor, Tensor]:
+        """Layers [first, last) on x [N, D] before o [N, D] (empty: nothing to add), attending through the
+        forward's plans (`local` for sliding-window layers) -> that last layer's (x, o), as `decoder.Block`."""
+        if x.dtype != self.dtype or not x.is_contiguous() or (o.numel() and (o.dtype != x.dtype or not o.is_contiguous())):
+            raise ValueError("native layer loop: unsupported layout")
+        x_out, o_out = torch.empty_like(x), torch.empty_like(x)
+        g, l = attend.plan(), local.plan()
+        rc = self._lib.specdec_loop_run(self._handle, first, last, x.data_ptr(), o.data_ptr() if o.numel() else None,
+                                        x.shape[0], ctypes.byref(g), ctypes.byref(l), x_out.data_ptr(),
+                                        o_out.data_ptr())
+        if rc:
+            raise {-1: MemoryError("native layer loop: out of memory"),
+                   -2: ValueError("native layer loop: too many query heads per kv head"),
+                   -4: ValueError("native layer loop: more rows than a linear's checked limit")}.get(
+                rc, RuntimeError(f"native layer loop: torch error (code {rc})"))
+        return x_out, o_out

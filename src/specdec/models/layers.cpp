@@ -1,0 +1,210 @@
+// The decoder's layer loop in one native call (`native.LayerLoop`): for a forward of a few rows, the time
+// the Python loop spends between the kernels (module calls, argument checks, ~8 ATen dispatches per layer)
+// is a fifth of the step; here the same kernels run back to back, so the bits are the Python loop's:
+//   x, h = add_rms_norm(x, o, attn_norm)          attend.c
+//   qkv  = int4_mm(h, wqkv)                        torch's CPU int4 kernel (at::cpu, no dispatcher)
+//   a    = qkv_attend(qkv, ...)                    attend.c (q/k norms, rope, cache writes, attention)
+//   o    = int4_mm(a, wo)          [post_attn_norm(o): torch's rms_norm, as `decoder.rms_norm`]
+//   x, h = add_rms_norm(x, o, ffn_norm)
+//   g, u = int4_mm(h, w13).chunk(2)
+//   o    = int4_mm(act(g) * u, w2) [post_ffn_norm(o)]    act: SiLU or tanh-GELU (at::cpu, torch's bits)
+// Activations bfloat16 or float32 (cast to bfloat16 for each int4 call and back, as `kernels.linear` does).
+// Weights stay owned by Python (tensors made with from_blob).
+// Built by `native.LayerLoop` against the running torch's headers and libraries; C ABI, called by ctypes.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/_weight_int4pack_mm_for_cpu_cpu_dispatch.h>
+#include <ATen/ops/silu_cpu_dispatch.h>
+#include <ATen/ops/gelu_cpu_dispatch.h>
+#include <ATen/ops/mul_cpu_dispatch.h>
+#include <ATen/ops/rms_norm.h>
+#include <cstring>
+#include <vector>
+
+typedef int (*attend_fn)(const void *qkv, int qkv_bf16, int64_t qkv_stride, const float *cos, const float *ssin,
+                         const float *q_norm, const float *k_norm, float eps, float *kc, float *vc,
+                         const int64_t *row_off, const int64_t *at, int64_t head_stride, const uint8_t *mask,
+                         int64_t S, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, float scale,
+                         void *out, int out_bf16);
+typedef int (*norm_fn)(const void *x, const void *o, int bf16, int64_t N, int64_t D, const float *w, float eps,
+                       void *xo, void *h);
+
+// One forward's attention plan (what `native.Attend` checks once per forward), as a C struct.
+extern "C" struct specdec_plan {
+    const float *cos, *ssin;        // [B*T, hd] float32
+    char *k, *v;                    // layer 0's cache [R, nkv, Smax, hd] float32; layer i at + i * layer_bytes
+    int64_t layer_bytes;
+    const int64_t *row_off, *at;    // per sequence: the cache row's offset (floats), its first scratch slot
+    int64_t head_stride;            // Smax * hd
+    const uint8_t *mask;            // [B, T, S]
+    int64_t S, B, T, nh, nkv, hd;
+    float scale;
+};
+
+namespace {
+
+enum { WQKV, WO, W13, W2, N_LINEARS };
+enum { ATTN_NORM, FFN_NORM, Q_NORM, K_NORM, POST_ATTN_NORM, POST_FFN_NORM, N_NORMS };
+
+struct Linear {
+    at::Tensor packed;              // [N, K / 2] uint8, torch's int4 layout
+    at::Tensor scale_zero;          // [K / 32, N, 2] bfloat16
+    int64_t max_rows = 0;           // the rows one call may take (its checked limit)
+};
+
+struct Layer {
+    Linear lin[N_LINEARS];
+    const float *norm[N_NORMS] = {};  // float32 weights, nullptr: none
+    at::Tensor post[2];             // the sandwich norms' weights as tensors (undefined: none)
+    int local = 0;                  // attends through the local (sliding-window) plan
+};
+
+struct Loop {
+    std::vector<Layer> layers;
+    int64_t dim = 0;
+    double eps = 0;                 // as Python gives it (the C kernels take it as float)
+    int gelu = 0;
+    int bf16 = 1;                   // activations bfloat16, else float32
+    at::TensorOptions act;          // of the activations
+    attend_fn attend = nullptr;
+    norm_fn norm = nullptr;
+};
+
+const at::TensorOptions BF16 = at::TensorOptions().dtype(at::kBFloat16);
+
+// x [N, K] in the activations' dtype -> [N, N_out] in it; the kernel's bfloat16 in and out
+at::Tensor int4_mm(const Loop &m, const Linear &l, const at::Tensor &x) {
+    at::Tensor y = at::cpu::_weight_int4pack_mm_for_cpu(m.bf16 ? x : x.to(at::kBFloat16), l.packed, 32,
+                                                        l.scale_zero);
+    return m.bf16 ? y : y.to(at::kFloat);
+}
+
+// (x + o, norm(x + o) * w); o undefined: (x, norm(x) * w)
+int add_norm(const Loop &m, at::Tensor &x, const at::Tensor &o, const float *w, at::Tensor &h) {
+    int64_t N = x.size(0);
+    at::Tensor xo = o.defined() ? at::empty({N, m.dim}, m.act) : x;
+    h = at::empty({N, m.dim}, m.act);
+    int rc = m.norm(x.data_ptr(), o.defined() ? o.data_ptr() : nullptr, m.bf16, N, m.dim, w, (float)m.eps, xo.data_ptr(),
+                    h.data_ptr());
+    x = xo;
+    return rc;
+}
+
+// decoder.rms_norm: torch's RMSNorm in float32, rounded to the activations' dtype
+at::Tensor torch_norm(const Loop &m, const at::Tensor &x, const at::Tensor &w) {
+    at::Tensor y = at::rms_norm(m.bf16 ? x.to(at::kFloat) : x, {m.dim}, w, m.eps);
+    return m.bf16 ? y.to(at::kBFloat16) : y;
+}
+
+int run_layer(const Loop &m, int i, const specdec_plan &p, at::Tensor &x, at::Tensor &o) {
+    const Layer &l = m.layers[i];
+    at::Tensor h;
+    int rc = add_norm(m, x, o, l.norm[ATTN_NORM], h);
+    if (rc) return rc;
+    at::Tensor qkv = int4_mm(m, l.lin[WQKV], h);                               // [N, (nh + 2 nkv) hd]
+    int64_t N = x.size(0);
+    at::Tensor a = at::empty({N, p.nh * p.hd}, m.act);
+    int64_t off = i * p.layer_bytes;
+    rc = m.attend(qkv.data_ptr(), m.bf16, qkv.stride(0), p.cos, p.ssin, l.norm[Q_NORM], l.norm[K_NORM], (float)m.eps,
+                  (float *)(p.k + off), (float *)(p.v + off), p.row_off, p.at, p.head_stride, p.mask, p.S, p.B,
+                  p.T, p.nh, p.nkv, p.hd, p.scale, a.data_ptr(), m.bf16);
+    if (rc) return rc == -1 ? -1 : -2;
+    o = int4_mm(m, l.lin[WO], a);                                              // [N, D]
+    if (l.post[0].defined()) o = torch_norm(m, o, l.post[0]);
+    if ((rc = add_norm(m, x, o, l.norm[FFN_NORM], h))) return rc;
+    at::Tensor gu = int4_mm(m, l.lin[W13], h);                                 // [N, 2F]
+    int64_t F = gu.size(1) / 2;
+    at::Tensor gate = gu.narrow(1, 0, F), up = gu.narrow(1, F, F);
+    at::Tensor act = m.gelu ? at::cpu::gelu(gate, "tanh") : at::cpu::silu(gate);
+    o = int4_mm(m, l.lin[W2], at::cpu::mul(act, up));                          // [N, D]
+    if (l.post[1].defined()) o = torch_norm(m, o, l.post[1]);
+    return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+void *specdec_loop_new(int64_t n_layers, int64_t dim, double eps, int gelu, int bf16, attend_fn attend, norm_fn norm) {
+    try {
+        Loop *m = new Loop();
+        m->layers.resize(n_layers);
+        m->dim = dim;
+        m->eps = eps;
+        m->gelu = gelu;
+        m->bf16 = bf16;
+        m->act = at::TensorOptions().dtype(bf16 ? at::kBFloat16 : at::kFloat);
+        m->attend = attend;
+        m->norm = norm;
+        return m;
+    } catch (...) {
+        return nullptr;
+    }
+}
+
+void specdec_loop_free(void *m) { delete (Loop *)m; }
+
+// Layer i's linear `which` (0 wqkv, 1 wo, 2 w13, 3 w2): packed [N, K / 2] uint8, scale_zero [K / 32, N, 2].
+int specdec_loop_linear(void *m, int64_t i, int which, void *packed, int64_t N, int64_t K, void *scale_zero,
+                        int64_t max_rows) {
+    try {
+        Linear &l = ((Loop *)m)->layers.at(i).lin[which];
+        l.packed = at::from_blob(packed, {N, K / 2}, at::TensorOptions().dtype(at::kByte));
+        l.scale_zero = at::from_blob(scale_zero, {K / 32, N, 2}, BF16);
+        l.max_rows = max_rows;
+        return 0;
+    } catch (...) {
+        return -3;
+    }
+}
+
+// Layer i's norm weights (float32 [D] or [hd]; nullptr: none) and whether it attends locally.
+int specdec_loop_norms(void *m, int64_t i, const float *attn, const float *ffn, const float *q, const float *k,
+                       const float *post_attn, const float *post_ffn, int local) {
+    try {
+        Layer &l = ((Loop *)m)->layers.at(i);
+        const float *w[N_NORMS] = {attn, ffn, q, k, post_attn, post_ffn};
+        std::memcpy(l.norm, w, sizeof w);
+        const auto f32 = at::TensorOptions().dtype(at::kFloat);
+        int64_t dim = ((Loop *)m)->dim;
+        for (int j = 0; j < 2; j++)
+            l.post[j] = w[POST_ATTN_NORM + j] ? at::from_blob((void *)w[POST_ATTN_NORM + j], {dim}, f32) : at::Tensor();
+        l.local = local;
+        return 0;
+    } catch (...) {
+        return -3;
+    }
+}
+
+// Layers [first, last) (first < last) over N rows: x [N, D] (the activations' dtype) the residual stream before o [N, D] (nullptr: nothing
+// to add) is added. Writes the last layer's (x, o) to x_out, o_out. Returns 0, -1 out of memory, -2 too many
+// query heads per kv head, -3 a torch error, -4 more rows than a linear's checked limit.
+int specdec_loop_run(void *mp, int64_t first, int64_t last, const void *x, const void *o, int64_t N,
+                     const specdec_plan *global, const specdec_plan *local, void *x_out, void *o_out) {
+    const Loop &m = *(Loop *)mp;
+    try {
+        if (first >= last) return -3;
+        int64_t bytes = N * m.dim * (m.bf16 ? 2 : 4);
+        at::Tensor xs = at::empty({N, m.dim}, m.act), os;
+        std::memcpy(xs.data_ptr(), x, bytes);
+        if (o) {
+            os = at::empty({N, m.dim}, m.act);
+            std::memcpy(os.data_ptr(), o, bytes);
+        }
+        for (int64_t i = first; i < last; i++) {
+            const Layer &l = m.layers[i];
+            for (const Linear &lin : l.lin)
+                if (N > lin.max_rows) return -4;
+            int rc = run_layer(m, (int)i, l.local ? *local : *global, xs, os);
+            if (rc) return rc;
+        }
+        std::memcpy(x_out, xs.data_ptr(), bytes);
+        std::memcpy(o_out, os.data_ptr(), bytes);
+        return 0;
+    } catch (...) {
+        return -3;
+    }
+}
+
+}  // extern "C"

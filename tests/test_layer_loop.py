@@ -1,0 +1,122 @@
+"""The native layer loop (layers.cpp) gives the bits of the Python layer loop it replaces: every layer's
+int4 linears, norms and attention, for one token, K tokens, token trees, ragged batches and feature taps,
+Llama's and Gemma's layer shapes, bfloat16 and float32 activations."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specdec.models import native
+from specdec.models.config import ModelConfig
+from specdec.models.decoder import LINEARS, Transformer, init_random
+from specdec.models.int4 import GROUP, Blocks4, Int4Linear
+
+pytestmark = pytest.mark.exactness
+
+CPU = torch.device("cpu")
+needs_loop = pytest.mark.skipif(not (native.available(CPU) and native.loop_available()),
+                                reason="native layer loop unavailable (no C/C++ compiler or SPECDEC_LOOP=0)")
+
+SHAPES = {
+    "llama": ModelConfig(vocab_size=512, dim=576, n_layers=3, n_heads=9, n_kv_heads=3, head_dim=64,
+                         hidden_dim=1536, max_seq_len=512, name="llama-shaped"),
+    "gemma": ModelConfig(vocab_size=512, dim=640, n_layers=3, n_heads=4, n_kv_heads=1, head_dim=256,
+                         hidden_dim=2048, max_seq_len=512, embed_scale=640 ** 0.5, qk_norm=True, sandwich_norm=True,
+                         gelu=True, sliding_window=12, sliding_pattern=2, name="gemma-shaped"),
+}
+
+
+def random_blocks(n: int, k: int, rng: np.random.Generator) -> Blocks4:
+    g = k // GROUP
+    return Blocks4(rng.integers(0, 16, (n, k), dtype=np.uint8), rng.uniform(0.002, 0.02, (n, g)).astype(np.float32),
+                   rng.normal(0, 0.02, (n, g)).astype(np.float32))
+
+
+_MODELS: dict[tuple[str, torch.dtype], Transformer] = {}
+
+
+def q4_model(shape: str, dtype: torch.dtype) -> Transformer:
+    """A random 3-layer model whose every linear decodes through torch's int4 kernel, as the q4 mode loads one."""
+    if (shape, dtype) not in _MODELS:
+        cfg = SHAPES[shape]
+        model = init_random(Transformer(cfg), seed=3, std=0.05).to(dtype).eval().requires_grad_(False)
+        rng = np.random.default_rng(0)
+        kernels = {(i, n): Int4Linear.of(random_blocks(*getattr(layer, n).shape, rng))
+                   for i, layer in enumerate(model.layers) for n in LINEARS}
+        _MODELS[shape, dtype] = model.use_int4(kernels).pack()
+    return _MODELS[shape, dtype]
+
+
+def forward_both(model: Transformer, lengths: list[int], t: int, tree: bool = False,
+                 features: tuple[int, ...] = ()) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(output, key cache) of one forward of t tokens per row after `lengths` tokens, through the native loop
+    and through the Python loop, from the same prefilled cache."""
+    B = len(lengths)
+    g = torch.Generator().manual_seed(sum(lengths) + t)
+    rows = torch.arange(B)
+    prompt = torch.randint(0, model.vocab_size, (B, max(lengths)), generator=g)
+    tokens = torch.randint(0, model.vocab_size, (B, t), generator=g)
+    mask = None
+    depth = torch.arange(t)
+    if tree:                                                                 # a root and its t - 1 children
+        depth = (torch.arange(t) > 0).long()
+        mask = (torch.eye(t, dtype=torch.bool) | (torch.arange(t) == 0)[None, :]).expand(B, t, t).contiguous()
+    out = []
+    loop = model.loop
+    for use_loop in (True, False):
+        model.loop = loop if use_loop else None
+        cache = model.new_cache(B, 256)
+        model.prefill(prompt, torch.arange(prompt.shape[1]).expand(B, -1), cache, rows)
+        cache.lengths[rows] = torch.tensor(lengths)
+        pos = cache.lengths[rows][:, None] + depth
+        hidden = model.forward(tokens, pos, cache, rows, mask, features=features)
+        out.append((hidden, cache.k.clone()))
+    model.loop = loop
+    return out
+
+
+@needs_loop
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", ["llama", "gemma"])
+@pytest.mark.parametrize("case", ["one token", "K tokens", "tree", "ragged batch", "features"])
+def test_the_native_loop_gives_the_python_loops_bits(shape, dtype, case):
+    model = q4_model(shape, dtype)
+    assert model.loop is not None and model.loop.dtype == dtype
+    lengths, t, tree, features = {
+        "one token": ([30], 1, False, ()),
+        "K tokens": ([30], 5, False, ()),
+        "tree": ([30], 6, True, ()),
+        "ragged batch": ([30, 17, 41], 4, False, ()),
+        "features": ([30, 9], 3, False, (0, 2)),
+    }[case]
+    (a, ka), (b, kb) = forward_both(model, lengths, t, tree, features)
+    assert a.shape == b.shape and a.shape[-1] == model.config.dim * (1 + len(features))
+    assert torch.equal(a, b), f"max difference {(a.float() - b.float()).abs().max()}"
+    assert torch.equal(ka, kb)                                               # the same keys written
+
+
+@needs_loop
+def test_the_loop_runs_and_is_used_by_decoding_forwards(monkeypatch):
+    model = q4_model("llama", torch.bfloat16)
+    calls = []
+    real = native.LayerLoop.__call__
+    monkeypatch.setattr(native.LayerLoop, "__call__", lambda self, *a: calls.append(a[2:4]) or real(self, *a))
+    forward_both(model, [20], 2, features=(1,))
+    assert calls == [(0, 2), (2, 3)]                                         # split at the feature tap
+
+
+@needs_loop
+def test_forwards_beyond_the_checked_row_limit_run_from_python(monkeypatch):
+    model = q4_model("llama", torch.bfloat16)
+    calls = []
+    real = native.LayerLoop.__call__
+    monkeypatch.setattr(native.LayerLoop, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
+    (a, _), (b, _) = forward_both(model, [10], model.loop.max_rows + 1)
+    assert not calls and torch.equal(a, b)
+
+
+def test_models_without_int4_linears_have_no_loop():
+    cfg = SHAPES["llama"]
+    model = init_random(Transformer(cfg), seed=0, std=0.05).eval().requires_grad_(False).pack()
+    assert model.loop is None
