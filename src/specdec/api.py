@@ -146,6 +146,7 @@ def runtime_info(target: CausalLM) -> dict:
             "dtype": getattr(target, "compute", str(getattr(target, "dtype", "")).removeprefix("torch.")),
             "kernels": f"oneDNN prepacked ({m.kernel_family})" if packed else "torch default",
             "attention": native.describe(device),
+            "layers": native.describe_loop(target),
             "self_check": check.as_dict() if check is not None else None}
 
 

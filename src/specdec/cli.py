@@ -143,6 +143,7 @@ def cmd_info(a: argparse.Namespace) -> int:
             ("int4 kernel", "yes" if m.int4_kernel else "no"),
             ("model", name), ("dtype", info["dtype"] + (f" (chosen by {a.dtype})" if a.dtype == "auto" else "")),
             ("linear kernels", info["kernels"]), ("attention", info["attention"]),
+            ("layer loop", info["layers"]),
             ("self-check", check.summary()),
             ("load", f"{load_s:.2f} s (this start; the first on a machine converts weights and checks kernels)"),
             ("cache", f"{cache_mb:.0f} MB in {cache} ($SPECDEC_CACHE)"),

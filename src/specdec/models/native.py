@@ -78,6 +78,7 @@ def _build() -> str:
     try:
         path = _library_path(cc)
         if not path.exists():
+            logging.getLogger("specdec").info("building the native kernels for this CPU (once; a few seconds) ...")
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
                 out = Path(tmp) / path.name
@@ -141,6 +142,7 @@ def _build_loop() -> str:
         stamp = "|".join([LOOP_SOURCE.read_text(), torch.__version__, cxx, version, *_loop_flags()])
         path = cache_dir() / "native" / f"layers-{hashlib.sha256(stamp.encode()).hexdigest()[:16]}.so"
         if not path.exists():
+            logging.getLogger("specdec").info("building the native layer loop for this torch (once; a few seconds) ...")
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
                 out = Path(tmp) / path.name
@@ -277,6 +279,15 @@ def describe(device: torch.device) -> str:
     if available(device):
         return "native kernel (attend.c)"
     return "torch ops" + (f" ({_TRIED[0]})" if _TRIED and _TRIED[0] else "")
+
+
+def describe_loop(model) -> str:
+    """How `model`'s layers run, for `specdec info` and /health."""
+    if getattr(model, "loop", None) is not None:
+        return "native (layers.cpp: one call per forward)"
+    if _LOOP_TRIED and _LOOP_TRIED[0]:
+        return f"Python ({_LOOP_TRIED[0]})"
+    return "Python (the native loop takes models whose every layer is 4-bit)"
 
 
 @dataclass(frozen=True)
