@@ -3,6 +3,8 @@ int4 linears, norms and attention, for one token, K tokens, token trees, ragged 
 Llama's and Gemma's layer shapes, bfloat16 and float32 activations."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -33,19 +35,25 @@ def random_blocks(n: int, k: int, rng: np.random.Generator) -> Blocks4:
                    rng.normal(0, 0.02, (n, g)).astype(np.float32))
 
 
-_MODELS: dict[tuple[str, torch.dtype], Transformer] = {}
+_MODELS: dict[tuple[str, torch.dtype, str], Transformer] = {}
 
 
-def q4_model(shape: str, dtype: torch.dtype) -> Transformer:
-    """A random 3-layer model whose every linear decodes through torch's int4 kernel, as the q4 mode loads one."""
-    if (shape, dtype) not in _MODELS:
+def q4_model(shape: str, dtype: torch.dtype, kernel: str = "int4") -> Transformer:
+    """A random 3-layer model whose every linear is 4-bit, as the q4 mode loads one: through torch's int4
+    kernel, the native one (`native.Q4Linear`), or a mix (layer by layer and linear by linear)."""
+    if (shape, dtype, kernel) not in _MODELS:
         cfg = SHAPES[shape]
         model = init_random(Transformer(cfg), seed=3, std=0.05).to(dtype).eval().requires_grad_(False)
         rng = np.random.default_rng(0)
-        kernels = {(i, n): Int4Linear.of(random_blocks(*getattr(layer, n).shape, rng))
-                   for i, layer in enumerate(model.layers) for n in LINEARS}
-        _MODELS[shape, dtype] = model.use_int4(kernels).pack()
-    return _MODELS[shape, dtype]
+        kernels = {}
+        for i, layer in enumerate(model.layers):
+            for j, n in enumerate(LINEARS):
+                b = random_blocks(*getattr(layer, n).shape, rng)
+                native_here = kernel == "native" or (kernel == "mixed" and (i + j) % 2)
+                kernels[i, n] = (native.Q4Linear.of(native.q4_layout(b.q, b.scale, b.zero)) if native_here
+                                 else Int4Linear.of(b))
+        _MODELS[shape, dtype, kernel] = model.use_int4(kernels).pack()
+    return _MODELS[shape, dtype, kernel]
 
 
 def forward_both(model: Transformer, lengths: list[int], t: int, tree: bool = False,
@@ -77,11 +85,12 @@ def forward_both(model: Transformer, lengths: list[int], t: int, tree: bool = Fa
 
 
 @needs_loop
+@pytest.mark.parametrize("kernel", ["int4", "native", "mixed"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("shape", ["llama", "gemma"])
 @pytest.mark.parametrize("case", ["one token", "K tokens", "tree", "ragged batch", "features"])
-def test_the_native_loop_gives_the_python_loops_bits(shape, dtype, case):
-    model = q4_model(shape, dtype)
+def test_the_native_loop_gives_the_python_loops_bits(shape, dtype, case, kernel):
+    model = q4_model(shape, dtype, kernel)
     assert model.loop is not None and model.loop.dtype == dtype
     lengths, t, tree, features = {
         "one token": ([30], 1, False, ()),
@@ -114,6 +123,12 @@ def test_forwards_beyond_the_checked_row_limit_run_from_python(monkeypatch):
     monkeypatch.setattr(native.LayerLoop, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
     (a, _), (b, _) = forward_both(model, [10], model.loop.max_rows + 1)
     assert not calls and torch.equal(a, b)
+
+
+@pytest.mark.skipif(not (native.available(CPU) and native._cxx()) or os.environ.get("SPECDEC_LOOP") == "0",
+                    reason="no native kernels or no C++ compiler")
+def test_the_loop_builds_where_a_cpp_compiler_is_found():
+    assert native.loop_available(), native._LOOP_TRIED
 
 
 def test_models_without_int4_linears_have_no_loop():

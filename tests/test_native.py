@@ -172,3 +172,61 @@ def test_native_add_and_norm_is_torchs_add_then_rms_norm(dtype):
         assert torch.equal(native.add_rms_norm(x[r:r + 1], o[r:r + 1], w, 1e-5)[1][0], h[r])
     same, h2 = native.add_rms_norm(xo, torch.empty(0), w, 1e-5)                # nothing added: the norm alone
     assert same is xo and torch.equal(h2, h)
+
+
+def _q4_blocks(n: int, k: int, seed: int):
+    import numpy as np
+
+    from specdec.models.int4 import Blocks4
+
+    rng = np.random.default_rng(seed)
+    return Blocks4(rng.integers(0, 16, (n, k), dtype=np.uint8), rng.uniform(0.002, 0.02, (n, k // 32)).astype(np.float32),
+                   rng.normal(0, 0.02, (n, k // 32)).astype(np.float32))
+
+
+def _q8_reference(x: torch.Tensor, b) -> torch.Tensor:
+    """x [M, K] quantized per block of 32 as the kernel does (float32 dx = max|x| / 127, codes roundf(x * (1 / dx)):
+    halves away from zero), times the dequantized 4-bit weights, in float64."""
+    M, K = x.shape
+    xb = x.float().reshape(M, K // 32, 32)
+    dx = xb.abs().amax(-1) / 127
+    q = xb * torch.where(dx > 0, 1 / dx, 0)[..., None]
+    q = torch.sign(q) * torch.floor(q.abs() + 0.5)
+    return (q.double() * dx.double()[..., None]).reshape(M, K) @ torch.from_numpy(b.dequantize()).double().T
+
+
+@needs_native
+def test_native_q4_layout_holds_the_blocks_codes_scales_and_zeros():
+    b = _q4_blocks(32, 64, 0)
+    lay = native.q4_layout(b.q, b.scale, b.zero)
+    c = lay["codes"]                                                         # [2, 2, 256]
+    for g, r, k in ((0, 0, 0), (1, 5, 13), (1, 15, 63), (0, 9, 36)):
+        blk, i = divmod(k, 32)
+        part, j = divmod(i, 8)
+        byte = int(c[g, blk, 64 * part + 4 * r + j % 4])
+        assert (byte & 15 if j < 4 else byte >> 4) == b.q[16 * g + r, k]
+    assert lay["scale"][1, 1, 7] == float(b.scale[23, 1]) and lay["zero"][0, 1, 3] == float(b.zero[3, 1])
+    with pytest.raises(ValueError, match="groups of 16"):
+        native.q4_layout(b.q[:24], b.scale[:24], b.zero[:24])
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_q4_linear_is_the_8_bit_quantized_product_with_the_same_bits_everywhere(dtype):
+    """Right against a float64 reference of the same quantization; the same bits at every instruction level
+    (plain C, AVX2, AVX-512 VNNI where the CPU has them), for a lone row and any row count."""
+    b = _q4_blocks(96, 576, 1)
+    lay = native.q4_layout(b.q, b.scale, b.zero)
+    x = torch.randn(9, 576, generator=torch.Generator().manual_seed(2)).to(dtype)
+    levels = sorted({native.q8x8_isa(i) for i in (0, 1, 2)})
+    outs = [native.Q4Linear(lay["codes"], lay["scale"], lay["zero"], None, isa)(x) for isa in levels]
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
+    torch.testing.assert_close(outs[0].double(), _q8_reference(x.float(), b), rtol=1e-5, atol=1e-5)
+    k = native.Q4Linear.of(lay)
+    assert k.check.many_rows and k.check.lone_row
+    for m in (1, 2, 3, 5, 8):
+        assert torch.equal(k(x[:m]), outs[0][:m])
+    assert torch.equal(k(x[4:5])[0], outs[0][4])
+    with pytest.raises(ValueError, match="expected"):
+        k(x[:, :64])

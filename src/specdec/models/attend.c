@@ -526,3 +526,196 @@ int specdec_add_rms_norm(const void *x, const void *o, int bf16, int64_t N, int6
     free(row);
     return 0;
 }
+
+/* ---- 4-bit linear layers with 8-bit activations (llama.cpp's Q4 x Q8 dot, row-invariant) ----
+ * Weights in groups of 16 output rows. Per block of 32 inputs each row has 4-bit codes q in [0, 16), a scale
+ * and a zero (w = (q - 8) scale + zero: Q4_1 and Q4_K alike, see int4.Blocks4), laid out as
+ *   codes [N / 16][nb][4][64]: in part p of a block (its inputs 8p..8p+7), byte 4r + j holds the code of
+ *                              row r, input 8p + j in its low nibble and of input 8p + 4 + j in its high one;
+ *   scale, zero [N / 16][nb][16] float32.
+ * Inputs are quantized per row and block of 32 as Q8_0 does (dx = max|x| / 127, xq = round(x / dx); xs = the
+ * sum of xq, sx = dx * xs). Output (m, n) is, over the blocks in order,
+ *   acc = acc + (float)(sum of q xq - 8 xs) * (scale dx);  acc = acc + zero * sx
+ * The integer sums are exact whatever instructions form them (vpdpbusd, maddubs + madd, plain C), so every
+ * output is the same float operations for any row count, thread count or instruction set. One block's codes
+ * serve up to 8 (AVX-512) or 4 (AVX2) input rows: verifying K drafts costs far less than K + 1 rows. */
+
+#define Q4G 16
+
+/* x [M, K] (bfloat16 or float32) -> xq [M, K], dx, sx [M, K / 32] float32, xs8 [M, K / 32] = 8 * the block's code sum */
+int specdec_q8_quantize(const void *x, int x_bf16, int64_t M, int64_t K, int8_t *xq, float *dx, float *sx,
+                        int32_t *xs8) {
+    const int64_t nb = K / QB;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < nb; b++) {
+            float v[QB], amax = 0.0f;
+            for (int i = 0; i < QB; i++) {
+                int64_t e = m * K + b * QB + i;
+                v[i] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[e]) : ((const float *)x)[e];
+                float a = fabsf(v[i]);
+                amax = a > amax ? a : amax;
+            }
+            float db = amax / 127.0f, inv = db != 0.0f ? 1.0f / db : 0.0f;
+            int32_t sum = 0;
+            for (int i = 0; i < QB; i++) {
+                int8_t c = (int8_t)roundf(v[i] * inv);
+                xq[m * K + b * QB + i] = c;
+                sum += c;
+            }
+            dx[m * nb + b] = db;
+            sx[m * nb + b] = db * (float)sum;
+            xs8[m * nb + b] = 8 * sum;
+        }
+    return 0;
+}
+
+static inline void q4_store(void *out, int out_bf16, int64_t at, const float *v, int n) {
+    for (int i = 0; i < n; i++) {
+        if (out_bf16) ((uint16_t *)out)[at + i] = f32_to_bf16(v[i]);
+        else ((float *)out)[at + i] = v[i];
+    }
+}
+
+typedef struct {
+    const int8_t *xq; const float *dx, *sx; const int32_t *xs8; int64_t M, K;
+    const uint8_t *codes; const float *scale, *zero; int64_t N; void *out; int out_bf16;
+} q4_job;
+
+#ifdef HAVE_512
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+static void q4_group512(const q4_job *j, int64_t g) {
+    const int64_t nb = j->K / QB;
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int64_t m0 = 0; m0 < j->M; m0 += 8) {
+        const int mc = j->M - m0 < 8 ? (int)(j->M - m0) : 8;
+        __m512 acc[8];
+        for (int c = 0; c < 8; c++) acc[c] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *wb = j->codes + (g * nb + b) * 256;
+            __m512i q[8];
+            for (int p = 0; p < 4; p++) {
+                __m512i v = _mm512_loadu_si512((const void *)(wb + 64 * p));
+                q[2 * p] = _mm512_and_si512(v, low);
+                q[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+            const __m512 sv = _mm512_loadu_ps(j->scale + (g * nb + b) * Q4G);
+            const __m512 zv = _mm512_loadu_ps(j->zero + (g * nb + b) * Q4G);
+            for (int c = 0; c < mc; c++) {
+                const int64_t m = m0 + c, mb = m * nb + b;
+                const int32_t *x4 = (const int32_t *)(j->xq + m * j->K + b * QB);
+                __m512i s = _mm512_setzero_si512();
+                for (int i = 0; i < 8; i++) s = _mm512_dpbusd_epi32(s, q[i], _mm512_set1_epi32(x4[i]));
+                s = _mm512_sub_epi32(s, _mm512_set1_epi32(j->xs8[mb]));
+                acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(_mm512_cvtepi32_ps(s),
+                                                             _mm512_mul_ps(sv, _mm512_set1_ps(j->dx[mb]))));
+                acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(zv, _mm512_set1_ps(j->sx[mb])));
+            }
+        }
+        for (int c = 0; c < mc; c++) {
+            float a[Q4G];
+            _mm512_storeu_ps(a, acc[c]);
+            q4_store(j->out, j->out_bf16, (m0 + c) * j->N + g * Q4G, a, Q4G);
+        }
+    }
+}
+#endif
+
+#ifdef __AVX2__
+static void q4_group256(const q4_job *j, int64_t g) {
+    const int64_t nb = j->K / QB;
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++)                            /* rows 0-7, then 8-15 of the group */
+        for (int64_t m0 = 0; m0 < j->M; m0 += 4) {
+            const int mc = j->M - m0 < 4 ? (int)(j->M - m0) : 4;
+            __m256 acc[4];
+            for (int c = 0; c < 4; c++) acc[c] = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *wb = j->codes + (g * nb + b) * 256 + 32 * h;
+                __m256i q[8];
+                for (int p = 0; p < 4; p++) {
+                    __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 64 * p));
+                    q[2 * p] = _mm256_and_si256(v, low);
+                    q[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                }
+                const __m256 sv = _mm256_loadu_ps(j->scale + (g * nb + b) * Q4G + 8 * h);
+                const __m256 zv = _mm256_loadu_ps(j->zero + (g * nb + b) * Q4G + 8 * h);
+                for (int c = 0; c < mc; c++) {
+                    const int64_t m = m0 + c, mb = m * nb + b;
+                    const int32_t *x4 = (const int32_t *)(j->xq + m * j->K + b * QB);
+                    __m256i s = _mm256_setzero_si256();
+                    for (int i = 0; i < 8; i++)     /* codes <= 15, |xq| <= 127: the 16-bit pair sums cannot saturate */
+                        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(q[i], _mm256_set1_epi32(x4[i])), ones));
+                    s = _mm256_sub_epi32(s, _mm256_set1_epi32(j->xs8[mb]));
+                    acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(_mm256_cvtepi32_ps(s),
+                                                                 _mm256_mul_ps(sv, _mm256_set1_ps(j->dx[mb]))));
+                    acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(zv, _mm256_set1_ps(j->sx[mb])));
+                }
+            }
+            for (int c = 0; c < mc; c++) {
+                float a[8];
+                _mm256_storeu_ps(a, acc[c]);
+                q4_store(j->out, j->out_bf16, (m0 + c) * j->N + g * Q4G + 8 * h, a, 8);
+            }
+        }
+}
+#endif
+
+static void q4_group_c(const q4_job *j, int64_t g) {    /* the same operations in plain C */
+    const int64_t nb = j->K / QB;
+    for (int64_t m = 0; m < j->M; m++) {
+        float acc[Q4G] = {0};
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *wb = j->codes + (g * nb + b) * 256;
+            const int8_t *xb = j->xq + m * j->K + b * QB;
+            const int64_t mb = m * nb + b;
+            for (int r = 0; r < Q4G; r++) {
+                int32_t s = 0;
+                for (int p = 0; p < 4; p++)
+                    for (int i = 0; i < 4; i++) {
+                        uint8_t byte = wb[64 * p + 4 * r + i];
+                        s += (int32_t)(byte & 15) * xb[8 * p + i] + (int32_t)(byte >> 4) * xb[8 * p + 4 + i];
+                    }
+                const int64_t at = (g * nb + b) * Q4G + r;
+                acc[r] = acc[r] + (float)(s - j->xs8[mb]) * (j->scale[at] * j->dx[mb]);
+                acc[r] = acc[r] + j->zero[at] * j->sx[mb];
+            }
+        }
+        q4_store(j->out, j->out_bf16, m * j->N + g * Q4G, acc, Q4G);
+    }
+}
+
+/* Groups [g0, g1) of 16 output rows from inputs quantized by specdec_q8_quantize; out [M, N] bfloat16
+ * (out_bf16) or float32; instructions up to `isa` (see specdec_q8x8_isa). */
+int specdec_q4_q8_matmul(const int8_t *xq, const float *dx, const float *sx, const int32_t *xs8, int64_t M,
+                         int64_t K, const uint8_t *codes, const float *scale, const float *zero, int64_t N,
+                         void *out, int out_bf16, int64_t g0, int64_t g1, int isa) {
+    isa = specdec_q8x8_isa(isa);
+    const q4_job j = {xq, dx, sx, xs8, M, K, codes, scale, zero, N, out, out_bf16};
+    for (int64_t g = g0; g < g1; g++) {
+#ifdef HAVE_512
+        if (isa >= 2) { q4_group512(&j, g); continue; }
+#endif
+#ifdef __AVX2__
+        if (isa >= 1) { q4_group256(&j, g); continue; }
+#endif
+        q4_group_c(&j, g);
+    }
+    return 0;
+}
+
+/* The whole linear in one call, one thread: x [M, K] (bfloat16 or float32) -> out [M, N]. 0, or -1: out of memory. */
+int specdec_q4_linear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *codes, const float *scale,
+                      const float *zero, int64_t N, void *out, int out_bf16, int isa) {
+    const int64_t nb = K / QB;
+    int8_t *xq = malloc((size_t)(M * K));
+    float *dx = malloc(sizeof(float) * (size_t)(M * nb)), *sx = malloc(sizeof(float) * (size_t)(M * nb));
+    int32_t *xs8 = malloc(sizeof(int32_t) * (size_t)(M * nb));
+    int rc = 0;
+    if (!xq || !dx || !sx || !xs8) rc = -1;
+    else {
+        specdec_q8_quantize(x, x_bf16, M, K, xq, dx, sx, xs8);
+        specdec_q4_q8_matmul(xq, dx, sx, xs8, M, K, codes, scale, zero, N, out, out_bf16, 0, N / Q4G, isa);
+    }
+    free(xq); free(dx); free(sx); free(xs8);
+    return rc;
+}

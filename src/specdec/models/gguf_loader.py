@@ -11,10 +11,10 @@ import torch
 
 from ..errors import SpecdecError
 from .config import ModelConfig
-from .decoder import Transformer
+from .decoder import Transformer, cfg_dtype_name
 from . import native
 from .int4 import HEAD, HEAD_TYPES, NATIVE_HEAD, NATIVE_HEAD_Q8X8, INT4_TYPES, Blocks4, Int4Linear, read_blocks, read_head
-from .kernels import Kernel
+from .kernels import Kernel, fastest
 
 SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
 
@@ -26,6 +26,7 @@ class Weights:
     state: dict[str, torch.Tensor]             # Transformer parameter name -> dequantized weight (CPU)
     int4: dict[tuple[int, str], Kernel]        # (layer, fused linear name) or int4.HEAD -> 4-bit kernel (`Int4Linear`)
     q8_head: dict[str, torch.Tensor]           # a Q8_0 LM head as stored ({"q": int8 codes, "d": scales}) or empty
+    q4: dict[tuple[int, str], dict[str, torch.Tensor]]  # the same 4-bit linears in the native layout (`native.q4_layout`)
 
 
 def open_gguf(path: str | Path):
@@ -137,6 +138,7 @@ def read_gguf(path: Path, dtype: torch.dtype, int4: bool) -> Weights:
     blocks4 = int4_blocks(raw, cfg, arch_interleaved) if int4 else {}
     head = "output.weight" if "output.weight" in raw else "token_embd.weight"
     kernels4 = {key: Int4Linear.of(b) for key, b in blocks4.items()}
+    q4 = {key: native.q4_layout(b.q, b.scale, b.zero) for key, b in blocks4.items() if native.q4_fits(b.q.shape)}
     if int4 and head in raw and raw[head].tensor_type.name in HEAD_TYPES:   # an 8-bit head as 4-bit halves (int4.py)
         kernels4[HEAD] = Int4Linear.of(read_head(raw[head]), copies=2)
     q8_head = {}
@@ -154,7 +156,7 @@ def read_gguf(path: Path, dtype: torch.dtype, int4: bool) -> Weights:
         for src, dst in _LAYER_MAP.items():
             if p + src + ".weight" in raw:
                 sd[f"layers.{i}.{dst}"] = take(p + src + ".weight")
-    return Weights(cfg, sd, kernels4, q8_head)
+    return Weights(cfg, sd, kernels4, q8_head, q4)
 
 
 def build(weights: Weights, device: str | torch.device, name: str, max_seq_len: int | None) -> Transformer:
@@ -170,10 +172,21 @@ def build(weights: Weights, device: str | torch.device, name: str, max_seq_len: 
         raise SpecdecError(f"weights do not fit the {cfg.name} layout: missing {missing}, unexpected {unexpected}")
     model = model.to(device)
     kernels = dict(weights.int4)
+    if native.available(model.device):                                    # 4-bit linears: torch's or the native kernel
+        for (i, name), layout in weights.q4.items():
+            kernels[(i, name)] = q4_kernel(kernels[(i, name)], layout, getattr(model.layers[i], name))
     if weights.q8_head and native.available(model.device):                # another LM head candidate (`pack` times it)
         kernels[NATIVE_HEAD] = native.Q8Head.of(weights.q8_head["q"], weights.q8_head["d"])
         kernels[NATIVE_HEAD_Q8X8] = native.Q8Head.of(weights.q8_head["q"], weights.q8_head["d"], quantized=True)
     return model.eval().requires_grad_(False).use_int4(kernels).pack()
+
+
+def q4_kernel(int4: Int4Linear, layout: dict[str, torch.Tensor], w: torch.Tensor) -> Kernel:
+    """A 4-bit linear's kernel: torch's int4 kernel (bfloat16 activations) or the native one (activations
+    quantized to 8 bits, as llama.cpp computes), whichever is faster on this machine for its shape, timed at
+    the first start (`kernels.fastest`) and kept, so every start computes the same bits."""
+    makers = {"int4": lambda: int4, "native-q4": lambda: native.Q4Linear.of(layout)}
+    return fastest(("q4-linear", *w.shape, cfg_dtype_name(w.dtype), *sorted(makers), native.source_stamp()), makers, w)
 
 
 def int4_blocks(tensors: dict, cfg: ModelConfig, interleaved: bool) -> dict[tuple[int, str], Blocks4]:

@@ -2,7 +2,8 @@
 // the Python loop spends between the kernels (module calls, argument checks, ~8 ATen dispatches per layer)
 // is a fifth of the step; here the same kernels run back to back, so the bits are the Python loop's:
 //   x, h = add_rms_norm(x, o, attn_norm)          attend.c
-//   qkv  = int4_mm(h, wqkv)                        torch's CPU int4 kernel (at::cpu, no dispatcher)
+//   qkv  = int4_mm(h, wqkv)                        torch's CPU int4 kernel (at::cpu, no dispatcher), or
+//                                                  attend.c's 4-bit kernel (8-bit activations) over torch's threads
 //   a    = qkv_attend(qkv, ...)                    attend.c (q/k norms, rope, cache writes, attention)
 //   o    = int4_mm(a, wo)          [post_attn_norm(o): torch's rms_norm, as `decoder.rms_norm`]
 //   x, h = add_rms_norm(x, o, ffn_norm)
@@ -19,6 +20,7 @@
 #include <ATen/ops/gelu_cpu_dispatch.h>
 #include <ATen/ops/mul_cpu_dispatch.h>
 #include <ATen/ops/rms_norm.h>
+#include <ATen/Parallel.h>
 #include <cstring>
 #include <vector>
 
@@ -29,6 +31,11 @@ typedef int (*attend_fn)(const void *qkv, int qkv_bf16, int64_t qkv_stride, cons
                          void *out, int out_bf16);
 typedef int (*norm_fn)(const void *x, const void *o, int bf16, int64_t N, int64_t D, const float *w, float eps,
                        void *xo, void *h);
+typedef int (*quantize_fn)(const void *x, int x_bf16, int64_t M, int64_t K, int8_t *xq, float *dx, float *sx,
+                           int32_t *xs8);
+typedef int (*q4_fn)(const int8_t *xq, const float *dx, const float *sx, const int32_t *xs8, int64_t M, int64_t K,
+                     const uint8_t *codes, const float *scale, const float *zero, int64_t N, void *out, int out_bf16,
+                     int64_t g0, int64_t g1, int isa);
 
 // One forward's attention plan (what `native.Attend` checks once per forward), as a C struct.
 extern "C" struct specdec_plan {
@@ -48,8 +55,13 @@ enum { WQKV, WO, W13, W2, N_LINEARS };
 enum { ATTN_NORM, FFN_NORM, Q_NORM, K_NORM, POST_ATTN_NORM, POST_FFN_NORM, N_NORMS };
 
 struct Linear {
-    at::Tensor packed;              // [N, K / 2] uint8, torch's int4 layout
-    at::Tensor scale_zero;          // [K / 32, N, 2] bfloat16
+    int native = 0;                 // attend.c's 4-bit kernel, else torch's int4 kernel
+    at::Tensor packed;              // torch's: [N, K / 2] uint8 in its int4 layout
+    at::Tensor scale_zero;          //          [K / 32, N, 2] bfloat16
+    const uint8_t *codes = nullptr; // native: [N / 16, K / 32, 256] (native.q4_layout)
+    const float *scale = nullptr, *zero = nullptr;  // [N / 16, K / 32, 16]
+    int isa = 0;                    //         its instructions at most (the same bits at every level)
+    int64_t n_out = 0, n_in = 0;
     int64_t max_rows = 0;           // the rows one call may take (its checked limit)
 };
 
@@ -69,15 +81,34 @@ struct Loop {
     at::TensorOptions act;          // of the activations
     attend_fn attend = nullptr;
     norm_fn norm = nullptr;
+    quantize_fn quantize = nullptr;
+    q4_fn q4 = nullptr;
 };
 
 const at::TensorOptions BF16 = at::TensorOptions().dtype(at::kBFloat16);
 
-// x [N, K] in the activations' dtype -> [N, N_out] in it; the kernel's bfloat16 in and out
+// x [N, K] in the activations' dtype (contiguous) -> [N, N_out] in it. torch's kernel takes and gives bfloat16
+// (cast around it as `kernels.linear` does); the native one reads either and rounds its float32 sums to the
+// activations' dtype, as the cast after `native.Q4Linear` does.
 at::Tensor int4_mm(const Loop &m, const Linear &l, const at::Tensor &x) {
-    at::Tensor y = at::cpu::_weight_int4pack_mm_for_cpu(m.bf16 ? x : x.to(at::kBFloat16), l.packed, 32,
-                                                        l.scale_zero);
-    return m.bf16 ? y : y.to(at::kFloat);
+    if (!l.native) {
+        at::Tensor y = at::cpu::_weight_int4pack_mm_for_cpu(m.bf16 ? x : x.to(at::kBFloat16), l.packed, 32,
+                                                            l.scale_zero);
+        return m.bf16 ? y : y.to(at::kFloat);
+    }
+    const int64_t M = x.size(0), nb = l.n_in / 32;
+    at::Tensor xq = at::empty({M, l.n_in}, at::TensorOptions().dtype(at::kChar));
+    at::Tensor dx = at::empty({M, nb}, at::TensorOptions().dtype(at::kFloat)), sx = at::empty({M, nb}, at::TensorOptions().dtype(at::kFloat));
+    at::Tensor xs8 = at::empty({M, nb}, at::TensorOptions().dtype(at::kInt));
+    m.quantize(x.data_ptr(), m.bf16, M, l.n_in, (int8_t *)xq.data_ptr(), (float *)dx.data_ptr(),
+               (float *)sx.data_ptr(), (int32_t *)xs8.data_ptr());
+    at::Tensor y = at::empty({M, l.n_out}, m.act);
+    at::parallel_for(0, l.n_out / 16, 4, [&](int64_t g0, int64_t g1) {
+        m.q4((const int8_t *)xq.data_ptr(), (const float *)dx.data_ptr(), (const float *)sx.data_ptr(),
+             (const int32_t *)xs8.data_ptr(), M, l.n_in, l.codes, l.scale, l.zero, l.n_out, y.data_ptr(), m.bf16,
+             g0, g1, l.isa);
+    });
+    return y;
 }
 
 // (x + o, norm(x + o) * w); o undefined: (x, norm(x) * w)
@@ -126,7 +157,8 @@ int run_layer(const Loop &m, int i, const specdec_plan &p, at::Tensor &x, at::Te
 
 extern "C" {
 
-void *specdec_loop_new(int64_t n_layers, int64_t dim, double eps, int gelu, int bf16, attend_fn attend, norm_fn norm) {
+void *specdec_loop_new(int64_t n_layers, int64_t dim, double eps, int gelu, int bf16, attend_fn attend, norm_fn norm,
+                       quantize_fn quantize, q4_fn q4) {
     try {
         Loop *m = new Loop();
         m->layers.resize(n_layers);
@@ -137,6 +169,8 @@ void *specdec_loop_new(int64_t n_layers, int64_t dim, double eps, int gelu, int 
         m->act = at::TensorOptions().dtype(bf16 ? at::kBFloat16 : at::kFloat);
         m->attend = attend;
         m->norm = norm;
+        m->quantize = quantize;
+        m->q4 = q4;
         return m;
     } catch (...) {
         return nullptr;
@@ -150,8 +184,31 @@ int specdec_loop_linear(void *m, int64_t i, int which, void *packed, int64_t N, 
                         int64_t max_rows) {
     try {
         Linear &l = ((Loop *)m)->layers.at(i).lin[which];
+        l = Linear();
         l.packed = at::from_blob(packed, {N, K / 2}, at::TensorOptions().dtype(at::kByte));
         l.scale_zero = at::from_blob(scale_zero, {K / 32, N, 2}, BF16);
+        l.n_out = N;
+        l.n_in = K;
+        l.max_rows = max_rows;
+        return 0;
+    } catch (...) {
+        return -3;
+    }
+}
+
+// Layer i's linear `which` through the native 4-bit kernel: codes, scale, zero in native.q4_layout's layout.
+int specdec_loop_q4(void *m, int64_t i, int which, const uint8_t *codes, const float *scale, const float *zero,
+                    int64_t N, int64_t K, int isa, int64_t max_rows) {
+    try {
+        Linear &l = ((Loop *)m)->layers.at(i).lin[which];
+        l = Linear();
+        l.native = 1;
+        l.codes = codes;
+        l.scale = scale;
+        l.zero = zero;
+        l.isa = isa;
+        l.n_out = N;
+        l.n_in = K;
         l.max_rows = max_rows;
         return 0;
     } catch (...) {

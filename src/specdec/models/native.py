@@ -104,6 +104,9 @@ def _build() -> str:
     fn.restype = ctypes.c_int
     fn.argtypes = [_PTR, ctypes.c_int, _I64, _I64, _PTR, _PTR, _I64, _PTR, ctypes.c_int, ctypes.c_int]
     lib.specdec_q8x8_isa.restype = ctypes.c_int
+    lib.specdec_q4_linear.restype = ctypes.c_int
+    lib.specdec_q4_linear.argtypes = [_PTR, ctypes.c_int, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, ctypes.c_int,
+                                      ctypes.c_int]
     lib.specdec_q8x8_isa.argtypes = [ctypes.c_int]
     _LIB.append(lib)
     return ""
@@ -155,11 +158,13 @@ def _build_loop() -> str:
     except (OSError, subprocess.SubprocessError) as e:
         return f"could not build or load it: {e}"
     lib.specdec_loop_new.restype = _PTR
-    lib.specdec_loop_new.argtypes = [_I64, _I64, ctypes.c_double, ctypes.c_int, ctypes.c_int, _PTR, _PTR]
+    lib.specdec_loop_new.argtypes = [_I64, _I64, ctypes.c_double, ctypes.c_int, ctypes.c_int, _PTR, _PTR, _PTR, _PTR]
     lib.specdec_loop_free.restype = None
     lib.specdec_loop_free.argtypes = [_PTR]
     lib.specdec_loop_linear.restype = ctypes.c_int
     lib.specdec_loop_linear.argtypes = [_PTR, _I64, ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64]
+    lib.specdec_loop_q4.restype = ctypes.c_int
+    lib.specdec_loop_q4.argtypes = [_PTR, _I64, ctypes.c_int, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_int, _I64]
     lib.specdec_loop_norms.restype = ctypes.c_int
     lib.specdec_loop_norms.argtypes = [_PTR, _I64, *[_PTR] * 6, ctypes.c_int]
     lib.specdec_loop_run.restype = ctypes.c_int
@@ -354,7 +359,7 @@ def q8_0_codes(data, shape: tuple[int, int]) -> dict[str, Tensor]:
 class LayerLoop:
     """A decoder's layers run by one native call per forward (layers.cpp): the same kernels as the Python loop
     of `decoder.Block` in the same order, so the same bits, without the Python between them. For models whose
-    every layer decodes through torch's int4 kernel (the q4 mode); `of` says None otherwise."""
+    every layer linear is 4-bit (the q4 mode: torch's int4 kernel or `Q4Linear`); `of` says None otherwise."""
 
     def __init__(self, lib: ctypes.CDLL, handle: int, keep: list, max_rows: int, dtype: torch.dtype) -> None:
         self._lib, self._handle, self._keep = lib, handle, keep
@@ -376,15 +381,18 @@ class LayerLoop:
         if model.dtype not in DTYPES or not layers or model.device.type != "cpu":
             return None
         kernels = [[layer.packed.get(n) for n in ("wqkv", "wo", "w13", "w2")] for layer in layers]
-        if not all(isinstance(k, Int4Linear) and k.copies == 1 and k.check.many_rows for ks in kernels for k in ks):
+        if not all((isinstance(k, Int4Linear) and k.copies == 1 or isinstance(k, Q4Linear)) and k.check.many_rows
+                   for ks in kernels for k in ks):
             return None
         if not loop_available():
             return None
         lib = _LOOP[0]
         attend = ctypes.cast(_LIB[0].specdec_qkv_attend, _PTR).value
         norm = ctypes.cast(_LIB[0].specdec_add_rms_norm, _PTR).value
+        quantize = ctypes.cast(_LIB[0].specdec_q8_quantize, _PTR).value
+        q4 = ctypes.cast(_LIB[0].specdec_q4_q8_matmul, _PTR).value
         handle = lib.specdec_loop_new(len(layers), cfg.dim, cfg.norm_eps, int(cfg.gelu),
-                                      int(model.dtype == torch.bfloat16), attend, norm)
+                                      int(model.dtype == torch.bfloat16), attend, norm, quantize, q4)
         if not handle:
             raise MemoryError("native layer loop: out of memory")
         keep: list = []
@@ -392,10 +400,16 @@ class LayerLoop:
         names = ("attn_norm", "ffn_norm", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")
         for i, (layer, ks) in enumerate(zip(layers, kernels)):
             for which, k in enumerate(ks):
-                keep += [k.packed, k.scale_zero]
-                n_out, n_in = k.scale_zero.shape[1], k.scale_zero.shape[0] * 32
-                if lib.specdec_loop_linear(handle, i, which, k.packed.data_ptr(), n_out, n_in,
-                                           k.scale_zero.data_ptr(), k.check.max_rows):
+                if isinstance(k, Q4Linear):
+                    keep += [k.codes, k.scale, k.zero]
+                    rc = lib.specdec_loop_q4(handle, i, which, k.codes.data_ptr(), k.scale.data_ptr(),
+                                             k.zero.data_ptr(), *k.shape, k.isa, k.check.max_rows)
+                else:
+                    keep += [k.packed, k.scale_zero]
+                    n_out, n_in = k.scale_zero.shape[1], k.scale_zero.shape[0] * 32
+                    rc = lib.specdec_loop_linear(handle, i, which, k.packed.data_ptr(), n_out, n_in,
+                                                 k.scale_zero.data_ptr(), k.check.max_rows)
+                if rc:
                     raise RuntimeError("native layer loop: could not take a linear")
             norms = [layer._w32(n).contiguous() if hasattr(layer, n) else None for n in names]
             keep += [w for w in norms if w is not None]
@@ -421,3 +435,75 @@ class LayerLoop:
                    -4: ValueError("native layer loop: more rows than a linear's checked limit")}.get(
                 rc, RuntimeError(f"native layer loop: torch error (code {rc})"))
         return x_out, o_out
+
+
+Q4_GROUP = 16   # output rows per group of the native 4-bit layout
+
+
+def q4_fits(shape: tuple[int, int]) -> bool:
+    """Whether a [N, K] weight fits the native 4-bit layout (whole groups of 16 rows, blocks of 32 inputs)."""
+    return shape[0] % Q4_GROUP == 0 and shape[1] % 32 == 0
+
+
+def q4_layout(q, scale, zero) -> dict[str, Tensor]:
+    """4-bit blocks (codes q [N, K] in [0, 16), scale, zero [N, K / 32]: w = (q - 8) scale + zero, `int4.Blocks4`)
+    -> the native layout of `Q4Linear` (see attend.c): {"codes": [N / 16, K / 32, 256] uint8, "scale", "zero":
+    [N / 16, K / 32, 16] float32}."""
+    import numpy as np
+
+    N, K = q.shape
+    if not q4_fits((N, K)):
+        raise ValueError(f"native 4-bit layout: [{N}, {K}] is not whole groups of 16 rows and blocks of 32")
+    nb = K // 32
+    c = np.asarray(q, dtype=np.uint8).reshape(N // Q4_GROUP, Q4_GROUP, nb, 4, 2, 4)   # [g, r, b, part, half, j]
+    c = c.transpose(0, 2, 3, 1, 4, 5)                                                  # [g, b, part, r, half, j]
+    codes = (c[..., 0, :] | (c[..., 1, :] << 4)).reshape(N // Q4_GROUP, nb, 256)
+
+    def grouped(a):
+        a = np.asarray(a, dtype=np.float32).reshape(N // Q4_GROUP, Q4_GROUP, nb).transpose(0, 2, 1)
+        return torch.from_numpy(np.ascontiguousarray(a))
+    return {"codes": torch.from_numpy(np.ascontiguousarray(codes)), "scale": grouped(scale), "zero": grouped(zero)}
+
+
+@dataclass(frozen=True)
+class Q4Linear:
+    """A 4-bit linear layer (`q4_layout`) through the native kernel, inputs quantized to 8 bits per block of 32
+    as llama.cpp does for its 4-bit formats: integer block sums, then a fixed float order per output, so every
+    row gets the same operations whatever the row count, thread count or instruction set (`kernels.checked`
+    confirms it). One block's codes serve several input rows: a verification of K drafts costs far less
+    than K + 1 forwards of one row."""
+    codes: Tensor         # [N / 16, K / 32, 256] uint8
+    scale: Tensor         # [N / 16, K / 32, 16] float32
+    zero: Tensor          # [N / 16, K / 32, 16] float32
+    check: "RowCheck"
+    isa: int = 2          # instructions at most: 0 plain C, 1 AVX2, 2 AVX-512 VNNI (the same bits)
+
+    dtype = torch.float32  # of its inputs and outputs (the layer loop feeds bfloat16 directly: the same values)
+    pair = False
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(out, in)"""
+        return self.codes.shape[0] * Q4_GROUP, self.codes.shape[1] * 32
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """x [M, K] float32 (or bfloat16) -> [M, N] float32"""
+        N, K = self.shape
+        if x.dtype not in DTYPES or x.dim() != 2 or x.shape[1] != K:
+            raise ValueError(f"Q4 linear: expected [M, {K}] float32 or bfloat16, got {x.dtype} {list(x.shape)}")
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], N, dtype=torch.float32)
+        rc = _LIB[0].specdec_q4_linear(x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], K, self.codes.data_ptr(),
+                                       self.scale.data_ptr(), self.zero.data_ptr(), N, out.data_ptr(), 0, self.isa)
+        if rc:
+            raise MemoryError("Q4 linear: out of memory")
+        return out
+
+    @staticmethod
+    def of(layout: dict[str, Tensor]) -> "Q4Linear":
+        """The kernel of a `q4_layout`, its rows checked on this machine."""
+        from .kernels import RowCheck, checked
+
+        isa = q8x8_isa()
+        k = Q4Linear(layout["codes"], layout["scale"], layout["zero"], RowCheck(True, True), isa)
+        return Q4Linear(k.codes, k.scale, k.zero, checked(("native-q4", *k.shape), k, k.shape[1], torch.float32), isa)

@@ -25,7 +25,8 @@ from .config import ModelConfig
 from .int4 import Int4Linear
 from .registry import cache_dir, write_atomic
 
-FORMAT = 3               # 2: the 4-bit kernels' `copies` (an 8-bit LM head as two 4-bit halves); 3: the Q8_0 head
+FORMAT = 4               # 2: the 4-bit kernels' `copies` (an 8-bit LM head as two 4-bit halves); 3: the Q8_0 head;
+                         # 4: the native 4-bit layout
 
 
 def _hashes_file() -> Path:
@@ -70,6 +71,9 @@ def write(where: Path, weights) -> None:
         tensors[f"int4.{i}.{name}.copies"] = torch.tensor([k.copies])
     for k, v in weights.q8_head.items():
         tensors[f"q8head.{k}"] = v
+    for (i, name), layout in weights.q4.items():
+        for part, v in layout.items():
+            tensors[f"q4n.{i}.{name}.{part}"] = v
     meta = {"format": str(FORMAT), "config": json.dumps(dataclasses.asdict(weights.config))}
     write_atomic(where, save(tensors, metadata=meta))
 
@@ -124,4 +128,9 @@ def read(where: Path):
             int4[(int(i), name)] = Int4Linear.packed_as(tensors[f"{stem}.packed"], tensors[f"{stem}.scale_zero"],
                                                         int(tensors[f"{stem}.copies"]))
     q8_head = {k[len("q8head."):]: v for k, v in tensors.items() if k.startswith("q8head.")}
-    return Weights(cfg, state, int4, q8_head)
+    q4: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for k, v in tensors.items():
+        if k.startswith("q4n."):
+            _, i, name, part = k.split(".")
+            q4.setdefault((int(i), name), {})[part] = v
+    return Weights(cfg, state, int4, q8_head, q4)
