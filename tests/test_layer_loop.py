@@ -14,6 +14,8 @@ from specdec.models.config import ModelConfig
 from specdec.models.decoder import LINEARS, Transformer, init_random
 from specdec.models.int4 import GROUP, Blocks4, Int4Linear
 
+from helpers import needs_bf16
+
 pytestmark = pytest.mark.exactness
 
 CPU = torch.device("cpu")
@@ -41,6 +43,7 @@ _MODELS: dict[tuple[str, torch.dtype, str], Transformer] = {}
 def q4_model(shape: str, dtype: torch.dtype, kernel: str = "int4") -> Transformer:
     """A random 3-layer model whose every linear is 4-bit, as the q4 mode loads one: through torch's int4
     kernel, the native one (`native.Q4Linear`), or a mix (layer by layer and linear by linear)."""
+    needs_bf16(dtype)
     if (shape, dtype, kernel) not in _MODELS:
         cfg = SHAPES[shape]
         model = init_random(Transformer(cfg), seed=3, std=0.05).to(dtype).eval().requires_grad_(False)
@@ -107,7 +110,7 @@ def test_the_native_loop_gives_the_python_loops_bits(shape, dtype, case, kernel)
 
 @needs_loop
 def test_the_loop_runs_and_is_used_by_decoding_forwards(monkeypatch):
-    model = q4_model("llama", torch.bfloat16)
+    model = q4_model("llama", torch.float32, "mixed")
     calls = []
     real = native.LayerLoop.__call__
     monkeypatch.setattr(native.LayerLoop, "__call__", lambda self, *a: calls.append(a[2:4]) or real(self, *a))
@@ -117,7 +120,7 @@ def test_the_loop_runs_and_is_used_by_decoding_forwards(monkeypatch):
 
 @needs_loop
 def test_forwards_beyond_the_checked_row_limit_run_from_python(monkeypatch):
-    model = q4_model("llama", torch.bfloat16)
+    model = q4_model("llama", torch.float32, "mixed")
     calls = []
     real = native.LayerLoop.__call__
     monkeypatch.setattr(native.LayerLoop, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
