@@ -230,3 +230,19 @@ def test_native_q4_linear_is_the_8_bit_quantized_product_with_the_same_bits_ever
     assert torch.equal(k(x[4:5])[0], outs[0][4])
     with pytest.raises(ValueError, match="expected"):
         k(x[:, :64])
+
+
+@needs_native
+def test_native_q4_linear_keeps_its_bits_over_torchs_threads():
+    """A layer large enough to be split between threads (groups of 16 outputs) gives the one-thread bits."""
+    b = _q4_blocks(3072, 576, 3)
+    k = native.Q4Linear.of(native.q4_layout(b.q, b.scale, b.zero))
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(4))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = k(x)
+        torch.set_num_threads(2)
+        assert torch.equal(k(x), one)
+    finally:
+        torch.set_num_threads(threads)

@@ -125,7 +125,7 @@ def _loop_flags() -> list[str]:
     """Flags of the layer loop: built against the running torch's headers and libraries, with its C++ ABI."""
     base = Path(torch.__file__).parent
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return ["-O2", "-std=c++20", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{base / 'include'}",
+    return ["-O2", "-std=c++20", "-fopenmp", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{base / 'include'}",
             f"-L{base / 'lib'}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{base / 'lib'}"]
 
 
@@ -163,6 +163,9 @@ def _build_loop() -> str:
     lib.specdec_loop_free.argtypes = [_PTR]
     lib.specdec_loop_linear.restype = ctypes.c_int
     lib.specdec_loop_linear.argtypes = [_PTR, _I64, ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64]
+    lib.specdec_q4_threads.restype = ctypes.c_int
+    lib.specdec_q4_threads.argtypes = [_PTR, _PTR, _PTR, ctypes.c_int, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR,
+                                       ctypes.c_int, ctypes.c_int]
     lib.specdec_loop_q4.restype = ctypes.c_int
     lib.specdec_loop_q4.argtypes = [_PTR, _I64, ctypes.c_int, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_int, _I64]
     lib.specdec_loop_norms.restype = ctypes.c_int
@@ -389,8 +392,7 @@ class LayerLoop:
         lib = _LOOP[0]
         attend = ctypes.cast(_LIB[0].specdec_qkv_attend, _PTR).value
         norm = ctypes.cast(_LIB[0].specdec_add_rms_norm, _PTR).value
-        quantize = ctypes.cast(_LIB[0].specdec_q8_quantize, _PTR).value
-        q4 = ctypes.cast(_LIB[0].specdec_q4_q8_matmul, _PTR).value
+        quantize, q4 = _q4_entry(), _q4_entry(True)
         handle = lib.specdec_loop_new(len(layers), cfg.dim, cfg.norm_eps, int(cfg.gelu),
                                       int(model.dtype == torch.bfloat16), attend, norm, quantize, q4)
         if not handle:
@@ -465,6 +467,11 @@ def q4_layout(q, scale, zero) -> dict[str, Tensor]:
     return {"codes": torch.from_numpy(np.ascontiguousarray(codes)), "scale": grouped(scale), "zero": grouped(zero)}
 
 
+def _q4_entry(matmul: bool = False) -> int:
+    """The address of attend.c's 8-bit quantizer (or, matmul, of its 4-bit product), for layers.cpp."""
+    return ctypes.cast(_LIB[0].specdec_q4_q8_matmul if matmul else _LIB[0].specdec_q8_quantize, _PTR).value
+
+
 @dataclass(frozen=True)
 class Q4Linear:
     """A 4-bit linear layer (`q4_layout`) through the native kernel, inputs quantized to 8 bits per block of 32
@@ -493,10 +500,14 @@ class Q4Linear:
             raise ValueError(f"Q4 linear: expected [M, {K}] float32 or bfloat16, got {x.dtype} {list(x.shape)}")
         x = x.contiguous()
         out = torch.empty(x.shape[0], N, dtype=torch.float32)
-        rc = _LIB[0].specdec_q4_linear(x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], K, self.codes.data_ptr(),
-                                       self.scale.data_ptr(), self.zero.data_ptr(), N, out.data_ptr(), 0, self.isa)
+        args = (x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], K, self.codes.data_ptr(), self.scale.data_ptr(),
+                self.zero.data_ptr(), N, out.data_ptr(), 0, self.isa)
+        if loop_available():                                  # over torch's threads, as the layer loop runs it
+            rc = _LOOP[0].specdec_q4_threads(_q4_entry(), _q4_entry(True), *args)
+        else:
+            rc = _LIB[0].specdec_q4_linear(*args)
         if rc:
-            raise MemoryError("Q4 linear: out of memory")
+            raise MemoryError("Q4 linear: out of memory") if rc == -1 else RuntimeError(f"Q4 linear: error {rc}")
         return out
 
     @staticmethod
