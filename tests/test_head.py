@@ -93,7 +93,7 @@ def test_fastest_never_picks_a_kernel_that_failed_its_row_check(monkeypatch, tmp
     assert kernels.fastest(("test", 96, 64), makers, W) == Slow(0.002)
 
 
-@pytest.fixture(scope="module", params=["int4", "native-q8", "native-q8x8"])
+@pytest.fixture(scope="module", params=["int4", "native-q8", "native-q8x8", "native-q8r"])
 def q4_int4_head(request):
     """smollm2-135m in q4, its LM head forced to one 8-bit kernel (the 4-bit halves, or the native Q8_0 kernel)
     whatever this machine chose, and the logits of a few hidden states through the dense head."""
@@ -199,6 +199,56 @@ def test_the_native_q8x8_head_is_its_integer_reference_bit_for_bit_for_any_rows_
     dense = x.float() @ torch.from_numpy(ref).t()
     assert float((out - dense).abs().max() / dense.abs().max()) < 0.02
     assert head.check.many_rows and head.check.lone_row
+
+
+def q8r_reference(x: Tensor, q: Tensor, d: Tensor) -> Tensor:
+    """What the 16-row native head computes, in torch: x quantized as for q8x8, each block's 32 integer products
+    summed exactly, one float32 sum per output adding sum * (d * dx) block by block."""
+    M, K = x.shape
+    N, nb = q.shape[0], K // 32
+    xb = x.float().view(M, nb, 32)
+    dx = xb.abs().amax(-1) / 127
+    inv = torch.where(dx != 0, 1 / dx, torch.zeros_like(dx))
+    y = (xb * inv[..., None]).double()
+    xq = (torch.sign(y) * torch.floor(y.abs() + 0.5)).long()
+    sums = torch.einsum("nbk,mbk->mnb", q.long().view(N, nb, 32), xq)          # [M, N, nb] exact integers
+    acc = torch.zeros(M, N)
+    for b in range(nb):
+        acc = acc + sums[:, :, b].float() * (d[:, b][None, :] * dx[:, b][:, None])
+    return acc
+
+
+def test_the_16_row_native_head_is_its_integer_reference_bit_for_bit_for_any_rows_threads_and_isa():
+    from specdec.models import native
+    from specdec.models.native import Q8RowsHead, q8_0_codes
+
+    if not native.available(torch.device("cpu")):
+        pytest.skip("no native kernels here")
+    data, ref = q8_0(48, 256, seed=6)                                          # 3 groups of 16 rows
+    codes = q8_0_codes(data, (48, 256))
+    head = Q8RowsHead.of(codes["q"], codes["d"])
+    x = torch.randn(11, 256, generator=torch.Generator().manual_seed(7)).bfloat16()   # 11: a chunk of 8 and 3
+    x[3] = 0
+    out = head(x)
+    assert torch.equal(out, q8r_reference(x, codes["q"], codes["d"]))
+    for isa in range(native.q8x8_isa() + 1):
+        assert torch.equal(dataclasses.replace(head, isa=isa)(x), out), isa
+    for r in (0, 3, 9):
+        assert torch.equal(head(x[r:r + 1]), out[r:r + 1])
+    dense = x.float() @ torch.from_numpy(ref).t()
+    assert float((out - dense).abs().max() / dense.abs().max()) < 0.02
+    assert head.check.many_rows and head.check.lone_row
+    with pytest.raises(ValueError, match="groups of 16"):
+        Q8RowsHead.of(codes["q"][:40], codes["d"][:40])
+    big = Q8RowsHead.of(torch.randint(-127, 128, (6144, 256), dtype=torch.int8), torch.rand(6144, 8) / 100)
+    threads = torch.get_num_threads()                                          # large enough to be split
+    try:
+        torch.set_num_threads(1)
+        one = big(x)
+        torch.set_num_threads(2)
+        assert torch.equal(big(x), one)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_rows_past_a_kernels_checked_limit_keep_the_kernels_output_dtype():

@@ -719,3 +719,135 @@ int specdec_q4_linear(const void *x, int x_bf16, int64_t M, int64_t K, const uin
     free(xq); free(dx); free(sx); free(xs8);
     return rc;
 }
+
+/* ---- The 8-bit (Q8_0) LM head in groups of 16 rows, against 8-bit inputs ----
+ * The head's codes as 16-row groups laid out like the 4-bit kernel's (native.q8_rows_layout):
+ *   codes [N / 16][nb][8][64]: in part c of a block (inputs 4c..4c+3), byte 4r + j is row r's code of input 4c + j;
+ *   d     [N / 16][nb][16] float32.
+ * Inputs quantized by specdec_q8_quantize. Output (m, n), over the blocks in order:
+ *   acc = acc + (float)(sum of q xq) * (d dx)
+ * Exact integer block sums (vpdpbusd over the codes offset by 128, less 128 xs; maddubs over |q| and xq signed
+ * by q, then madd; plain C), so every path and row count gives the same bits. `scale` is d, `zero` unused: the
+ * signature of specdec_q4_q8_matmul. */
+#ifdef HAVE_512
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+static void q8r_group512(const q4_job *j, int64_t g) {
+    const int64_t nb = j->K / QB;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t m0 = 0; m0 < j->M; m0 += 8) {
+        const int mc = j->M - m0 < 8 ? (int)(j->M - m0) : 8;
+        __m512 acc[8];
+        for (int c = 0; c < 8; c++) acc[c] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *wb = j->codes + (g * nb + b) * 512;
+            if (m0 == 0) _mm_prefetch((const char *)(wb + 512 * 4), _MM_HINT_T0);
+            __m512i q[8];
+            for (int p = 0; p < 8; p++) q[p] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(wb + 64 * p)), flip);
+            const __m512 dv = _mm512_loadu_ps(j->scale + (g * nb + b) * Q4G);
+            for (int c = 0; c < mc; c++) {
+                const int64_t m = m0 + c, mb = m * nb + b;
+                const int32_t *x4 = (const int32_t *)(j->xq + m * j->K + b * QB);
+                __m512i s = _mm512_set1_epi32(-16 * j->xs8[mb]);              /* -128 xs */
+                for (int p = 0; p < 8; p++) s = _mm512_dpbusd_epi32(s, q[p], _mm512_set1_epi32(x4[p]));
+                acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(_mm512_cvtepi32_ps(s),
+                                                             _mm512_mul_ps(dv, _mm512_set1_ps(j->dx[mb]))));
+            }
+        }
+        for (int c = 0; c < mc; c++) {
+            float a[Q4G];
+            _mm512_storeu_ps(a, acc[c]);
+            q4_store(j->out, j->out_bf16, (m0 + c) * j->N + g * Q4G, a, Q4G);
+        }
+    }
+}
+#endif
+
+#ifdef __AVX2__
+static void q8r_group256(const q4_job *j, int64_t g) {
+    const int64_t nb = j->K / QB;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++)
+        for (int64_t m0 = 0; m0 < j->M; m0 += 4) {
+            const int mc = j->M - m0 < 4 ? (int)(j->M - m0) : 4;
+            __m256 acc[4];
+            for (int c = 0; c < 4; c++) acc[c] = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *wb = j->codes + (g * nb + b) * 512 + 32 * h;
+                __m256i q[8];
+                for (int p = 0; p < 8; p++) q[p] = _mm256_loadu_si256((const __m256i *)(wb + 64 * p));
+                const __m256 dv = _mm256_loadu_ps(j->scale + (g * nb + b) * Q4G + 8 * h);
+                for (int c = 0; c < mc; c++) {
+                    const int64_t m = m0 + c, mb = m * nb + b;
+                    const int32_t *x4 = (const int32_t *)(j->xq + m * j->K + b * QB);
+                    __m256i s = _mm256_setzero_si256();
+                    for (int p = 0; p < 8; p++) {              /* |q| <= 128, |xq| <= 127: no 16-bit saturation */
+                        __m256i xv = _mm256_set1_epi32(x4[p]);
+                        s = _mm256_add_epi32(s, _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(_mm256_sign_epi8(q[p], q[p]), _mm256_sign_epi8(xv, q[p])), ones));
+                    }
+                    acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(_mm256_cvtepi32_ps(s),
+                                                                 _mm256_mul_ps(dv, _mm256_set1_ps(j->dx[mb]))));
+                }
+            }
+            for (int c = 0; c < mc; c++) {
+                float a[8];
+                _mm256_storeu_ps(a, acc[c]);
+                q4_store(j->out, j->out_bf16, (m0 + c) * j->N + g * Q4G + 8 * h, a, 8);
+            }
+        }
+}
+#endif
+
+static void q8r_group_c(const q4_job *j, int64_t g) {
+    const int64_t nb = j->K / QB;
+    for (int64_t m = 0; m < j->M; m++) {
+        float acc[Q4G] = {0};
+        for (int64_t b = 0; b < nb; b++) {
+            const int8_t *wb = (const int8_t *)j->codes + (g * nb + b) * 512;
+            const int8_t *xb = j->xq + m * j->K + b * QB;
+            const int64_t mb = m * nb + b;
+            for (int r = 0; r < Q4G; r++) {
+                int32_t s = 0;
+                for (int p = 0; p < 8; p++)
+                    for (int i = 0; i < 4; i++) s += (int32_t)wb[64 * p + 4 * r + i] * xb[4 * p + i];
+                acc[r] = acc[r] + (float)s * (j->scale[(g * nb + b) * Q4G + r] * j->dx[mb]);
+            }
+        }
+        q4_store(j->out, j->out_bf16, m * j->N + g * Q4G, acc, Q4G);
+    }
+}
+
+int specdec_q8r_q8_matmul(const int8_t *xq, const float *dx, const float *sx, const int32_t *xs8, int64_t M,
+                          int64_t K, const uint8_t *codes, const float *scale, const float *zero, int64_t N,
+                          void *out, int out_bf16, int64_t g0, int64_t g1, int isa) {
+    (void)sx; (void)zero;
+    isa = specdec_q8x8_isa(isa);
+    const q4_job j = {xq, dx, sx, xs8, M, K, codes, scale, zero, N, out, out_bf16};
+    for (int64_t g = g0; g < g1; g++) {
+#ifdef HAVE_512
+        if (isa >= 2) { q8r_group512(&j, g); continue; }
+#endif
+#ifdef __AVX2__
+        if (isa >= 1) { q8r_group256(&j, g); continue; }
+#endif
+        q8r_group_c(&j, g);
+    }
+    return 0;
+}
+
+/* The head in one call, one thread (no layer loop built): x [M, K] -> out [M, N] float32. */
+int specdec_q8r_linear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *codes, const float *d,
+                       int64_t N, void *out, int isa) {
+    const int64_t nb = K / QB;
+    int8_t *xq = malloc((size_t)(M * K));
+    float *dx = malloc(sizeof(float) * (size_t)(M * nb)), *sx = malloc(sizeof(float) * (size_t)(M * nb));
+    int32_t *xs8 = malloc(sizeof(int32_t) * (size_t)(M * nb));
+    int rc = 0;
+    if (!xq || !dx || !sx || !xs8) rc = -1;
+    else {
+        specdec_q8_quantize(x, x_bf16, M, K, xq, dx, sx, xs8);
+        specdec_q8r_q8_matmul(xq, dx, sx, xs8, M, K, codes, d, NULL, N, out, 0, 0, N / Q4G, isa);
+    }
+    free(xq); free(dx); free(sx); free(xs8);
+    return rc;
+}

@@ -13,7 +13,7 @@ from ..errors import SpecdecError
 from .config import ModelConfig
 from .decoder import Transformer, cfg_dtype_name
 from . import native
-from .int4 import HEAD, HEAD_TYPES, NATIVE_HEAD, NATIVE_HEAD_Q8X8, INT4_TYPES, Blocks4, Int4Linear, read_blocks, read_head
+from .int4 import HEAD, HEAD_TYPES, NATIVE_HEAD, NATIVE_HEAD_Q8R, NATIVE_HEAD_Q8X8, INT4_TYPES, Blocks4, Int4Linear, read_blocks, read_head
 from .kernels import Kernel, fastest
 
 SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
@@ -178,6 +178,8 @@ def build(weights: Weights, device: str | torch.device, name: str, max_seq_len: 
     if weights.q8_head and native.available(model.device):                # another LM head candidate (`pack` times it)
         kernels[NATIVE_HEAD] = native.Q8Head.of(weights.q8_head["q"], weights.q8_head["d"])
         kernels[NATIVE_HEAD_Q8X8] = native.Q8Head.of(weights.q8_head["q"], weights.q8_head["d"], quantized=True)
+        if native.q4_fits(tuple(weights.q8_head["q"].shape)):
+            kernels[NATIVE_HEAD_Q8R] = native.Q8RowsHead.of(weights.q8_head["q"], weights.q8_head["d"])
     return model.eval().requires_grad_(False).use_int4(kernels).pack()
 
 

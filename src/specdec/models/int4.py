@@ -35,6 +35,7 @@ HEAD_TYPES = ("Q8_0",)    # LM head formats computed as 4-bit halves
 HEAD = (-1, "lm_head")    # the LM head's key among the (layer, linear name) keys of 4-bit kernels
 NATIVE_HEAD = (-1, "native-q8")  # an 8-bit head through the native kernel (`native.Q8Head`), another candidate
 NATIVE_HEAD_Q8X8 = (-1, "native-q8x8")  # the same with 8-bit activations (integer dot products), another
+NATIVE_HEAD_Q8R = (-1, "native-q8r")    # that arithmetic in 16-row groups (`native.Q8RowsHead`), another
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,8 @@ def _build() -> str:
     fn.restype = ctypes.c_int
     fn.argtypes = [_PTR, ctypes.c_int, _I64, _I64, _PTR, _PTR, _I64, _PTR, ctypes.c_int, ctypes.c_int]
     lib.specdec_q8x8_isa.restype = ctypes.c_int
+    lib.specdec_q8r_linear.restype = ctypes.c_int
+    lib.specdec_q8r_linear.argtypes = [_PTR, ctypes.c_int, _I64, _I64, _PTR, _PTR, _I64, _PTR, ctypes.c_int]
     lib.specdec_q4_linear.restype = ctypes.c_int
     lib.specdec_q4_linear.argtypes = [_PTR, ctypes.c_int, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, ctypes.c_int,
                                       ctypes.c_int]
@@ -470,6 +472,59 @@ def q4_layout(q, scale, zero) -> dict[str, Tensor]:
 def _q4_entry(matmul: bool = False) -> int:
     """The address of attend.c's 8-bit quantizer (or, matmul, of its 4-bit product), for layers.cpp."""
     return ctypes.cast(_LIB[0].specdec_q4_q8_matmul if matmul else _LIB[0].specdec_q8_quantize, _PTR).value
+
+
+def q8_rows_layout(q: Tensor, d: Tensor) -> dict[str, Tensor]:
+    """A Q8_0 head's codes q [N, K] int8 and scales d [N, K / 32] (`q8_0_codes`) -> the 16-row layout of
+    `Q8RowsHead` (see attend.c): {"codes": [N / 16, K / 32, 512] int8, "d": [N / 16, K / 32, 16] float32}."""
+    N, K = q.shape
+    if not q4_fits((N, K)):
+        raise ValueError(f"8-bit row layout: [{N}, {K}] is not whole groups of 16 rows and blocks of 32")
+    nb = K // 32
+    codes = q.reshape(N // Q4_GROUP, Q4_GROUP, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(N // Q4_GROUP, nb, 512)
+    return {"codes": codes.contiguous(), "d": d.reshape(N // Q4_GROUP, Q4_GROUP, nb).transpose(1, 2).contiguous()}
+
+
+@dataclass(frozen=True)
+class Q8RowsHead:
+    """An 8-bit (Q8_0) LM head in 16-row groups (`q8_rows_layout`) against inputs quantized to 8 bits: exact
+    integer block sums and one float sum per output in block order, so the same bits for any row count, thread
+    count or instruction set; one block's codes serve up to 8 input rows, and the rows are split over torch's
+    threads where the layer loop is built."""
+    codes: Tensor         # [N / 16, K / 32, 512] int8
+    d: Tensor             # [N / 16, K / 32, 16] float32
+    check: "RowCheck"
+    isa: int = 2
+
+    dtype = torch.bfloat16  # of its inputs (float32 outputs)
+    pair = False
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """x [M, K] bfloat16 -> [M, N] float32"""
+        N, K = self.codes.shape[0] * Q4_GROUP, self.codes.shape[1] * 32
+        if x.dtype not in DTYPES or x.dim() != 2 or x.shape[1] != K:
+            raise ValueError(f"Q8 head: expected [M, {K}] bfloat16 or float32, got {x.dtype} {list(x.shape)}")
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], N, dtype=torch.float32)
+        bf16, M, codes, d = x.dtype == torch.bfloat16, x.shape[0], self.codes.data_ptr(), self.d.data_ptr()
+        if loop_available():
+            matmul = ctypes.cast(_LIB[0].specdec_q8r_q8_matmul, _PTR).value
+            rc = _LOOP[0].specdec_q4_threads(_q4_entry(), matmul, x.data_ptr(), bf16, M, K, codes, d, d, N,
+                                             out.data_ptr(), 0, self.isa)
+        else:
+            rc = _LIB[0].specdec_q8r_linear(x.data_ptr(), bf16, M, K, codes, d, N, out.data_ptr(), self.isa)
+        if rc:
+            raise MemoryError("Q8 head: out of memory") if rc == -1 else RuntimeError(f"Q8 head: error {rc}")
+        return out
+
+    @staticmethod
+    def of(q: Tensor, d: Tensor) -> "Q8RowsHead":
+        """The head of Q8_0 codes q [N, K] int8 and scales d [N, K / 32], its rows checked on this machine."""
+        from .kernels import RowCheck, checked
+
+        lay, isa = q8_rows_layout(q, d), q8x8_isa()
+        head = Q8RowsHead(lay["codes"], lay["d"], RowCheck(True, True), isa)
+        return Q8RowsHead(head.codes, head.d, checked(("native-q8r", *q.shape), head, q.shape[1], torch.bfloat16), isa)
 
 
 @dataclass(frozen=True)
