@@ -78,3 +78,19 @@ def test_ctrl_c_during_a_read_is_an_interruption_not_a_damaged_entry(tmp_path, m
         signal.signal(signal.SIGINT, before)
     monkeypatch.setattr(safetensors, "safe_open", lambda *a, **k: (_ for _ in ()).throw(ValueError("damaged")))
     assert weight_cache.read(entry) is None                                      # a damaged entry: convert again
+
+
+def test_writing_an_entry_removes_older_formats_of_the_same_form(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    _, path = resolve("smollm2-135m")
+    where = weight_cache.entry(path, torch.float32, False)
+    base = where.name.rsplit("-v", 1)[0]
+    where.parent.mkdir(parents=True, exist_ok=True)
+    old = where.with_name(f"{base}-v1.safetensors")
+    other_torch = where.with_name(where.name.replace("-torch", "-torch9.9.9x"))
+    other_form = where.with_name(where.name.replace("-dense-", "-q4-").rsplit("-v", 1)[0] + "-v1.safetensors")
+    for p in (old, other_torch, other_form):
+        p.write_bytes(b"old")
+    load_gguf(path, torch.float32)                               # converts and stores this format's entry
+    assert where.is_file() and not old.exists()
+    assert other_torch.exists() and other_form.exists()

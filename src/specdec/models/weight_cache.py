@@ -76,6 +76,15 @@ def write(where: Path, weights) -> None:
             tensors[f"q4n.{i}.{name}.{part}"] = v
     meta = {"format": str(FORMAT), "config": json.dumps(dataclasses.asdict(weights.config))}
     write_atomic(where, save(tensors, metadata=meta))
+    for old in superseded(where):
+        old.unlink(missing_ok=True)
+
+
+def superseded(where: Path) -> list[Path]:
+    """Entries of the same file in the same form, torch and kernel family that an older cache format wrote: no
+    start reads them again. (Other torch versions' entries stay: another environment may share the cache.)"""
+    base = where.name.rsplit("-v", 1)[0]
+    return [p for p in where.parent.glob(f"{base}-v*.safetensors") if p != where and p.name.rsplit("-v", 1)[0] == base]
 
 
 @contextmanager
