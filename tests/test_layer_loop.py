@@ -41,8 +41,9 @@ _MODELS: dict[tuple[str, torch.dtype, str], Transformer] = {}
 
 
 def q4_model(shape: str, dtype: torch.dtype, kernel: str = "int4") -> Transformer:
-    """A random 3-layer model whose every linear is 4-bit, as the q4 mode loads one: through torch's int4
-    kernel, the native one (`native.Q4Linear`), or a mix (layer by layer and linear by linear)."""
+    """A random 3-layer model whose linears are 4-bit, as the q4 mode loads one: through torch's int4 kernel,
+    the native one (`native.Q4Linear`), a mix (layer by layer and linear by linear), or that mix with every
+    third linear in another format (dense: a oneDNN-prepacked weight, as gemma3's 6-bit tensors)."""
     needs_bf16(dtype)
     if (shape, dtype, kernel) not in _MODELS:
         cfg = SHAPES[shape]
@@ -52,7 +53,9 @@ def q4_model(shape: str, dtype: torch.dtype, kernel: str = "int4") -> Transforme
         for i, layer in enumerate(model.layers):
             for j, n in enumerate(LINEARS):
                 b = random_blocks(*getattr(layer, n).shape, rng)
-                native_here = kernel == "native" or (kernel == "mixed" and (i + j) % 2)
+                native_here = kernel == "native" or (kernel in ("mixed", "dense") and (i + j) % 2)
+                if kernel == "dense" and (i + j) % 3 == 0:
+                    continue                                                 # `pack` gives it a PackedLinear
                 kernels[i, n] = (native.Q4Linear.of(native.q4_layout(b.q, b.scale, b.zero)) if native_here
                                  else Int4Linear.of(b))
         _MODELS[shape, dtype, kernel] = model.use_int4(kernels).pack()
@@ -88,13 +91,15 @@ def forward_both(model: Transformer, lengths: list[int], t: int, tree: bool = Fa
 
 
 @needs_loop
-@pytest.mark.parametrize("kernel", ["int4", "native", "mixed"])
+@pytest.mark.parametrize("kernel", ["int4", "native", "mixed", "dense"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("shape", ["llama", "gemma"])
 @pytest.mark.parametrize("case", ["one token", "K tokens", "tree", "ragged batch", "features"])
 def test_the_native_loop_gives_the_python_loops_bits(shape, dtype, case, kernel):
     model = q4_model(shape, dtype, kernel)
     assert model.loop is not None and model.loop.dtype == dtype
+    kinds = {type(k).__name__ for layer in model.layers for k in layer.packed.values()}
+    assert ("PackedLinear" in kinds) == (kernel == "dense")
     lengths, t, tree, features = {
         "one token": ([30], 1, False, ()),
         "K tokens": ([30], 5, False, ()),

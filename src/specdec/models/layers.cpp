@@ -2,8 +2,9 @@
 // the Python loop spends between the kernels (module calls, argument checks, ~8 ATen dispatches per layer)
 // is a fifth of the step; here the same kernels run back to back, so the bits are the Python loop's:
 //   x, h = add_rms_norm(x, o, attn_norm)          attend.c
-//   qkv  = int4_mm(h, wqkv)                        torch's CPU int4 kernel (at::cpu, no dispatcher), or
-//                                                  attend.c's 4-bit kernel (8-bit activations) over torch's threads
+//   qkv  = int4_mm(h, wqkv)                        torch's CPU int4 kernel (at::cpu, no dispatcher), attend.c's
+//                                                  4-bit kernel (8-bit activations) over torch's threads, or a
+//                                                  oneDNN-prepacked linear (a model's other formats)
 //   a    = qkv_attend(qkv, ...)                    attend.c (q/k norms, rope, cache writes, attention)
 //   o    = int4_mm(a, wo)          [post_attn_norm(o): torch's rms_norm, as `decoder.rms_norm`]
 //   x, h = add_rms_norm(x, o, ffn_norm)
@@ -21,6 +22,8 @@
 #include <ATen/ops/mul_cpu_dispatch.h>
 #include <ATen/ops/rms_norm.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/TensorImpl.h>
 #include <cstring>
 #include <vector>
 
@@ -54,13 +57,18 @@ namespace {
 enum { WQKV, WO, W13, W2, N_LINEARS };
 enum { ATTN_NORM, FFN_NORM, Q_NORM, K_NORM, POST_ATTN_NORM, POST_FFN_NORM, N_NORMS };
 
+enum { TORCH_INT4, NATIVE_Q4, ONEDNN };
+
 struct Linear {
-    int native = 0;                 // attend.c's 4-bit kernel, else torch's int4 kernel
+    int kind = TORCH_INT4;
     at::Tensor packed;              // torch's: [N, K / 2] uint8 in its int4 layout
     at::Tensor scale_zero;          //          [K / 32, N, 2] bfloat16
     const uint8_t *codes = nullptr; // native: [N / 16, K / 32, 256] (native.q4_layout)
     const float *scale = nullptr, *zero = nullptr;  // [N / 16, K / 32, 16]
     int isa = 0;                    //         its instructions at most (the same bits at every level)
+    at::Tensor weight;              // oneDNN: the prepacked weight (`kernels.PackedLinear`)
+    at::ScalarType dtype = at::kFloat;  //     its inputs' and outputs' dtype
+    int pair = 1;                   //         a lone row computed as two copies of it (`kernels.linear`)
     int64_t n_out = 0, n_in = 0;
     int64_t max_rows = 0;           // the rows one call may take (its checked limit)
 };
@@ -115,8 +123,22 @@ int q4_threads(quantize_fn quantize, q4_fn q4, const void *x, int x_bf16, int64_
 // x [N, K] in the activations' dtype (contiguous) -> [N, N_out] in it. torch's kernel takes and gives bfloat16
 // (cast around it as `kernels.linear` does); the native one reads either and rounds its float32 sums to the
 // activations' dtype, as the cast after `native.Q4Linear` does.
+at::Tensor onednn_mm(const Loop &m, const Linear &l, const at::Tensor &x) {
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+        .typed<at::Tensor(const at::Tensor &, const at::Tensor &, const std::optional<at::Tensor> &, c10::string_view,
+                          c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>();
+    const bool lone = x.size(0) == 1 && l.pair;
+    at::Tensor rows = lone ? x.expand({2, x.size(1)}) : x;
+    if (rows.scalar_type() != l.dtype) rows = rows.to(l.dtype);
+    at::Tensor y = op.call(rows, l.weight, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(),
+                           c10::string_view(""));
+    if (y.scalar_type() != m.act.dtype().toScalarType()) y = y.to(m.act.dtype().toScalarType());
+    return lone ? y.select(0, 0).view({1, -1}) : y;
+}
+
 at::Tensor int4_mm(const Loop &m, const Linear &l, const at::Tensor &x) {
-    if (!l.native) {
+    if (l.kind == ONEDNN) return onednn_mm(m, l, x);
+    if (l.kind == TORCH_INT4) {
         at::Tensor y = at::cpu::_weight_int4pack_mm_for_cpu(m.bf16 ? x : x.to(at::kBFloat16), l.packed, 32,
                                                             l.scale_zero);
         return m.bf16 ? y : y.to(at::kFloat);
@@ -229,13 +251,31 @@ int specdec_loop_q4(void *m, int64_t i, int which, const uint8_t *codes, const f
     try {
         Linear &l = ((Loop *)m)->layers.at(i).lin[which];
         l = Linear();
-        l.native = 1;
+        l.kind = NATIVE_Q4;
         l.codes = codes;
         l.scale = scale;
         l.zero = zero;
         l.isa = isa;
         l.n_out = N;
         l.n_in = K;
+        l.max_rows = max_rows;
+        return 0;
+    } catch (...) {
+        return -3;
+    }
+}
+
+// Layer i's linear `which` through a oneDNN-prepacked weight: `impl` the c10::TensorImpl of the Python tensor
+// (its `_cdata`; a reference is kept), inputs and outputs bfloat16 (bf16) or float32.
+int specdec_loop_onednn(void *m, int64_t i, int which, void *impl, int bf16, int pair, int64_t max_rows) {
+    try {
+        Linear &l = ((Loop *)m)->layers.at(i).lin[which];
+        l = Linear();
+        l.kind = ONEDNN;
+        l.weight = at::Tensor(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::reclaim_copy(
+            (c10::TensorImpl *)impl));
+        l.dtype = bf16 ? at::kBFloat16 : at::kFloat;
+        l.pair = pair;
         l.max_rows = max_rows;
         return 0;
     } catch (...) {

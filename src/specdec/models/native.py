@@ -170,6 +170,8 @@ def _build_loop() -> str:
                                        ctypes.c_int, ctypes.c_int]
     lib.specdec_loop_q4.restype = ctypes.c_int
     lib.specdec_loop_q4.argtypes = [_PTR, _I64, ctypes.c_int, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_int, _I64]
+    lib.specdec_loop_onednn.restype = ctypes.c_int
+    lib.specdec_loop_onednn.argtypes = [_PTR, _I64, ctypes.c_int, _PTR, ctypes.c_int, ctypes.c_int, _I64]
     lib.specdec_loop_norms.restype = ctypes.c_int
     lib.specdec_loop_norms.argtypes = [_PTR, _I64, *[_PTR] * 6, ctypes.c_int]
     lib.specdec_loop_run.restype = ctypes.c_int
@@ -363,8 +365,9 @@ def q8_0_codes(data, shape: tuple[int, int]) -> dict[str, Tensor]:
 
 class LayerLoop:
     """A decoder's layers run by one native call per forward (layers.cpp): the same kernels as the Python loop
-    of `decoder.Block` in the same order, so the same bits, without the Python between them. For models whose
-    every layer linear is 4-bit (the q4 mode: torch's int4 kernel or `Q4Linear`); `of` says None otherwise."""
+    of `decoder.Block` in the same order, so the same bits, without the Python between them. For the q4 mode:
+    4-bit linears (torch's int4 kernel or `Q4Linear`), and linears stored in other formats through their
+    oneDNN-prepacked weights; `of` says None otherwise."""
 
     def __init__(self, lib: ctypes.CDLL, handle: int, keep: list, max_rows: int, dtype: torch.dtype) -> None:
         self._lib, self._handle, self._keep = lib, handle, keep
@@ -380,13 +383,17 @@ class LayerLoop:
         """The loop of a packed `decoder.Transformer`, or None where it cannot run it (a linear not int4, an 8-bit
         head pair, other activation dtypes, no compiler)."""
         from .int4 import Int4Linear
+        from .kernels import PackedLinear
 
         cfg = model.config
         layers = list(model.layers)
         if model.dtype not in DTYPES or not layers or model.device.type != "cpu":
             return None
         kernels = [[layer.packed.get(n) for n in ("wqkv", "wo", "w13", "w2")] for layer in layers]
-        if not all((isinstance(k, Int4Linear) and k.copies == 1 or isinstance(k, Q4Linear)) and k.check.many_rows
+        if not any(isinstance(k, (Int4Linear, Q4Linear)) for ks in kernels for k in ks):
+            return None                                       # not the q4 mode: its linears are cheap to call
+        if not all((isinstance(k, Int4Linear) and k.copies == 1 or isinstance(k, Q4Linear)
+                    or isinstance(k, PackedLinear) and k.dtype in DTYPES) and k.check.many_rows
                    for ks in kernels for k in ks):
             return None
         if not loop_available():
@@ -408,6 +415,10 @@ class LayerLoop:
                     keep += [k.codes, k.scale, k.zero]
                     rc = lib.specdec_loop_q4(handle, i, which, k.codes.data_ptr(), k.scale.data_ptr(),
                                              k.zero.data_ptr(), *k.shape, k.isa, k.check.max_rows)
+                elif isinstance(k, PackedLinear):
+                    keep.append(k.weight)
+                    rc = lib.specdec_loop_onednn(handle, i, which, k.weight._cdata, int(k.dtype == torch.bfloat16),
+                                                 int(k.pair), k.check.max_rows)
                 else:
                     keep += [k.packed, k.scale_zero]
                     n_out, n_in = k.scale_zero.shape[1], k.scale_zero.shape[0] * 32
