@@ -143,3 +143,15 @@ def test_models_without_int4_linears_have_no_loop():
     cfg = SHAPES["llama"]
     model = init_random(Transformer(cfg), seed=0, std=0.05).eval().requires_grad_(False).pack()
     assert model.loop is None
+
+
+def test_specdec_loop_0_keeps_the_python_loop_and_says_so():
+    import subprocess
+    import sys
+
+    code = ("import torch; from specdec.models import native; "
+            "print(native.loop_available(), native.describe_loop(object()))")
+    env = {**os.environ, "SPECDEC_LOOP": "0"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("False") and "SPECDEC_LOOP=0" in out.stdout

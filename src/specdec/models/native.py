@@ -133,10 +133,10 @@ def _loop_flags() -> list[str]:
 
 def _build_loop() -> str:
     """Load (building if needed, ~2 s once) the layer loop; returns "" or why it is not available."""
-    if not available(torch.device("cpu")):
-        return "no native kernels"
     if os.environ.get("SPECDEC_LOOP", "1") == "0":
         return "disabled by SPECDEC_LOOP=0"
+    if not available(torch.device("cpu")):
+        return "no native kernels"
     cxx = _cxx()
     if not cxx:
         return "no C++ compiler found (c++, g++ or clang++; or set $CXX)"
