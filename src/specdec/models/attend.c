@@ -443,6 +443,9 @@ int specdec_q8x8_isa(int isa) {
 /* x [M, K] bfloat16 (x_bf16) or float32; q [N, K] int8 codes; d [N, K / 32] float32 scales -> out [M, N]
  * float32, x quantized to Q8_0 first. Output rows split over `threads` threads, instructions up to `isa`
  * (see specdec_q8x8_isa). 0, or -1: out of memory. */
+int specdec_q8_quantize(const void *x, int x_bf16, int64_t M, int64_t K, int8_t *xq, float *dx, float *sx,
+                        int32_t *xs8);
+
 int specdec_q8_0_q8_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *q, const float *d,
                            int64_t N, float *out, int threads, int isa) {
     if (threads < 1) threads = 1;
@@ -450,27 +453,20 @@ int specdec_q8_0_q8_matmul(const void *x, int x_bf16, int64_t M, int64_t K, cons
     isa = specdec_q8x8_isa(isa);
     const int64_t nb = K / QB;
     int8_t *xq = malloc((size_t)(M * K));
-    float *dx = malloc(sizeof(float) * (size_t)(M * nb));
+    float *dx = malloc(sizeof(float) * (size_t)(M * nb)), *sx = malloc(sizeof(float) * (size_t)(M * nb));
+    int32_t *xs8 = malloc(sizeof(int32_t) * (size_t)(M * nb));
     int32_t *xc = malloc(sizeof(int32_t) * (size_t)(M * nb * LANES));
-    if (!xq || !dx || !xc) { free(xq); free(dx); free(xc); return -1; }
+    if (!xq || !dx || !sx || !xs8 || !xc) { free(xq); free(dx); free(sx); free(xs8); free(xc); return -1; }
+    specdec_q8_quantize(x, x_bf16, M, K, xq, dx, sx, xs8);
     for (int64_t m = 0; m < M; m++)
-        for (int64_t b = 0; b < nb; b++) {
-            float v[QB], amax = 0.0f;
-            for (int i = 0; i < QB; i++) {
-                int64_t e = m * K + b * QB + i;
-                v[i] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[e]) : ((const float *)x)[e];
-                float a = fabsf(v[i]);
-                amax = a > amax ? a : amax;
-            }
-            float db = amax / 127.0f, inv = db != 0.0f ? 1.0f / db : 0.0f;
-            dx[m * nb + b] = db;
-            for (int i = 0; i < QB; i++) xq[m * K + b * QB + i] = (int8_t)roundf(v[i] * inv);
+        for (int64_t b = 0; b < nb; b++)
             for (int l = 0; l < LANES; l++) {              /* -128 x each lane's input sum (the VNNI path) */
                 int32_t sum = 0;
                 for (int i = 4 * l; i < 4 * l + 4; i++) sum += xq[m * K + b * QB + i];
                 xc[(m * nb + b) * LANES + l] = -128 * sum;
             }
-        }
+    free(sx);
+    free(xs8);
     q8x8_job jobs[64];
     pthread_t tid[64];
     int64_t per = ((N + threads - 1) / threads + 3) / 4 * 4;  /* whole groups of 4 outputs per thread */
