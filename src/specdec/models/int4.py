@@ -133,6 +133,10 @@ class Int4Linear:
     dtype = torch.bfloat16  # of its inputs and outputs
     pair = False          # rows are bit-identical for any row count, a lone one included (checked)
 
+    @property
+    def label(self) -> str:
+        return "torch int4" if self.copies == 1 else "torch int4 (8-bit as 4-bit halves)"
+
     def __call__(self, x: Tensor) -> Tensor:
         """x [M, K / copies] bfloat16 -> [M, N] bfloat16"""
         if self.copies > 1:

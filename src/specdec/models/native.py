@@ -318,6 +318,10 @@ class Q8Head:
     dtype = torch.bfloat16  # of its inputs (float32 outputs)
     pair = False
 
+    @property
+    def label(self) -> str:
+        return "native 8-bit x 8-bit" if self.quantized else "native 8-bit"
+
     def __call__(self, x: Tensor) -> Tensor:
         """x [M, K] bfloat16 -> [M, N] float32"""
         M, K = x.shape
@@ -509,6 +513,7 @@ class Q8RowsHead:
 
     dtype = torch.bfloat16  # of its inputs (float32 outputs)
     pair = False
+    label = "native 8-bit x 8-bit (16-row groups)"
 
     def __call__(self, x: Tensor) -> Tensor:
         """x [M, K] bfloat16 -> [M, N] float32"""
@@ -553,6 +558,7 @@ class Q4Linear:
 
     dtype = torch.float32  # of its inputs and outputs (the layer loop feeds bfloat16 directly: the same values)
     pair = False
+    label = "native 4-bit x 8-bit"
 
     @property
     def shape(self) -> tuple[int, int]:
