@@ -13,7 +13,7 @@ Built with `cc -O3 -march=native -mno-avx512f` into $SPECDEC_CACHE/native, keyed
 the compiler and its flags; where no compiler is found, the build fails or $SPECDEC_NATIVE=0, `available()` is False
 and the forward keeps the torch form (a log line says why).
 
-`LayerLoop` (layers.cpp, C++ against the running torch's headers, built once in ~2 s) runs a q4 model's layers
+`LayerLoop` (layers.cpp, C++ against the running torch's headers, built once in 5-15 s) runs a q4 model's layers
 in one call per forward: the same kernels in the same order as `decoder.Block` (torch's int4 kernel through
 `at::cpu`, the C kernels above, torch's activations), so the same bits, without ~60 us of Python per layer.
 $SPECDEC_LOOP=0 or no C++ compiler: the layers run from Python.
@@ -132,7 +132,7 @@ def _loop_flags() -> list[str]:
 
 
 def _build_loop() -> str:
-    """Load (building if needed, ~2 s once) the layer loop; returns "" or why it is not available."""
+    """Load (building if needed, 5-15 s once) the layer loop; returns "" or why it is not available."""
     if os.environ.get("SPECDEC_LOOP", "1") == "0":
         return "disabled by SPECDEC_LOOP=0"
     if not available(torch.device("cpu")):
@@ -147,7 +147,7 @@ def _build_loop() -> str:
         stamp = "|".join([LOOP_SOURCE.read_text(), torch.__version__, cxx, version, *_loop_flags()])
         path = cache_dir() / "native" / f"layers-{hashlib.sha256(stamp.encode()).hexdigest()[:16]}.so"
         if not path.exists():
-            logging.getLogger("specdec").info("building the native layer loop for this torch (once; a few seconds) ...")
+            logging.getLogger("specdec").info("building the native layer loop for this torch (once; 5-15 s) ...")
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
                 out = Path(tmp) / path.name
