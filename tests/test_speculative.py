@@ -13,7 +13,7 @@ from specdec.proposers.draft_model import DraftModelProposer
 from specdec.proposers.ngram import NgramProposer
 from specdec.reference import exact_distribution, reference_greedy
 from specdec.sampling import BatchSampling, SamplingParams
-from specdec.verify import Draft, verify
+from specdec.verify import Draft, verify, verify_greedy
 
 from helpers import N, PROMPTS, V, check_joint, close_draft, exact_joint, sample_engine, tiny_generator, tiny_model
 
@@ -170,13 +170,20 @@ def test_catches_q_without_the_transform(monkeypatch):
 
 
 def test_catches_bonus_from_wrong_position(monkeypatch):
-    def buggy(draft, p, u_target, u_accept):
+    def shifted(p):
         p = p.clone()
         if p.shape[1] > 1:
             p[:, -1] = p[:, -2]                                      # bonus from the previous position
-        return verify(draft, p, u_target, u_accept)
+        return p
+
+    def buggy(draft, p, u_target, u_accept):
+        return verify(draft, shifted(p), u_target, u_accept)
+
+    def buggy_greedy(tokens, logits):                                # the greedy fast path, equally wrong
+        return verify_greedy(tokens, shifted(logits))
 
     monkeypatch.setattr(engine_mod, "verify", buggy)
+    monkeypatch.setattr(engine_mod, "verify_greedy", buggy_greedy)
     model = tiny_model(seed=7)
     truth = {tuple(PROMPTS[1]): reference_greedy(model, PROMPTS[1], 40)}
     gen = tiny_generator(model, ScriptedProposer(truth, "oracle", 97), "fixed", 4)
@@ -247,3 +254,25 @@ def test_rows_are_reused_lowest_first_and_kept_in_order():
     assert late is not None and late.row == 1
     for s, p, n in zip(seqs + [late], prompts, lengths + [12]):
         assert s.generated == truth[tuple(p)][:n]
+
+
+def test_greedy_verification_from_logits_is_sampling_the_one_hot_for_any_uniform():
+    """The greedy fast path (argmax of the logits) keeps what sampling the greedy one-hot keeps, ties included
+    (the first index), whatever the uniforms."""
+    from specdec.sampling import sample, to_probs
+    from specdec.verify import PAD, verify_greedy, verify_point_masses
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randint(0, 4, (6, 5, 11), generator=g).float()          # many ties
+    y = logits.argmax(-1)
+    drafts = torch.where(torch.rand(6, 4, generator=g) < 0.7, y[:, :4], torch.randint(0, 11, (6, 4), generator=g))
+    drafts[5, 2:] = PAD
+    greedy = BatchSampling.of([SamplingParams(temperature=0.0)] * 6)
+    fast = verify_greedy(drafts, logits)
+    for seed in range(5):
+        u = torch.rand(6, 5, generator=torch.Generator().manual_seed(seed))
+        slow = verify_point_masses(drafts, to_probs(logits, greedy), u)
+        assert torch.equal(fast.num_accepted, slow.num_accepted) and torch.equal(fast.tokens, slow.tokens)
+        assert torch.equal(fast.path, slow.path) and torch.equal(fast.target_tokens, slow.target_tokens)
+    assert torch.equal(sample(to_probs(logits, greedy), torch.full((6, 5), 0.999)), y)
+    assert int(fast.num_accepted.sum()) > 0

@@ -34,7 +34,7 @@ from .proposers.base import ActiveBatch, Proposer
 from .sampling import BatchSampling, SamplingParams, Stream, position_uniforms, sample, seed_tensor, to_probs
 from .text_output import TextOutput
 from .tree import MAX_TREE_BUDGET
-from .verify import Draft, Verdict, verify, verify_tree
+from .verify import Draft, Verdict, verify, verify_greedy, verify_tree
 
 
 def scratch_slots(num_draft_tokens: int) -> int:
@@ -87,7 +87,7 @@ class SequenceState:
 class Scored:
     """The target's forward over a step's drafts: the pending token (row 0), then the draft nodes."""
     hidden: Tensor                    # [B, N, H] the target's features of the scored rows
-    probs: Tensor                     # [B, N, V] the distribution each row gives its next position
+    logits: Tensor                    # [B, N, V] float32: what each row gives its next position
     positions: Tensor                 # [B, N] each row's position
 
 
@@ -329,7 +329,7 @@ class Engine:
             hidden = self.target.forward_reusing(draft.reuse, positions, self.cache, batch.rows, self.features)
         else:
             hidden = self.target(nodes.clamp(min=0), positions, self.cache, batch.rows, mask, self.features)  # [B, N, H']
-        return Scored(hidden, to_probs(self.target.lm_head(hidden), batch.sampling), positions)
+        return Scored(hidden, self.target.lm_head(hidden), positions)
 
     def _verify(self, batch: ActiveBatch, draft: Draft, pending: Tensor, scored: Scored) -> Verdict:
         """What the target keeps of the drafts (verify.py).
@@ -341,11 +341,14 @@ class Engine:
         rejection, so nothing this step commits or reports (tokens, accepted counts) depended on them,
         and they are as fresh next step as if never computed. Sampled drafts are drawn afresh at every
         step (sampling.step_seeds), so the same holds for the draws behind them."""
+        if draft.is_chain and bool((batch.sampling.temperature <= 0).all()) and not bool(draft.sampled.any()):
+            return verify_greedy(draft.tokens, scored.logits)      # no distribution nor uniform needed
+        probs = to_probs(scored.logits, batch.sampling)                                     # [B, N, V]
         u_target = position_uniforms(batch.seeds, scored.positions + 1, Stream.TARGET)          # [B, N]
         if not draft.is_chain:
-            return verify_tree(draft.tree(pending), scored.probs, u_target)
+            return verify_tree(draft.tree(pending), probs, u_target)
         u_accept = position_uniforms(batch.seeds, scored.positions[:, :-1] + 1, Stream.ACCEPT)  # [B, K]
-        return verify(draft, scored.probs, u_target, u_accept)
+        return verify(draft, probs, u_target, u_accept)
 
     def _commit(self, seqs: list[SequenceState], batch: ActiveBatch, verdict: Verdict) -> list[int]:
         """The target's cache keeps the committed path's rows; the sequences take the new tokens (where

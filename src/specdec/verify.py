@@ -198,8 +198,18 @@ def verify(draft: Draft, p: Tensor, u_target: Tensor, u_accept: Tensor) -> Verdi
 def verify_point_masses(x: Tensor, p: Tensor, u_target: Tensor) -> Verdict:
     """x [B, K] drafts (PAD = none); p [B, K+1, V]; u_target [B, K+1]: follow the drafts while they are
     the target's own samples."""
+    return _follow(x, sample(p, u_target))
+
+
+def verify_greedy(x: Tensor, logits: Tensor) -> Verdict:
+    """verify_point_masses for rows that all decode greedily, from their logits [B, K+1, V]: the target's token
+    is the argmax (the first index on ties), which is what sampling its one-hot gives for any uniform."""
+    return _follow(x, logits.argmax(-1))
+
+
+def _follow(x: Tensor, y: Tensor) -> Verdict:
+    """Drafts x [B, K] followed while they equal the target's tokens y [B, K+1]."""
     K = x.shape[1]
-    y = sample(p, u_target)                                                     # [B, K+1] the target's tokens
     follows = (x != PAD) & (x == y[:, :K])                                      # [B, K]
     num_accepted = follows.long().cumprod(-1).sum(-1)                           # [B]
     return _chain_verdict(y, num_accepted, y)
