@@ -29,6 +29,18 @@ def needs_bf16(dtype: torch.dtype) -> None:
         pytest.skip("no oneDNN bfloat16 on this CPU (or SPECDEC_ISA limits it)")
 
 
+def same_bits_on_one_and_two_threads(kernel, x: torch.Tensor) -> bool:
+    """Whether kernel(x) gives the same bits with one torch thread and with two."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel(x)
+        torch.set_num_threads(2)
+        return torch.equal(kernel(x), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
 class TinyTokenizer:
     """Token ids as space-separated numbers; id 1 is EOS (only when asked)."""
 

@@ -14,6 +14,8 @@ from specdec.machine import probe
 from specdec.models import kernels
 from specdec.models.kernels import RowCheck
 
+from helpers import same_bits_on_one_and_two_threads
+
 W = torch.randn(96, 64, generator=torch.Generator().manual_seed(0))
 needs_int4 = pytest.mark.skipif(not probe().int4_kernel, reason="no int4 kernel in this torch build")
 
@@ -241,14 +243,7 @@ def test_the_16_row_native_head_is_its_integer_reference_bit_for_bit_for_any_row
     with pytest.raises(ValueError, match="groups of 16"):
         Q8RowsHead.of(codes["q"][:40], codes["d"][:40])
     big = Q8RowsHead.of(torch.randint(-127, 128, (6144, 256), dtype=torch.int8), torch.rand(6144, 8) / 100)
-    threads = torch.get_num_threads()                                          # large enough to be split
-    try:
-        torch.set_num_threads(1)
-        one = big(x)
-        torch.set_num_threads(2)
-        assert torch.equal(big(x), one)
-    finally:
-        torch.set_num_threads(threads)
+    assert same_bits_on_one_and_two_threads(big, x)                            # large enough to be split
 
 
 def test_rows_past_a_kernels_checked_limit_keep_the_kernels_output_dtype():

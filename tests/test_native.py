@@ -7,6 +7,7 @@ import torch
 from specdec.models import native
 from specdec.tree import TokenTree
 
+from helpers import same_bits_on_one_and_two_threads
 from test_model import target_shaped
 
 pytestmark = pytest.mark.exactness
@@ -238,11 +239,4 @@ def test_native_q4_linear_keeps_its_bits_over_torchs_threads():
     b = _q4_blocks(3072, 576, 3)
     k = native.Q4Linear.of(native.q4_layout(b.q, b.scale, b.zero))
     x = torch.randn(5, 576, generator=torch.Generator().manual_seed(4))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = k(x)
-        torch.set_num_threads(2)
-        assert torch.equal(k(x), one)
-    finally:
-        torch.set_num_threads(threads)
+    assert same_bits_on_one_and_two_threads(k, x)

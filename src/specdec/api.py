@@ -132,13 +132,12 @@ def load_model(name_or_path: str, dtype: str = "auto", device: str = "cpu") -> t
     return model, Tokenizer.from_gguf(Path(path)), name
 
 
-def kernel_labels(target: CausalLM, family: str) -> str:
-    """What the target's layer linears and LM head run on, e.g. "layers: native 4-bit x 8-bit; LM head: ..."."""
-    def label(k) -> str:
-        return getattr(k, "label", type(k).__name__) + (f" ({family})" if type(k).__name__ == "PackedLinear" else "")
-    layers = sorted({label(k) for layer in getattr(target, "layers", []) for k in getattr(layer, "packed", {}).values()})
+def kernel_labels(target: CausalLM) -> str:
+    """What the target's layer linears and LM head run on, e.g. "layers: native 4-bit x 8-bit; LM head: ..."
+    (each kernel's `label`)."""
+    layers = sorted({k.label for layer in getattr(target, "layers", []) for k in getattr(layer, "packed", {}).values()})
     head = getattr(target, "packed", {}).get("lm_head")
-    return f"layers: {', '.join(layers) or 'torch default'}; LM head: {label(head) if head is not None else 'torch default'}"
+    return f"layers: {', '.join(layers) or 'torch default'}; LM head: {head.label if head is not None else 'torch default'}"
 
 
 def runtime_info(target: CausalLM) -> dict:
@@ -153,7 +152,7 @@ def runtime_info(target: CausalLM) -> dict:
     device = getattr(target, "device", torch.device("cpu"))
     return {"cpu": m.cpu, "torch_capability": m.torch_capability, "isa_limit": m.isa_limit or None,
             "dtype": getattr(target, "compute", str(getattr(target, "dtype", "")).removeprefix("torch.")),
-            "kernels": kernel_labels(target, m.kernel_family) if packed else "torch default",
+            "kernels": kernel_labels(target) if packed else "torch default",
             "attention": native.describe(device),
             "layers": native.describe_loop(target),
             "self_check": check.as_dict() if check is not None else None}

@@ -680,42 +680,6 @@ static void q4_group_c(const q4_job *j, int64_t g) {    /* the same operations i
     }
 }
 
-/* Groups [g0, g1) of 16 output rows from inputs quantized by specdec_q8_quantize; out [M, N] bfloat16
- * (out_bf16) or float32; instructions up to `isa` (see specdec_q8x8_isa). */
-int specdec_q4_q8_matmul(const int8_t *xq, const float *dx, const float *sx, const int32_t *xs8, int64_t M,
-                         int64_t K, const uint8_t *codes, const float *scale, const float *zero, int64_t N,
-                         void *out, int out_bf16, int64_t g0, int64_t g1, int isa) {
-    isa = specdec_q8x8_isa(isa);
-    const q4_job j = {xq, dx, sx, xs8, M, K, codes, scale, zero, N, out, out_bf16};
-    for (int64_t g = g0; g < g1; g++) {
-#ifdef HAVE_512
-        if (isa >= 2) { q4_group512(&j, g); continue; }
-#endif
-#ifdef __AVX2__
-        if (isa >= 1) { q4_group256(&j, g); continue; }
-#endif
-        q4_group_c(&j, g);
-    }
-    return 0;
-}
-
-/* The whole linear in one call, one thread: x [M, K] (bfloat16 or float32) -> out [M, N]. 0, or -1: out of memory. */
-int specdec_q4_linear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *codes, const float *scale,
-                      const float *zero, int64_t N, void *out, int out_bf16, int isa) {
-    const int64_t nb = K / QB;
-    int8_t *xq = malloc((size_t)(M * K));
-    float *dx = malloc(sizeof(float) * (size_t)(M * nb)), *sx = malloc(sizeof(float) * (size_t)(M * nb));
-    int32_t *xs8 = malloc(sizeof(int32_t) * (size_t)(M * nb));
-    int rc = 0;
-    if (!xq || !dx || !sx || !xs8) rc = -1;
-    else {
-        specdec_q8_quantize(x, x_bf16, M, K, xq, dx, sx, xs8);
-        specdec_q4_q8_matmul(xq, dx, sx, xs8, M, K, codes, scale, zero, N, out, out_bf16, 0, N / Q4G, isa);
-    }
-    free(xq); free(dx); free(sx); free(xs8);
-    return rc;
-}
-
 /* ---- The 8-bit (Q8_0) LM head in groups of 16 rows, against 8-bit inputs ----
  * The head's codes as 16-row groups laid out like the 4-bit kernel's (native.q8_rows_layout):
  *   codes [N / 16][nb][8][64]: in part c of a block (inputs 4c..4c+3), byte 4r + j is row r's code of input 4c + j;
@@ -724,7 +688,7 @@ int specdec_q4_linear(const void *x, int x_bf16, int64_t M, int64_t K, const uin
  *   acc = acc + (float)(sum of q xq) * (d dx)
  * Exact integer block sums (vpdpbusd over the codes offset by 128, less 128 xs; maddubs over |q| and xq signed
  * by q, then madd; plain C), so every path and row count gives the same bits. `scale` is d, `zero` unused: the
- * signature of specdec_q4_q8_matmul. */
+ * 4-bit kernel's job and signature. */
 #ifdef HAVE_512
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 static void q8r_group512(const q4_job *j, int64_t g) {
@@ -813,27 +777,42 @@ static void q8r_group_c(const q4_job *j, int64_t g) {
     }
 }
 
-int specdec_q8r_q8_matmul(const int8_t *xq, const float *dx, const float *sx, const int32_t *xs8, int64_t M,
-                          int64_t K, const uint8_t *codes, const float *scale, const float *zero, int64_t N,
-                          void *out, int out_bf16, int64_t g0, int64_t g1, int isa) {
-    (void)sx; (void)zero;
+/* Groups [g0, g1) of 16 output rows (the 4-bit kernel, or with q8r the 8-bit head) from inputs quantized by
+ * specdec_q8_quantize; out [M, N] bfloat16 (out_bf16) or float32; instructions up to `isa` (specdec_q8x8_isa). */
+static void rows_matmul(int q8r, const q4_job *j, int64_t g0, int64_t g1, int isa) {
     isa = specdec_q8x8_isa(isa);
-    const q4_job j = {xq, dx, sx, xs8, M, K, codes, scale, zero, N, out, out_bf16};
     for (int64_t g = g0; g < g1; g++) {
 #ifdef HAVE_512
-        if (isa >= 2) { q8r_group512(&j, g); continue; }
+        if (isa >= 2) { (q8r ? q8r_group512 : q4_group512)(j, g); continue; }
 #endif
 #ifdef __AVX2__
-        if (isa >= 1) { q8r_group256(&j, g); continue; }
+        if (isa >= 1) { (q8r ? q8r_group256 : q4_group256)(j, g); continue; }
 #endif
-        q8r_group_c(&j, g);
+        (q8r ? q8r_group_c : q4_group_c)(j, g);
     }
+}
+
+/* The two kernels as entries of one signature (the layer loop splits their groups over torch's threads). */
+int specdec_q4_q8_matmul(const int8_t *xq, const float *dx, const float *sx, const int32_t *xs8, int64_t M,
+                         int64_t K, const uint8_t *codes, const float *scale, const float *zero, int64_t N,
+                         void *out, int out_bf16, int64_t g0, int64_t g1, int isa) {
+    const q4_job j = {xq, dx, sx, xs8, M, K, codes, scale, zero, N, out, out_bf16};
+    rows_matmul(0, &j, g0, g1, isa);
     return 0;
 }
 
-/* The head in one call, one thread (no layer loop built): x [M, K] -> out [M, N] float32. */
-int specdec_q8r_linear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *codes, const float *d,
-                       int64_t N, void *out, int isa) {
+int specdec_q8r_q8_matmul(const int8_t *xq, const float *dx, const float *sx, const int32_t *xs8, int64_t M,
+                          int64_t K, const uint8_t *codes, const float *scale, const float *zero, int64_t N,
+                          void *out, int out_bf16, int64_t g0, int64_t g1, int isa) {
+    const q4_job j = {xq, dx, sx, xs8, M, K, codes, scale, zero, N, out, out_bf16};
+    rows_matmul(1, &j, g0, g1, isa);
+    return 0;
+}
+
+/* One of them whole, on one thread (where the layer loop is not built): x [M, K] (bfloat16 or float32) ->
+ * out [M, N]. 0, or -1: out of memory. */
+int specdec_rows_linear(int q8r, const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *codes,
+                        const float *scale, const float *zero, int64_t N, void *out, int out_bf16, int isa) {
     const int64_t nb = K / QB;
     int8_t *xq = malloc((size_t)(M * K));
     float *dx = malloc(sizeof(float) * (size_t)(M * nb)), *sx = malloc(sizeof(float) * (size_t)(M * nb));
@@ -842,7 +821,8 @@ int specdec_q8r_linear(const void *x, int x_bf16, int64_t M, int64_t K, const ui
     if (!xq || !dx || !sx || !xs8) rc = -1;
     else {
         specdec_q8_quantize(x, x_bf16, M, K, xq, dx, sx, xs8);
-        specdec_q8r_q8_matmul(xq, dx, sx, xs8, M, K, codes, d, NULL, N, out, 0, 0, N / Q4G, isa);
+        const q4_job j = {xq, dx, sx, xs8, M, K, codes, scale, zero, N, out, out_bf16};
+        rows_matmul(q8r, &j, 0, N / Q4G, isa);
     }
     free(xq); free(dx); free(sx); free(xs8);
     return rc;

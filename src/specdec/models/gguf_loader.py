@@ -172,10 +172,10 @@ def build(weights: Weights, device: str | torch.device, name: str, max_seq_len: 
         raise SpecdecError(f"weights do not fit the {cfg.name} layout: missing {missing}, unexpected {unexpected}")
     model = model.to(device)
     kernels = dict(weights.int4)
-    if native.available(model.device):                                    # 4-bit linears: torch's or the native kernel
-        for (i, name), layout in weights.q4.items():
+    if native.available(model.device):
+        for (i, name), layout in weights.q4.items():                      # 4-bit linears: torch's or the native kernel
             kernels[(i, name)] = q4_kernel(kernels[(i, name)], layout, getattr(model.layers[i], name))
-    if weights.q8_head and native.available(model.device):                # another LM head candidate (`pack` times it)
+    if weights.q8_head and native.available(model.device):                # LM head candidates (`pack` times them)
         kernels[NATIVE_HEAD] = native.Q8Head.of(weights.q8_head["q"], weights.q8_head["d"])
         kernels[NATIVE_HEAD_Q8X8] = native.Q8Head.of(weights.q8_head["q"], weights.q8_head["d"], quantized=True)
         if native.q4_fits(tuple(weights.q8_head["q"].shape)):

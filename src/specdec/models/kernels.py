@@ -200,10 +200,12 @@ class DenseLinear:
 
 
 class Kernel(Protocol):
-    """A linear layer's kernel: x [M, in] in `dtype` -> [M, out]; `pair`: compute a lone row as two."""
+    """A linear layer's kernel: x [M, in] in `dtype` -> [M, out]; `pair`: compute a lone row as two; `label`:
+    what it is, for `specdec info`."""
     dtype: torch.dtype
     check: RowCheck
     pair: bool
+    label: str
 
     def __call__(self, x: Tensor) -> Tensor: ...
 

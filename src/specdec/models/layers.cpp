@@ -191,6 +191,23 @@ int run_layer(const Loop &m, int i, const specdec_plan &p, at::Tensor &x, at::Te
     return 0;
 }
 
+// Layer i's linear `which` made anew as `kind`, its own fields set by fill. 0, or -3 (a bad index, a torch error).
+template <class Fill>
+int set_linear(void *m, int64_t i, int which, int kind, int64_t n_out, int64_t n_in, int64_t max_rows, Fill fill) {
+    try {
+        Linear &l = ((Loop *)m)->layers.at(i).lin[which];
+        l = Linear();
+        l.kind = kind;
+        l.n_out = n_out;
+        l.n_in = n_in;
+        l.max_rows = max_rows;
+        fill(l);
+        return 0;
+    } catch (...) {
+        return -3;
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -228,59 +245,36 @@ void *specdec_loop_new(int64_t n_layers, int64_t dim, double eps, int gelu, int 
 
 void specdec_loop_free(void *m) { delete (Loop *)m; }
 
-// Layer i's linear `which` (0 wqkv, 1 wo, 2 w13, 3 w2): packed [N, K / 2] uint8, scale_zero [K / 32, N, 2].
+// Layer i's linear `which` (0 wqkv, 1 wo, 2 w13, 3 w2) through torch's int4 kernel: packed [N, K / 2] uint8,
+// scale_zero [K / 32, N, 2] bfloat16.
 int specdec_loop_linear(void *m, int64_t i, int which, void *packed, int64_t N, int64_t K, void *scale_zero,
                         int64_t max_rows) {
-    try {
-        Linear &l = ((Loop *)m)->layers.at(i).lin[which];
-        l = Linear();
+    return set_linear(m, i, which, TORCH_INT4, N, K, max_rows, [&](Linear &l) {
         l.packed = at::from_blob(packed, {N, K / 2}, at::TensorOptions().dtype(at::kByte));
         l.scale_zero = at::from_blob(scale_zero, {K / 32, N, 2}, BF16);
-        l.n_out = N;
-        l.n_in = K;
-        l.max_rows = max_rows;
-        return 0;
-    } catch (...) {
-        return -3;
-    }
+    });
 }
 
-// Layer i's linear `which` through the native 4-bit kernel: codes, scale, zero in native.q4_layout's layout.
+// ... through the native 4-bit kernel: codes, scale, zero in native.q4_layout's layout.
 int specdec_loop_q4(void *m, int64_t i, int which, const uint8_t *codes, const float *scale, const float *zero,
                     int64_t N, int64_t K, int isa, int64_t max_rows) {
-    try {
-        Linear &l = ((Loop *)m)->layers.at(i).lin[which];
-        l = Linear();
-        l.kind = NATIVE_Q4;
+    return set_linear(m, i, which, NATIVE_Q4, N, K, max_rows, [&](Linear &l) {
         l.codes = codes;
         l.scale = scale;
         l.zero = zero;
         l.isa = isa;
-        l.n_out = N;
-        l.n_in = K;
-        l.max_rows = max_rows;
-        return 0;
-    } catch (...) {
-        return -3;
-    }
+    });
 }
 
-// Layer i's linear `which` through a oneDNN-prepacked weight: `impl` the c10::TensorImpl of the Python tensor
-// (its `_cdata`; a reference is kept), inputs and outputs bfloat16 (bf16) or float32.
+// ... through a oneDNN-prepacked weight: `impl` the c10::TensorImpl of the Python tensor (its `_cdata`; a
+// reference is kept), inputs and outputs bfloat16 (bf16) or float32.
 int specdec_loop_onednn(void *m, int64_t i, int which, void *impl, int bf16, int pair, int64_t max_rows) {
-    try {
-        Linear &l = ((Loop *)m)->layers.at(i).lin[which];
-        l = Linear();
-        l.kind = ONEDNN;
+    return set_linear(m, i, which, ONEDNN, 0, 0, max_rows, [&](Linear &l) {
         l.weight = at::Tensor(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::reclaim_copy(
             (c10::TensorImpl *)impl));
         l.dtype = bf16 ? at::kBFloat16 : at::kFloat;
         l.pair = pair;
-        l.max_rows = max_rows;
-        return 0;
-    } catch (...) {
-        return -3;
-    }
+    });
 }
 
 // Layer i's norm weights (float32 [D] or [hd]; nullptr: none) and whether it attends locally.

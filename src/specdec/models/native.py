@@ -104,11 +104,9 @@ def _build() -> str:
     fn.restype = ctypes.c_int
     fn.argtypes = [_PTR, ctypes.c_int, _I64, _I64, _PTR, _PTR, _I64, _PTR, ctypes.c_int, ctypes.c_int]
     lib.specdec_q8x8_isa.restype = ctypes.c_int
-    lib.specdec_q8r_linear.restype = ctypes.c_int
-    lib.specdec_q8r_linear.argtypes = [_PTR, ctypes.c_int, _I64, _I64, _PTR, _PTR, _I64, _PTR, ctypes.c_int]
-    lib.specdec_q4_linear.restype = ctypes.c_int
-    lib.specdec_q4_linear.argtypes = [_PTR, ctypes.c_int, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, ctypes.c_int,
-                                      ctypes.c_int]
+    lib.specdec_rows_linear.restype = ctypes.c_int
+    lib.specdec_rows_linear.argtypes = [ctypes.c_int, _PTR, ctypes.c_int, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR,
+                                        ctypes.c_int, ctypes.c_int]
     lib.specdec_q8x8_isa.argtypes = [ctypes.c_int]
     _LIB.append(lib)
     return ""
@@ -236,10 +234,13 @@ class Attend:
         self._head = (cos.data_ptr(), ssin.data_ptr())
         self._tail = (where.row_off.data_ptr(), where.at.data_ptr(), Smax * hd, visible.data_ptr(), S, B, T,
                       n_heads, nkv, hd, scale)
+        self._plan: list[_Plan] = []                                          # `plan`, once asked for
 
     def plan(self) -> _Plan:
-        """These arguments as the C struct `LayerLoop` takes."""
-        return _Plan(*self._head, self._k, self._v, self._layer_bytes, *self._tail)
+        """These arguments as the C struct `LayerLoop` takes (made once per forward, whatever calls ask)."""
+        if not self._plan:
+            self._plan.append(_Plan(*self._head, self._k, self._v, self._layer_bytes, *self._tail))
+        return self._plan[0]
 
     def __call__(self, qkv: Tensor, q_norm: Tensor, k_norm: Tensor, eps: float, layer: int,
                  out_dtype: torch.dtype) -> Tensor:
@@ -403,11 +404,10 @@ class LayerLoop:
         if not loop_available():
             return None
         lib = _LOOP[0]
-        attend = ctypes.cast(_LIB[0].specdec_qkv_attend, _PTR).value
-        norm = ctypes.cast(_LIB[0].specdec_add_rms_norm, _PTR).value
-        quantize, q4 = _q4_entry(), _q4_entry(True)
         handle = lib.specdec_loop_new(len(layers), cfg.dim, cfg.norm_eps, int(cfg.gelu),
-                                      int(model.dtype == torch.bfloat16), attend, norm, quantize, q4)
+                                      int(model.dtype == torch.bfloat16), _entry("specdec_qkv_attend"),
+                                      _entry("specdec_add_rms_norm"), _entry("specdec_q8_quantize"),
+                                      _entry("specdec_q4_q8_matmul"))
         if not handle:
             raise MemoryError("native layer loop: out of memory")
         keep: list = []
@@ -484,9 +484,28 @@ def q4_layout(q, scale, zero) -> dict[str, Tensor]:
     return {"codes": torch.from_numpy(np.ascontiguousarray(codes)), "scale": grouped(scale), "zero": grouped(zero)}
 
 
-def _q4_entry(matmul: bool = False) -> int:
-    """The address of attend.c's 8-bit quantizer (or, matmul, of its 4-bit product), for layers.cpp."""
-    return ctypes.cast(_LIB[0].specdec_q4_q8_matmul if matmul else _LIB[0].specdec_q8_quantize, _PTR).value
+def _entry(name: str) -> int:
+    """The address of attend.c's function `name`, for layers.cpp."""
+    return ctypes.cast(getattr(_LIB[0], name), _PTR).value
+
+
+def _rows_linear(q8r: bool, x: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, isa: int, what: str) -> Tensor:
+    """x [M, K] (bfloat16 or float32, checked by the caller) -> float32 [M, N] through attend.c's 4-bit kernel
+    or (q8r) its 16-row 8-bit head: over torch's threads as the layer loop runs them where it is built, else
+    on one thread (the same bits)."""
+    x = x.contiguous()
+    M, K, N = x.shape[0], codes.shape[1] * 32, codes.shape[0] * Q4_GROUP
+    out = torch.empty(M, N, dtype=torch.float32)
+    args = (x.data_ptr(), x.dtype == torch.bfloat16, M, K, codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), N,
+            out.data_ptr(), 0, isa)
+    if loop_available():
+        matmul = _entry("specdec_q8r_q8_matmul" if q8r else "specdec_q4_q8_matmul")
+        rc = _LOOP[0].specdec_q4_threads(_entry("specdec_q8_quantize"), matmul, *args)
+    else:
+        rc = _LIB[0].specdec_rows_linear(int(q8r), *args)
+    if rc:
+        raise MemoryError(f"{what}: out of memory") if rc == -1 else RuntimeError(f"{what}: error {rc}")
+    return out
 
 
 def q8_rows_layout(q: Tensor, d: Tensor) -> dict[str, Tensor]:
@@ -517,21 +536,10 @@ class Q8RowsHead:
 
     def __call__(self, x: Tensor) -> Tensor:
         """x [M, K] bfloat16 -> [M, N] float32"""
-        N, K = self.codes.shape[0] * Q4_GROUP, self.codes.shape[1] * 32
+        K = self.codes.shape[1] * 32
         if x.dtype not in DTYPES or x.dim() != 2 or x.shape[1] != K:
             raise ValueError(f"Q8 head: expected [M, {K}] bfloat16 or float32, got {x.dtype} {list(x.shape)}")
-        x = x.contiguous()
-        out = torch.empty(x.shape[0], N, dtype=torch.float32)
-        bf16, M, codes, d = x.dtype == torch.bfloat16, x.shape[0], self.codes.data_ptr(), self.d.data_ptr()
-        if loop_available():
-            matmul = ctypes.cast(_LIB[0].specdec_q8r_q8_matmul, _PTR).value
-            rc = _LOOP[0].specdec_q4_threads(_q4_entry(), matmul, x.data_ptr(), bf16, M, K, codes, d, d, N,
-                                             out.data_ptr(), 0, self.isa)
-        else:
-            rc = _LIB[0].specdec_q8r_linear(x.data_ptr(), bf16, M, K, codes, d, N, out.data_ptr(), self.isa)
-        if rc:
-            raise MemoryError("Q8 head: out of memory") if rc == -1 else RuntimeError(f"Q8 head: error {rc}")
-        return out
+        return _rows_linear(True, x, self.codes, self.d, self.d, self.isa, "Q8 head")
 
     @staticmethod
     def of(q: Tensor, d: Tensor) -> "Q8RowsHead":
@@ -567,20 +575,10 @@ class Q4Linear:
 
     def __call__(self, x: Tensor) -> Tensor:
         """x [M, K] float32 (or bfloat16) -> [M, N] float32"""
-        N, K = self.shape
+        K = self.shape[1]
         if x.dtype not in DTYPES or x.dim() != 2 or x.shape[1] != K:
             raise ValueError(f"Q4 linear: expected [M, {K}] float32 or bfloat16, got {x.dtype} {list(x.shape)}")
-        x = x.contiguous()
-        out = torch.empty(x.shape[0], N, dtype=torch.float32)
-        args = (x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], K, self.codes.data_ptr(), self.scale.data_ptr(),
-                self.zero.data_ptr(), N, out.data_ptr(), 0, self.isa)
-        if loop_available():                                  # over torch's threads, as the layer loop runs it
-            rc = _LOOP[0].specdec_q4_threads(_q4_entry(), _q4_entry(True), *args)
-        else:
-            rc = _LIB[0].specdec_q4_linear(*args)
-        if rc:
-            raise MemoryError("Q4 linear: out of memory") if rc == -1 else RuntimeError(f"Q4 linear: error {rc}")
-        return out
+        return _rows_linear(False, x, self.codes, self.scale, self.zero, self.isa, "Q4 linear")
 
     @staticmethod
     def of(layout: dict[str, Tensor]) -> "Q4Linear":
