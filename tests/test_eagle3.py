@@ -212,3 +212,56 @@ def test_served_agreement_counts_answer_positions_against_the_whole_vocabulary()
     assert served == pytest.approx(accs, abs=1e-4)
     none = [Row(s, [0] * len(s), "chat", f"r{i}") for i, s in enumerate(seqs)]
     assert served_agreement(head, none, seqs, feats, {"chat": [0, 1, 2]}, w.float(), 3, 64)["chat"] == [0.0] * 3
+
+
+class _EveryThirdStep:
+    """A draft-length policy that drafts k tokens at every third step and none in between."""
+
+    def __init__(self, k: int) -> None:
+        self.k, self.steps = k, 0
+
+    def choose(self, batch: int, remaining: int) -> int:
+        self.steps += 1
+        return self.k if self.steps % 3 == 0 else 0
+
+    def observe(self, batch, k, valid, accepted, draft_s, target_s) -> None:
+        pass
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_plain_steps_cost_the_head_nothing_and_drafting_catches_up(batch):
+    """Committed tokens wait until the sequence drafts again, then go through the head in one forward."""
+    from specdec.engine import Engine, Request
+    from specdec.prefix_cache import PrefixCache
+
+    target, head = _prepared()
+    fed: list[int] = []                                   # tokens per row of every head forward
+    forward = head.forward
+    head.forward = lambda tokens, *a, **kw: (fed.append(tokens.shape[1]), forward(tokens, *a, **kw))[1]
+    policy = _EveryThirdStep(3)
+    per_step: list[tuple[int, list[int]]] = []            # (drafts asked, head forwards of the step)
+
+    def choose(b: int, remaining: int, inner=policy.choose) -> int:
+        k = inner(b, remaining)
+        per_step.append((k, []))
+        return k
+
+    policy.choose = choose
+    target.pack()
+    reqs = [Request(list(p), 30) for p in PROMPTS[:batch]]
+    eng = Engine(target, EagleProposer(head, 1, 3, 3, name="eagle3"), policy, lambda ids: "", frozenset(),
+                 PrefixCache(0), sum(len(r.prompt) for r in reqs))
+    eng.allocate(batch, 96)
+    seqs = [eng.add(r) for r in reqs]
+    with torch.inference_mode():
+        while eng.busy:
+            before = len(fed)
+            eng.step()
+            if per_step:
+                per_step[-1][1].extend(fed[before:])
+    for p, s in zip(PROMPTS[:batch], seqs):
+        assert s.generated == reference_greedy(target, p, 30)
+    plain = [calls for k, calls in per_step if k == 0]
+    drafting = [calls for k, calls in per_step if k > 0]
+    assert plain and all(calls == [] for calls in plain)
+    assert drafting and all(calls and calls[0] >= 3 for calls in drafting)   # caught up on 3 steps' commits

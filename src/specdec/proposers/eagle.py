@@ -6,7 +6,9 @@ feature, so drafting is the same loop.
 
 State per sequence: the head's KV cache holds pairs (f_i, x_{i+1}) for every
 committed position i, and `pred` is the head's output at the last one (the
-predicted feature of the pending token's position). Drafting expands, depth by
+predicted feature of the pending token's position). Committed pairs wait in `unfed` until the
+sequence drafts next: steps that draft nothing (the draft-length policy's plain steps, the
+prompt-lookup rows of `hybrid`) cost the head nothing, and one forward catches up on all of them. Drafting expands, depth by
 depth, the `topk` best nodes by cumulative draft log-probability, each into its
 `topk` best children; the `budget` best nodes overall form the tree the target
 verifies (topk = 1 drafts a plain chain instead). After verification the accepted path's true target features are fed
@@ -50,6 +52,7 @@ class EagleProposer:
         self.feature_layers = head.feature_layers
         self.log_min_confidence = math.log(min_confidence) if min_confidence > 0 else -math.inf
         self.pred: dict[int, Tensor] = {}
+        self.unfed: dict[int, tuple[list[int], list[Tensor]]] = {}   # row -> committed tokens, target features
 
     def allocate(self, rows: int, slots: int) -> None:
         self.cache = self.head.new_cache(rows, slots + self.topk * self.depth + 2)
@@ -73,10 +76,27 @@ class EagleProposer:
         for i, r in enumerate(rows.tolist()):
             self.pred[r] = out[i, int(n[i]) - 1]
 
+    def _catch_up(self, rows: Tensor) -> None:
+        """Feed the head every pair committed for `rows` since they last drafted (one forward)."""
+        todo = [r for r in rows.tolist() if r in self.unfed]
+        if todo:
+            waiting = [self.unfed.pop(r) for r in todo]
+            self._feed(torch.tensor(todo, device=rows.device), [t for t, _ in waiting],
+                       [torch.cat(f) for _, f in waiting])
+
+    def _wait(self, rows: Tensor, tokens: list[list[int]], target_feats: list[Tensor]) -> None:
+        for r, t, f in zip(rows.tolist(), tokens, target_feats):
+            toks, feats = self.unfed.setdefault(r, ([], []))
+            toks.extend(t)
+            feats.append(f)
+
     def start(self, rows: Tensor, prompts: list[list[int]], hidden: Tensor) -> None:
         self.cache.truncate(rows, torch.zeros_like(rows))
+        for r in rows.tolist():
+            self.unfed.pop(r, None)
+            self.pred.pop(r, None)
         toks = [p[1:] for p in prompts]                           # x_{i+1} for i = 0 .. P-1
-        self._feed(rows, toks, [hidden[i, :len(t)] for i, t in enumerate(toks)])
+        self._wait(rows, toks, [hidden[i, :len(t)] for i, t in enumerate(toks)])
 
     def forget(self) -> None:
         pass                          # nothing outlives a request
@@ -87,13 +107,14 @@ class EagleProposer:
         path = verdict.path
         toks = [verdict.tokens[i, :n[i]].tolist() for i in range(len(n))]
         feats = [hidden[i, path[i, :n[i]]] for i in range(len(n))]
-        self._feed(rows, toks, feats)
+        self._wait(rows, toks, feats)
 
     @torch.inference_mode()
     def propose(self, batch: ActiveBatch, k: int) -> Draft:
         """Grow candidates depth by depth from the head's prediction for the pending token's position; a
         chain (topk 1) is the draft, cut where its confidence falls too low, a tree keeps the best nodes."""
         rows = batch.rows
+        self._catch_up(rows)
         pred = torch.stack([self.pred[r] for r in rows.tolist()])  # [B, H]
         sampled = self.samples(batch)
         if bool(sampled.any()):
