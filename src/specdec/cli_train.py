@@ -92,7 +92,8 @@ def cmd_eagle3(a: argparse.Namespace) -> int:
     if a.init and not Path(a.init).is_file():
         raise SpecdecError(f"--init: no such head file: {a.init}")
     opts = Eagle3Options(a.minutes, a.vocab_size, a.window, a.batch, a.lr, a.max_seq, a.steps, a.max_rows,
-                         train_dtype=_train_dtype(a), report_minutes=a.report_minutes, init=a.init)
+                         train_dtype=_train_dtype(a), report_minutes=a.report_minutes, init=a.init,
+                         mlp_width=a.mlp_width)
     data = magpie_dir(a.data, a.model)
     report = train_eagle3(a.model, data, Path(a.out), a.overwrite, opts, Path(a.features or data))
     print(json.dumps(report, indent=2))
@@ -215,6 +216,8 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     e3.add_argument("--init", default="", metavar="HEAD", help="continue from this EAGLE-3 head's weights, "
                     "configuration and draft vocabulary (e.g. the shipped one; a fresh optimiser) instead of a new "
                     "head (default: a new head; --vocab-size is then the file's)")
+    e3.add_argument("--mlp-width", type=int, default=0, metavar="N", help="the head's MLP width (default: the "
+                    "target's, or --init's); wider than --init's head: widened computing the same function at first")
     e3.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     _dtype_option(e3)
     e3.set_defaults(func=cmd_eagle3)

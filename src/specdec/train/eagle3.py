@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -228,6 +228,7 @@ class Eagle3Options:
     train_dtype: torch.dtype = torch.float32
     report_minutes: float = 10.0     # validation on a fixed sample, appended to OUT.curve.jsonl
     init: str = ""                   # a head (.safetensors) to continue from; "" = start from the target
+    mlp_width: int = 0               # the head's MLP width (0: the target's; wider than `init`'s: widened in place)
 
 
 class Curve:
@@ -274,9 +275,33 @@ def initial_head(target: Transformer, seqs: list[list[int]], opts: Eagle3Options
         missing, unexpected = head.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
         if unexpected or [m for m in missing if m != "vocab_ids"]:
             raise SpecdecError(f"{opts.init} does not fit an EAGLE-3 head: missing {missing}, unexpected {unexpected}")
+        if opts.mlp_width and opts.mlp_width != cfg.hidden_dim:
+            head = widened(head, opts.mlp_width, opts.seed)
         return head
     cfg = Eagle3Config.for_target(target, min(opts.vocab_size, target.vocab_size))
+    if opts.mlp_width:
+        cfg = replace(cfg, hidden_dim=opts.mlp_width)
     return Eagle3Head(target, cfg, vocab_subset(seqs, cfg.draft_vocab, target.vocab_size)).init_from_target()
+
+
+def widened(head: Eagle3Head, width: int, seed: int) -> Eagle3Head:
+    """The same head with an MLP `width` wide, computing the same function: the new gate/up rows start small
+    and random, the new down_proj columns at zero (so they add nothing until trained)."""
+    old = head.cfg.hidden_dim
+    if width < old:
+        raise SpecdecError(f"--mlp-width {width} is narrower than the head's MLP ({old}): a head only widens")
+    wide = Eagle3Head(head.tgt, replace(head.cfg, hidden_dim=width), head.vocab_ids)
+    sd = head.state_dict()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name in ("gate_proj", "up_proj"):
+            w = sd[f"midlayer.mlp.{name}.weight"]                                    # [old, H]
+            extra = torch.randn(width - old, w.shape[1], generator=gen) * 0.02
+            sd[f"midlayer.mlp.{name}.weight"] = torch.cat([w, extra.to(w.dtype)])    # [width, H]
+        w = sd["midlayer.mlp.down_proj.weight"]                                      # [H, old]
+        sd["midlayer.mlp.down_proj.weight"] = torch.cat([w, w.new_zeros(w.shape[0], width - old)], 1)
+    wide.load_state_dict(sd)
+    return wide
 
 
 def fit_eagle3(target: Transformer, name: str, rows: list[Row], out: Path, opts: Eagle3Options, cache: Path,
