@@ -165,6 +165,7 @@ from helpers import PROMPTS, V, check_joint, exact_joint, sample_engine, tiny_ge
 from specdec.proposers.eagle import EagleProposer  # noqa: E402
 from specdec.reference import reference_greedy  # noqa: E402
 from specdec.sampling import SamplingParams  # noqa: E402
+from specdec.draft_length import make_policy  # noqa: E402
 
 
 def _prepared(seed: int = 0, vocab: int = 97, ids: torch.Tensor = torch.arange(0, 80, 2)):
@@ -265,3 +266,24 @@ def test_plain_steps_cost_the_head_nothing_and_drafting_catches_up(batch):
     drafting = [calls for k, calls in per_step if k > 0]
     assert plain and all(calls == [] for calls in plain)
     assert drafting and all(calls and calls[0] >= 3 for calls in drafting)   # caught up on 3 steps' commits
+
+
+def test_a_late_long_prompt_catches_up_beside_a_long_history():
+    """A short prompt decodes while a long one prefills in pieces; their first shared step feeds the head the long
+    prompt beside a row with a long history: padded to one forward it would run past the head's cache."""
+    from specdec.engine import Engine, Request
+    from specdec.prefix_cache import PrefixCache
+
+    target, head = _prepared()
+    target.pack()
+    long_prompt = [(7 * i + 3) % 90 + 1 for i in range(200)]    # two prefill pieces, steps apart
+    reqs = [Request(long_prompt[:100], 20), Request(long_prompt, 5)]
+    eng = Engine(target, EagleProposer(head, 1, 3, 3, name="eagle3"), make_policy("fixed", 3), lambda ids: "",
+                 frozenset(), PrefixCache(0), 16)                   # one piece per prefill step
+    eng.allocate(2, max(len(r.prompt) + r.max_new_tokens for r in reqs) + 2)
+    seqs = [eng.add(r) for r in reqs]
+    with torch.inference_mode():
+        while eng.busy:
+            eng.step()
+    for r, s in zip(reqs, seqs):
+        assert s.generated == reference_greedy(target, r.prompt, r.max_new_tokens)

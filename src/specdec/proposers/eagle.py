@@ -79,10 +79,16 @@ class EagleProposer:
     def _catch_up(self, rows: Tensor) -> None:
         """Feed the head every pair committed for `rows` since they last drafted (one forward)."""
         todo = [r for r in rows.tolist() if r in self.unfed]
-        if todo:
-            waiting = [self.unfed.pop(r) for r in todo]
-            self._feed(torch.tensor(todo, device=rows.device), [t for t, _ in waiting],
-                       [torch.cat(f) for _, f in waiting])
+        if not todo:
+            return
+        waiting = [self.unfed.pop(r) for r in todo]
+        at = torch.tensor(todo, device=rows.device)
+        longest = max(len(t) for t, _ in waiting)
+        if int(self.cache.lengths[at].max()) + longest <= self.cache.slots:
+            self._feed(at, [t for t, _ in waiting], [torch.cat(f) for _, f in waiting])
+            return
+        for i, (t, f) in enumerate(waiting):      # padded to the longest, a long row's scratch would overflow
+            self._feed(at[i:i + 1], [t], [torch.cat(f)])
 
     def _wait(self, rows: Tensor, tokens: list[list[int]], target_feats: list[Tensor]) -> None:
         for r, t, f in zip(rows.tolist(), tokens, target_feats):
