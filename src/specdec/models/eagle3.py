@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +27,8 @@ from ..cache import KVCache
 from ..errors import SpecdecError
 from .decoder import Transformer, apply_rope, rope_tables
 from .eagle import read_weights, target_fingerprint, write_weights
-from .kernels import linear, pack, packed_linear_available
+from . import native
+from .kernels import Kernel, fastest, linear, pack, packed_linear_available
 
 
 @dataclass(frozen=True)
@@ -179,7 +181,7 @@ class Eagle3Head(nn.Module):
         cache.write(0, rows, k, v)
         lengths = cache.lengths[rows]
         kv_len = int(lengths.max()) + T
-        kc, vc = cache.read(0, rows, kv_len, False)                               # [B, nkv, S, hd]
+        kc, vc = cache.read(0, rows, kv_len, rows.numel() == 1)                     # [B, nkv, S, hd]
         if tree_mask is None:
             tree_mask = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril().expand(B, T, T)
         j = torch.arange(kv_len, device=tokens.device)
@@ -191,14 +193,16 @@ class Eagle3Head(nn.Module):
         return self.finish(hidden, o)
 
     def prepare(self, dtype: torch.dtype) -> "Eagle3Head":
-        """Inference set-up: cast to the target's dtype and prepack the linears on CPU."""
+        """Inference set-up: cast to the target's dtype and prepack the linears on CPU; beside a 4-bit target,
+        each linear runs where it is fastest on this machine, prepacked or as 8-bit codes (`draft_kernel`)."""
         self.to(dtype).eval().requires_grad_(False)
         self.cos, self.sin = self.cos.float(), self.sin.float()
         if packed_linear_available(self.fc.weight.device):
             a, m = self.midlayer.self_attn, self.midlayer.mlp
             mods = {"fc": self.fc, "q": a.q_proj, "k": a.k_proj, "v": a.v_proj, "o": a.o_proj,
                     "gate": m.gate_proj, "up": m.up_proj, "down": m.down_proj, "lm_head": self.lm_head}
-            self.packed = {n: pack(mod.weight) for n, mod in mods.items()}
+            eight_bit = self.tgt.int4 and native.available(self.fc.weight.device)
+            self.packed = {n: draft_kernel(mod.weight) if eight_bit else pack(mod.weight) for n, mod in mods.items()}
         return self
 
     # ---- persistence -------------------------------------------------------------------
@@ -225,3 +229,22 @@ class Eagle3Head(nn.Module):
         if unexpected or [m for m in missing if m != "vocab_ids"]:
             raise SpecdecError(f"{source} does not fit an EAGLE-3 head: missing {missing}, unexpected {unexpected}")
         return head.prepare(target.dtype)
+
+
+def draft_kernel(w: Tensor) -> Kernel:
+    """A draft head's linear w [out, in]: prepacked in w's dtype, or its Q8_0 codes through the native 8-bit
+    kernel (`eight_bit_kernel`), whichever is faster here (timed at the first start, kept per machine). The
+    8-bit form changes the drafts' last bits, never the output: drafts are only proposals."""
+    makers: dict[str, Callable[[], Kernel]] = {"onednn": lambda: pack(w)}
+    if native.q4_fits(tuple(w.shape)):
+        makers["native-q8r"] = lambda: eight_bit_kernel(w)
+    return fastest(("draft-linear", *w.shape, str(w.dtype).removeprefix("torch."), *sorted(makers),
+                    native.source_stamp()), makers, w)
+
+
+def eight_bit_kernel(w: Tensor) -> native.Q8RowsHead:
+    """w [out, in] quantized to Q8_0 (by `gguf`, as llama.cpp does) in the native kernel's 16-row layout."""
+    from gguf.quants import GGMLQuantizationType, quantize
+
+    codes = native.q8_0_codes(quantize(w.detach().float().numpy(), GGMLQuantizationType.Q8_0), tuple(w.shape))
+    return native.Q8RowsHead.of(codes["q"], codes["d"])
