@@ -500,9 +500,12 @@ PROPOSER_BUILDERS: dict[str, Callable[[ProposerInputs], Proposer]] = {
 METHODS = tuple(PROPOSER_BUILDERS)
 
 
-# an EAGLE chain stops drafting where the head's cumulative confidence falls below this (measured on the
-# mini suite, 21 prompts, 1 run: geometric-mean speedup eagle 1.17x -> 1.24x, hybrid 1.42x -> 1.49x; 0.25: 1.20x / 1.48x)
-EAGLE_CHAIN_MIN_CONFIDENCE = 0.1
+# an EAGLE chain stops drafting where the head's cumulative confidence falls below this: a draft pays where its
+# chance of acceptance exceeds what it costs (a drafting step and a verification row) over a plain step's cost,
+# about (0.85 + 1.3) / 7.4 = 0.29 for smollm2-135m in q4 on an AMD EPYC Zen 4 at 1 thread. Mini suite there, 24
+# prompts, greedy, 1 thread (docs/benchmarks.md, "The EAGLE chain's confidence cut"): `eagle3` at K = 4 0.97x /
+# 1.01x / 0.95x over `none` at 0.1 / 0.3 / 0.5, `eagle3@auto` 0.98x / 1.00x / 0.98x
+EAGLE_CHAIN_MIN_CONFIDENCE = 0.3
 
 
 def eagle_proposer(target: CausalLM, head: DraftSource, tree: TreeShape, sample_from: float = math.inf) -> EagleProposer:
