@@ -287,3 +287,22 @@ def test_a_late_long_prompt_catches_up_beside_a_long_history():
             eng.step()
     for r, s in zip(reqs, seqs):
         assert s.generated == reference_greedy(target, r.prompt, r.max_new_tokens)
+
+
+@torch.no_grad()
+def test_a_widened_head_computes_what_it_computed():
+    """`train eagle3 --mlp-width`: the wider MLP's new units start switched off (their down_proj columns zero)."""
+    from specdec.train.eagle3 import widened
+
+    target, head = _head()
+    wide = widened(head, 2 * head.cfg.hidden_dim, seed=1).eval()
+    assert wide.midlayer.mlp.down_proj.weight.shape[1] == 2 * head.cfg.hidden_dim
+    toks = torch.tensor([[5, 17, 3, 44, 90, 12]])
+    feats = torch.randn(1, 6, head.cfg.dim, generator=torch.Generator().manual_seed(0))
+    pos, rows = torch.arange(6)[None], torch.tensor([0])
+    a = head.logits(head(toks, feats, pos, head.new_cache(1, 16), rows))
+    b = wide.logits(wide(toks, feats, pos, wide.new_cache(1, 16), rows))
+    assert torch.allclose(a, b, atol=1e-5)
+    assert wide.midlayer.mlp.gate_proj.weight[head.cfg.hidden_dim:].abs().sum() > 0      # new units can learn
+    with pytest.raises(Exception, match="narrower"):
+        widened(head, head.cfg.hidden_dim // 2, seed=1)
