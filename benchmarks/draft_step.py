@@ -7,6 +7,7 @@ scale, and, with `--profile`, the ATen ops of a step by self time.
 
     .venv/bin/python benchmarks/draft_step.py --threads 1
     .venv/bin/python benchmarks/draft_step.py --threads 1 --profile
+    .venv/bin/python benchmarks/draft_step.py --threads 1 --head runs/eagle3/head.safetensors   # another head
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import specdec  # noqa: F401  (applies $SPECDEC_ISA before torch computes)
 import torch
@@ -43,11 +45,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--context", type=int, default=200, help="committed pairs in the head's cache")
     ap.add_argument("--repeats", type=int, default=30, help="blocks of 10 calls each")
+    ap.add_argument("--head", default="", help="an EAGLE-3 head file (default: the shipped one)")
     ap.add_argument("--profile", action="store_true", help="also list a step's ATen ops by self time")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     target = load_model(a.model, a.dtype)[0]
-    head = Eagle3Head.load(shipped(target.config.name, "eagle3"), target)
+    head = Eagle3Head.load(Path(a.head) if a.head else shipped(target.config.name, "eagle3"), target)
     m = probe()
     print(f"{a.model} {a.dtype}, EAGLE-3 head ({head.cfg.hidden_dim}-wide MLP, {head.cfg.draft_vocab}-token draft "
           f"vocabulary, {head.fc.weight.dtype}), {a.threads} thread(s), context {a.context}")
