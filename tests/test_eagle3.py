@@ -216,14 +216,17 @@ def test_served_agreement_counts_answer_positions_against_the_whole_vocabulary()
 
 
 class _EveryThirdStep:
-    """A draft-length policy that drafts k tokens at every third step and none in between."""
+    """A draft-length policy that drafts k tokens at every third step and none in between; `asked` keeps, per
+    step, the drafts it asked for and the tokens per row of the head forwards the test saw in that step."""
 
     def __init__(self, k: int) -> None:
-        self.k, self.steps = k, 0
+        self.k = k
+        self.asked: list[tuple[int, list[int]]] = []
 
     def choose(self, batch: int, remaining: int) -> int:
-        self.steps += 1
-        return self.k if self.steps % 3 == 0 else 0
+        k = self.k if (len(self.asked) + 1) % 3 == 0 else 0
+        self.asked.append((k, []))
+        return k
 
     def observe(self, batch, k, valid, accepted, draft_s, target_s) -> None:
         pass
@@ -240,14 +243,6 @@ def test_plain_steps_cost_the_head_nothing_and_drafting_catches_up(batch):
     forward = head.forward
     head.forward = lambda tokens, *a, **kw: (fed.append(tokens.shape[1]), forward(tokens, *a, **kw))[1]
     policy = _EveryThirdStep(3)
-    per_step: list[tuple[int, list[int]]] = []            # (drafts asked, head forwards of the step)
-
-    def choose(b: int, remaining: int, inner=policy.choose) -> int:
-        k = inner(b, remaining)
-        per_step.append((k, []))
-        return k
-
-    policy.choose = choose
     target.pack()
     reqs = [Request(list(p), 30) for p in PROMPTS[:batch]]
     eng = Engine(target, EagleProposer(head, 1, 3, 3, name="eagle3"), policy, lambda ids: "", frozenset(),
@@ -258,12 +253,12 @@ def test_plain_steps_cost_the_head_nothing_and_drafting_catches_up(batch):
         while eng.busy:
             before = len(fed)
             eng.step()
-            if per_step:
-                per_step[-1][1].extend(fed[before:])
+            if policy.asked:
+                policy.asked[-1][1].extend(fed[before:])
     for p, s in zip(PROMPTS[:batch], seqs):
         assert s.generated == reference_greedy(target, p, 30)
-    plain = [calls for k, calls in per_step if k == 0]
-    drafting = [calls for k, calls in per_step if k > 0]
+    plain = [calls for k, calls in policy.asked if k == 0]
+    drafting = [calls for k, calls in policy.asked if k > 0]
     assert plain and all(calls == [] for calls in plain)
     assert drafting and all(calls and calls[0] >= 3 for calls in drafting)   # caught up on 3 steps' commits
 

@@ -8,8 +8,8 @@ otherwise the EAGLE head drafts a chain. Prompt lookup drafts point masses; the 
 too, or, for rows sampling at its `sample_from` temperature and above, drafts drawn from its q
 (`Draft.sampled` marks those rows; each row is verified by its own rule, so the output is the
 target's, exactly).
-The EAGLE head ingests every committed token's features either way, so it is always
-ready to draft from exact features.
+The EAGLE head takes every committed token's features either way (when its sequence next
+drafts with it, in one forward), so it always drafts from exact features.
 """
 from __future__ import annotations
 
