@@ -1,7 +1,7 @@
 """Learning from traffic: a repeated workload served by `specdec serve --learn`, acceptance per pass.
 
 The first prompt of each mini-suite category (first turn, greedy, `--tokens` tokens), sent together as
-eagle3 requests (`speculative: {"method": "eagle3"}`), `--passes` times. Between passes the server is left
+requests of `--method` (eagle3 or hybrid, the methods drafting with the EAGLE-3 head), `--passes` times. Between passes the server is left
 idle until it has spent its training budget (the gauge specdec:learn_pending_tokens reaches 0), so each
 pass drafts with what the previous ones taught the head. Per pass: first-draft acceptance (from the
 server's counters), acceptance per draft position (mean over requests), tokens per target forward, and
@@ -47,7 +47,7 @@ class Server:
     def __init__(self, a: argparse.Namespace, checkpoint: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-c", "from specdec.cli import main; raise SystemExit(main())", "serve", "--model", a.model, "--method", "eagle3", "--draft-policy",
+        cmd = [sys.executable, "-c", "from specdec.cli import main; raise SystemExit(main())", "serve", "--model", a.model, "--method", a.method, "--draft-policy",
                "fixed", "--num-draft-tokens", str(a.k), "--threads", str(a.threads), "--prefill-threads",
                str(a.threads), "--port", str(self.port), "--max-tokens", str(a.tokens), "--learn",
                "--learn-checkpoint", str(checkpoint)]
@@ -72,9 +72,9 @@ class Server:
         self.proc.wait(120)
 
 
-def one(url: str, model: str, text: str, tokens: int) -> dict:
+def one(url: str, model: str, method: str, text: str, tokens: int) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": tokens,
-            "temperature": 0, "speculative": {"method": "eagle3"}}
+            "temperature": 0, "speculative": {"method": method}}
     r = requests.post(url + "/v1/chat/completions", json=body, timeout=1200)
     r.raise_for_status()
     return r.json()
@@ -84,7 +84,7 @@ def run_pass(srv: Server, a: argparse.Namespace, texts: list[str]) -> dict:
     before = srv.metrics()
     t0 = time.perf_counter()
     with ThreadPoolExecutor(len(texts)) as pool:
-        out = list(pool.map(lambda t: one(srv.url, a.model, t, a.tokens), texts))
+        out = list(pool.map(lambda t: one(srv.url, a.model, a.method, t, a.tokens), texts))
     seconds = time.perf_counter() - t0
     after = srv.metrics()
 
@@ -118,6 +118,7 @@ def wait_learnt(srv: Server, limit: float) -> tuple[float, float, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--method", choices=("eagle3", "hybrid"), default="eagle3", help="the requests' method")
     p.add_argument("--passes", type=int, default=5)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--k", type=int, default=4, help="draft tokens per step (fixed policy)")

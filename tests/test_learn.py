@@ -123,15 +123,39 @@ def test_outputs_are_unchanged_while_the_head_learns(target, head_file, tmp_path
     after = live_head(learning).state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before if k != "vocab_ids")
     assert torch.equal(before["vocab_ids"], after["vocab_ids"])
-    rates = learner.stats.rates()
+    rates = learner.stats["eagle3"].rates()
     assert rates["before"] and rates["recent"]
-    assert learner.stats.requests["before"] >= 1                  # those that finished before the first update
+    assert learner.stats["eagle3"].requests["before"] >= 1        # those that finished before the first update
     text = generate_latest(learning.metrics.registry).decode()      # what /metrics serves
     assert f"specdec:learn_updates_total {float(learner.updates)}" in text
     assert f"specdec:learn_tokens_total {float(learner.tokens_learnt)}" in text
     for phase in ("before", "recent"):
-        assert f'specdec:learn_acceptance_first{{phase="{phase}"}} {rates[phase][0]}' in text
-        assert f'specdec:learn_acceptance_per_pos{{phase="{phase}",position="0"}}' in text
+        assert f'specdec:learn_acceptance_first{{method="eagle3",phase="{phase}"}} {rates[phase][0]}' in text
+        assert f'specdec:learn_acceptance_per_pos{{method="eagle3",phase="{phase}",position="0"}}' in text
+    assert 'method="hybrid"' not in text                          # no hybrid request yet
+
+
+def test_hybrid_requests_teach_the_head_that_eagle3_drafts_with(target, head_file, tmp_path):
+    """hybrid drafts with the same EAGLE-3 head where prompt lookup misses: its requests are learnt from,
+    its outputs stay plain decoding's, and the eagle3 engine drafts with what hybrid traffic taught."""
+    state = state_for(target, head_file, learn_config(tmp_path / "learnt.safetensors"))
+    learner = state.learner
+    want = [reference_greedy(target, p, NEW) for p in PROMPTS]
+    state.scheduler.start()
+    try:
+        assert serve(state, requests(GREEDY), method="hybrid") == want
+        wait_for(lambda: learner.updates >= 5)
+        assert serve(state, requests(GREEDY), method="hybrid") == want
+        assert serve(state, requests(GREEDY)) == want
+    finally:
+        state.scheduler.stop()
+    hybrid = next(e for spec, e in state.pool.engines.items() if spec.method == "hybrid").proposer
+    assert hybrid.method == "hybrid" and learner.stats["hybrid"].requests["before"] == len(PROMPTS)
+    learnt = learner.trainer.head.state_dict()
+    for head in (hybrid.head, live_head(state)):                  # both engines draft with the learnt weights
+        assert all(torch.equal(v, learnt[k].to(v.dtype)) for k, v in head.state_dict().items() if k != "vocab_ids")
+    text = generate_latest(state.metrics.registry).decode()
+    assert 'specdec:learn_requests{method="hybrid",phase="before"} 4.0' in text
 
 
 def test_the_learnt_head_is_kept_and_drafted_with_after_a_restart(target, head_file, tmp_path):
@@ -226,3 +250,10 @@ def test_a_step_drafts_and_commits_with_one_set_of_weights(target, head_file, tm
     steps = [(a[1], b[1]) for a, b in zip(seen, seen[1:]) if a[0] == "propose" and b[0] == "commit"]
     assert steps and all(a == b for a, b in steps)
     assert len({c for _, c in seen}) > 2                      # the weights did change, between steps
+
+
+def test_the_start_up_line_says_when_the_default_method_does_not_learn():
+    from specdec.cli_serve import learn_line
+
+    assert learn_line("hybrid", Path("h.safetensors")).endswith("(head kept in h.safetensors)")
+    assert "suffix drafts without the head (--method hybrid" in learn_line("suffix", Path("h.safetensors"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .cli import add_model_args, int_in
@@ -53,9 +54,10 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
                         "idle one is dropped, and a request that finds every engine busy gets a 429 (1 = only the "
                         "default method)")
     p.add_argument("--learn", action="store_true",
-                   help="learn from traffic: the EAGLE-3 head of eagle3 requests is distilled from the target's features "
-                        "of what they commit, between batches, and its learnt weights swapped in between steps (outputs "
-                        "unchanged, acceptance rises on recurring traffic; docs/server.md, Learning from traffic)")
+                   help="learn from traffic: the EAGLE-3 head that eagle3 and hybrid requests draft with is distilled "
+                        "from the target's features of what they commit, between batches, and its learnt weights swapped "
+                        "in between steps (outputs unchanged, acceptance rises on recurring traffic; docs/server.md, "
+                        "Learning from traffic)")
     p.add_argument("--learn-checkpoint", metavar="PATH", default="",
                    help="with --learn: the learnt head's file, written every 5 minutes and at shutdown and drafted with "
                         "at the next start (default: $SPECDEC_CACHE/learn/MODEL-eagle3.safetensors)")
@@ -79,6 +81,15 @@ def drafts_for_server(a: argparse.Namespace, gen: Generator) -> dict[str, str | 
     if gen.method in DRAFTLESS:
         return {"draft": make_proposer("draft", gen.target, gen.tokenizer, a.draft_model, a.dtype, a.device).model}
     return {gen.method: a.draft_model}
+
+
+def learn_line(method: str, checkpoint: Path) -> str:
+    """serve --learn's start-up line: what it learns from, where the head is kept, whether the default method learns."""
+    from .server.learn import LEARNED_METHODS
+
+    note = "" if method in LEARNED_METHODS else \
+        f"; the default method {method} drafts without the head (--method hybrid learns from every request)"
+    return f"specdec: learning from eagle3 and hybrid requests (head kept in {checkpoint}){note}"
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -118,8 +129,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     auth = f"on, {len(keys)} key(s)" if keys else "off"
     compute = state.runtime["dtype"]                         # what /health reports (q4, bfloat16, float32)
     if a.learn:
-        print(f"specdec: learning from eagle3 requests (head kept in {config.learn.checkpoint_path(gen.name)})",
-              file=sys.stderr)
+        print(learn_line(gen.method, config.learn.checkpoint_path(gen.name)), file=sys.stderr)
     print(f"specdec: serving {gen.name} (method {gen.method}, {compute}) on http://{a.host}:{a.port}/v1 "
           f"(max batch {a.max_batch}, auth {auth})", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(create_app(state), host=a.host, port=a.port, log_level=a.log_level,

@@ -46,6 +46,11 @@ class HybridProposer:
         self.steps_ngram = 0          # sequence-steps drafted by prompt lookup / by EAGLE (for reports)
         self.steps_eagle = 0
 
+    @property
+    def head(self) -> torch.nn.Module:
+        """The EAGLE head it drafts with where prompt lookup misses (what `serve --learn` trains)."""
+        return self.eagle.head
+
     def allocate(self, rows: int, slots: int) -> None:
         self.eagle.allocate(rows, slots)
         self.ngram.allocate(rows, slots)

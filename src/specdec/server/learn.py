@@ -1,7 +1,8 @@
 """Online distillation of the EAGLE-3 head from served traffic (`specdec serve --learn`).
 
-Every verification of an eagle3 engine computes, for free, the target's features of the tokens it commits
-(the final hidden state and the head's three feature layers, [.., H*(1+3)]); the prefill computed them for
+Every verification of an engine drafting with the EAGLE-3 head (eagle3, and hybrid, whose head drafts where
+prompt lookup finds no match) computes, for free, the target's features of the tokens it commits (the final
+hidden state and the head's three feature layers, [.., H*(1+3)]); the prefill computed them for
 the prompt. A `FeatureTap` around the engine's proposer keeps them per cache row; when a sequence finishes
 its (tokens, features) enter a bounded `TrafficBuffer` (bfloat16, the most recent tokens).
 
@@ -9,7 +10,7 @@ Between engine steps, on the worker thread, the `OnlineLearner` trains a float32
 AdamW and the training-time-test loss of `specdec train eagle3` (train/eagle3.ttt_losses) over windows
 from the buffer, one micro-batch at a time: back to back while the server is idle (a new request waits
 for at most one micro-batch), and while it is busy at most `busy_share` of the wall time. After each
-update the learnt weights are copied into every live eagle3 head and re-packed (Eagle3Head.prepare), at a
+update the learnt weights are copied into every live head and re-packed (Eagle3Head.prepare), at a
 step boundary: a step drafts with one set of weights from start to end. The head only proposes, and
 verification is lossless, so outputs are the same as without learning (greedy: token for token; seeded
 sampling with point-mass drafts: equal to plain sampling); only the acceptance changes.
@@ -18,6 +19,7 @@ Learning spends `passes` training tokens per token collected, so an idle server 
 has gone over what it saw that many times. The learnt head is written every `save_minutes` and when the
 worker stops, as an EAGLE-3 weights file (`--learn-checkpoint`, by default under the specdec cache and
 named after the model); a server started with --learn drafts with it, so a restart keeps what was learnt.
+eagle3 and hybrid engines share one learnt head: with --learn both draft from the same file.
 """
 from __future__ import annotations
 
@@ -40,11 +42,17 @@ from ..models.decoder import Transformer
 from ..models.eagle import read_weights
 from ..models.eagle3 import Eagle3Head
 from ..proposers.base import ActiveBatch, Proposer
-from ..proposers.eagle import EagleProposer
 from ..engine import SequenceState
 from ..verify import Draft, Verdict
 
-LEARNED_METHOD = "eagle3"             # the method whose head learns (its proposer is an EagleProposer)
+LEARNED_METHODS = ("eagle3", "hybrid")   # the methods that draft with the EAGLE-3 head (hybrid: where lookup misses)
+
+
+class HeadProposer(Proposer, Protocol):
+    """A proposer that drafts with an EAGLE-3 head (EagleProposer; HybridProposer, where prompt lookup misses)."""
+
+    @property
+    def head(self) -> Eagle3Head | torch.nn.Module: ...
 
 
 @dataclass(frozen=True)
@@ -60,7 +68,7 @@ class LearnConfig:
     busy_share: float = 0.1             # at most this share of a busy server's wall time goes to training
     passes: float = 4.0                 # training tokens per collected token (then training waits for traffic)
     save_minutes: float = 5.0
-    recent_requests: int = 32           # eagle3 requests in the rolling acceptance window of /metrics
+    recent_requests: int = 32           # requests per method in the rolling acceptance window of /metrics
     train_dtype: str = "auto"           # auto: bfloat16 autocast only where this CPU makes it faster
     seed: int = 0
 
@@ -86,11 +94,11 @@ class LearnConfig:
 
 # ---- collecting --------------------------------------------------------------------------
 class FeatureTap:
-    """An eagle3 proposer that also keeps, per cache row, the target's features of the row's committed
-    positions (bfloat16 copies); everything else is the wrapped proposer's."""
+    """A proposer drafting with the EAGLE-3 head (eagle3, hybrid) that also keeps, per cache row, the target's
+    features of the row's committed positions (bfloat16 copies); everything else is the wrapped proposer's."""
 
-    def __init__(self, inner: EagleProposer) -> None:
-        self.inner = inner
+    def __init__(self, inner: HeadProposer, method: str) -> None:
+        self.inner, self.method = inner, method
         self.name = inner.name
         self.feature_layers = inner.feature_layers
         self.feats: dict[int, list[Tensor]] = {}          # row -> features [n, H*(1+3)] of positions 0, 1, ..
@@ -160,7 +168,7 @@ class TrafficBuffer:
 
 # ---- measuring -----------------------------------------------------------------------------
 class AcceptanceStats:
-    """Draft acceptance per position of finished eagle3 requests: those served before the first learnt
+    """Draft acceptance per position of one method's finished requests: those served before the first learnt
     update reached the head, and the most recent `recent` ones."""
 
     def __init__(self, recent: int) -> None:
@@ -195,13 +203,14 @@ class LearnMetrics:
     """The learner's Prometheus metrics, in the server's registry."""
 
     def __init__(self, r: CollectorRegistry) -> None:
-        self.first = Gauge("specdec:learn_acceptance_first", "First-draft acceptance of eagle3 requests: before the "
-                           "first learnt update (phase before) and over the most recent requests (phase recent)",
-                           ["phase"], registry=r)
-        self.per_pos = Gauge("specdec:learn_acceptance_per_pos", "Draft acceptance per position of eagle3 requests "
-                             "by phase (before, recent)", ["phase", "position"], registry=r)
-        self.requests = Gauge("specdec:learn_requests", "eagle3 requests behind each phase's acceptance", ["phase"],
-                              registry=r)
+        self.first = Gauge("specdec:learn_acceptance_first", "First-draft acceptance of a learning method's "
+                           "requests (eagle3, hybrid): before the first learnt update (phase before) and over the "
+                           "most recent requests (phase recent)", ["method", "phase"], registry=r)
+        self.per_pos = Gauge("specdec:learn_acceptance_per_pos", "Draft acceptance per position of a learning "
+                             "method's requests by phase (before, recent)", ["method", "phase", "position"],
+                             registry=r)
+        self.requests = Gauge("specdec:learn_requests", "Requests behind each method's and phase's acceptance",
+                              ["method", "phase"], registry=r)
         self.updates = Counter("specdec:learn_updates", "Learning updates (AdamW steps) of the EAGLE-3 head",
                                registry=r)
         self.tokens = Counter("specdec:learn_tokens", "Training tokens learnt from (window positions)", registry=r)
@@ -329,7 +338,8 @@ class HeadTrainer:
 
 
 class OnlineLearner:
-    """Collects eagle3 traffic and distils it into the live EAGLE-3 heads, on the worker thread only."""
+    """Collects the traffic of the methods drafting with the EAGLE-3 head (eagle3, hybrid) and distils it into
+    the live heads, on the worker thread only."""
 
     def __init__(self, config: LearnConfig, target: Transformer, model: str, registry: CollectorRegistry) -> None:
         self.config, self.target = config, target
@@ -338,10 +348,10 @@ class OnlineLearner:
             read_weights(self.path, "eagle3", target)        # another target's file: a clear error at start
         self.metrics = LearnMetrics(registry)
         self.buffer = TrafficBuffer(config.buffer_tokens)
-        self.stats = AcceptanceStats(config.recent_requests)
+        self.stats = {m: AcceptanceStats(config.recent_requests) for m in LEARNED_METHODS}   # per method
         self.taps: weakref.WeakValueDictionary[int, FeatureTap] = weakref.WeakValueDictionary()  # live engines' taps
         self.rng = random.Random(config.seed)
-        self.trainer: HeadTrainer | None = None              # built with the first eagle3 engine
+        self.trainer: HeadTrainer | None = None              # built with the first engine of a learning method
         self.updates = self.swapped = self.saved_updates = 0
         self.tokens_learnt = 0
         self.pending = 0.0                                   # training tokens left (passes x collected)
@@ -349,18 +359,22 @@ class OnlineLearner:
         self.last_save = time.monotonic()
 
     def source(self, drafts: dict[str, DraftSource]) -> dict[str, DraftSource]:
-        """The pool's drafts, the eagle3 head read from the checkpoint where one exists."""
-        return {**drafts, LEARNED_METHOD: str(self.path)} if self.path.exists() else drafts
+        """The pool's drafts, with one head for every learning method: the checkpoint where one exists, else the
+        head given for one of them (eagle3's first), else the shipped one."""
+        given = [drafts[m] for m in LEARNED_METHODS if drafts.get(m) is not None]
+        if self.path.exists():
+            given = [str(self.path)]
+        return {**drafts, **{m: given[0] for m in LEARNED_METHODS}} if given else drafts
 
     # ---- collecting (engine pool, scheduler) ----------------------------------------------
     def adopt(self, method: str, proposer: Proposer) -> Proposer:
-        if method != LEARNED_METHOD:
+        if method not in LEARNED_METHODS:
             return proposer
-        tap = FeatureTap(cast(EagleProposer, proposer))
+        tap = FeatureTap(cast(HeadProposer, proposer), method)
         if self.trainer is None:
             self.trainer = HeadTrainer(tap.head, self.target, self.config)
         elif self.updates:
-            self.trainer.copy_into(tap.head)                 # a later eagle3 engine drafts with what was learnt
+            self.trainer.copy_into(tap.head)                 # a later engine drafts with what was learnt
         self.taps[id(tap)] = tap
         return tap
 
@@ -369,7 +383,7 @@ class OnlineLearner:
         if tap is not proposer:
             return
         tokens, feats = tap.take(seq)
-        self.stats.add(seq.counters.drafted_at, seq.counters.accepted_at, self.swapped > 0)
+        self.stats[tap.method].add(seq.counters.drafted_at, seq.counters.accepted_at, self.swapped > 0)
         if len(tokens) >= 2:
             self.buffer.add(tokens, feats)
             self.metrics.collected.inc(len(tokens))
@@ -419,12 +433,15 @@ class OnlineLearner:
 
     def _export(self) -> None:
         m = self.metrics
-        for phase, rates in self.stats.rates().items():
-            if rates:
-                m.first.labels(phase).set(rates[0])
-            for pos, r in enumerate(rates):
-                m.per_pos.labels(phase, str(pos)).set(r)
-        m.requests.labels("before").set(self.stats.requests["before"])
-        m.requests.labels("recent").set(len(self.stats.recent))
+        for method, stats in self.stats.items():
+            if not stats.recent:
+                continue                                     # no request of this method drafted yet
+            for phase, rates in stats.rates().items():
+                if rates:
+                    m.first.labels(method, phase).set(rates[0])
+                for pos, r in enumerate(rates):
+                    m.per_pos.labels(method, phase, str(pos)).set(r)
+            m.requests.labels(method, "before").set(stats.requests["before"])
+            m.requests.labels(method, "recent").set(len(stats.recent))
         m.buffer.set(self.buffer.tokens)
         m.pending.set(self.pending)
