@@ -301,3 +301,44 @@ def test_a_widened_head_computes_what_it_computed():
     assert wide.midlayer.mlp.gate_proj.weight[head.cfg.hidden_dim:].abs().sum() > 0      # new units can learn
     with pytest.raises(Exception, match="narrower"):
         widened(head, head.cfg.hidden_dim // 2, seed=1)
+
+
+@torch.no_grad()
+def test_a_chain_feeds_each_draft_once_and_leaves_the_committed_cache():
+    """A chain's depth-d draft is fed alone after the drafts before it, which stay in the head's cache while the
+    chain grows: two ragged rows drafted together draft what each drafts alone, and what the argmax chain gives
+    when the whole chain is fed again at every depth; afterwards the cache holds the committed pairs only."""
+    from specdec.proposers.base import ActiveBatch
+    from specdec.sampling import BatchSampling
+
+    target, head = _prepared()
+    prompts = [[5, 17, 3, 44, 90, 12, 7], [61, 33, 2, 80]]
+    feats = [_target_features(target, torch.tensor([p]), head)[0] for p in prompts]           # [P, 4H] each
+    hidden = torch.zeros(2, 7, feats[0].shape[-1])
+    for i, f in enumerate(feats):
+        hidden[i, :len(f)] = f
+
+    def drafted(rows: list[int]) -> list[list[int]]:
+        prop = EagleProposer(head, 1, 4, 4, name="eagle3")
+        prop.allocate(2, 32)
+        r = torch.tensor(rows)
+        prop.start(r, [prompts[i] for i in rows], hidden[r])
+        batch = ActiveBatch(r, [prompts[i] for i in rows], BatchSampling.of([SamplingParams()] * len(rows)),
+                            torch.zeros(len(rows), dtype=torch.long))
+        out = prop.propose(batch, 4).tokens.tolist()
+        assert prop.cache.lengths[r].tolist() == [len(prompts[i]) - 1 for i in rows]   # committed pairs only
+        return out
+
+    together = drafted([0, 1])
+    assert together == drafted([0]) + drafted([1])
+    for i, p in enumerate(prompts):                       # the same chain, fed whole again at every depth
+        n = len(p) - 1
+        cache, rows = head.new_cache(1, 32), torch.tensor([0])
+        h = head(torch.tensor([p[1:]]), head.input_features(feats[i][None, :n]), torch.arange(n)[None], cache, rows)
+        cache.commit(rows, torch.arange(n)[None], torch.tensor([n]))
+        chain, outs = [int(head.vocab_ids[head.logits(h[0, -1]).argmax()])], [h[0, -1]]
+        for d in range(1, 4):
+            h = head(torch.tensor([chain]), torch.stack(outs)[None], torch.arange(n, n + d)[None], cache, rows)
+            chain.append(int(head.vocab_ids[head.logits(h[0, -1]).argmax()]))
+            outs.append(h[0, -1])
+        assert together[i] == chain

@@ -15,7 +15,7 @@ target's, frozen.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -179,6 +179,13 @@ class Eagle3Head(nn.Module):
         cache.check_room(rows, T)
         q, k, v = self.qkv(tokens, hidden, positions)
         cache.write(0, rows, k, v)
+        if B == 1 and tree_mask is None:                   # a lone row, causal: slots up to each token's own
+            kv_len = int(cache.lengths[rows[0]]) + T
+            kc, vc = cache.read(0, rows, kv_len, True)
+            causal = None if T == 1 else torch.ones(T, kv_len, dtype=torch.bool, device=tokens.device).tril(kv_len - T)
+            o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=causal, scale=c.head_dim ** -0.5,
+                                               enable_gqa=c.n_kv_heads != c.n_heads)
+            return self.finish(hidden, o)
         lengths = cache.lengths[rows]
         kv_len = int(lengths.max()) + T
         kc, vc = cache.read(0, rows, kv_len, rows.numel() == 1)                     # [B, nkv, S, hd]
@@ -194,7 +201,10 @@ class Eagle3Head(nn.Module):
 
     def prepare(self, dtype: torch.dtype) -> "Eagle3Head":
         """Inference set-up: cast to the target's dtype and prepack the linears on CPU; beside a 4-bit target,
-        each linear runs where it is fastest on this machine, prepacked or as 8-bit codes (`draft_kernel`)."""
+        each linear runs where it is fastest on this machine, prepacked or as 8-bit codes (`draft_kernel`).
+        Where every linear runs as 8-bit codes (which take float32 inputs as they take bfloat16 ones), the head
+        computes in float32: its norms, adds and activations skip a bfloat16 round trip per op (the weights keep
+        their rounding to `dtype`)."""
         self.to(dtype).eval().requires_grad_(False)
         self.cos, self.sin = self.cos.float(), self.sin.float()
         if packed_linear_available(self.fc.weight.device):
@@ -203,6 +213,10 @@ class Eagle3Head(nn.Module):
                     "gate": m.gate_proj, "up": m.up_proj, "down": m.down_proj, "lm_head": self.lm_head}
             eight_bit = self.tgt.int4 and native.available(self.fc.weight.device)
             self.packed = {n: draft_kernel(mod.weight) if eight_bit else pack(mod.weight) for n, mod in mods.items()}
+            codes = [k for k in self.packed.values() if isinstance(k, native.Q8RowsHead)]
+            if len(codes) == len(self.packed):
+                self.to(torch.float32)
+                self.packed = {n: replace(k, dtype=torch.float32) for n, k in zip(self.packed, codes)}
         return self
 
     # ---- persistence -------------------------------------------------------------------

@@ -529,8 +529,8 @@ class Q8RowsHead:
     d: Tensor             # [N / 16, K / 32, 16] float32
     check: "RowCheck"
     isa: int = 2
+    dtype: torch.dtype = torch.bfloat16   # of its inputs (bfloat16 or float32: the same values quantized; float32 out)
 
-    dtype = torch.bfloat16  # of its inputs (float32 outputs)
     pair = False
     label = "native 8-bit x 8-bit (16-row groups)"
 

@@ -125,17 +125,40 @@ class EagleProposer:
         sampled = self.samples(batch)
         if bool(sampled.any()):
             return self._sampled_chain(batch, pred, min(self.depth, k), sampled.to(pred.device))
+        if self.topk == 1:             # a chain: verified as one (cheaper than a tree forward), q a point mass
+            return self._chain(pred, min(self.depth, k), rows)
         grown = self._first_level(pred)
         for d in range(1, min(self.depth, k)):                     # feed depth-d frontier -> depth d+1 children
-            if self.topk == 1 and bool((grown.score[-1] < self.log_min_confidence).all()):
-                break                                              # every chain fell below min_confidence
-                                                                   # (each is cut at its own point below)
             self._expand(grown, d, pred, rows)
         tok, par, score, depth = (torch.cat(x, 1) for x in (grown.tok, grown.par, grown.score, grown.depth))
-        if self.topk == 1:             # a chain: verified as one (cheaper than a tree forward), q a point mass
-            low = score < self.log_min_confidence                  # cumulative: a suffix of each chain
-            return Draft(tok.masked_fill(low, PAD))                # [B, depth], one node per depth in order
         return self._select(tok, par, score, depth)
+
+    def _chain(self, pred: Tensor, k: int, rows: Tensor) -> Draft:
+        """Up to k drafts per row, each the head's argmax from its predecessor's output (pred [B, H] for the
+        first). Each draft is fed alone (one token per row and forward, T = 1) and kept in the head's cache
+        while the chain grows, so the next one attends to it without feeding it again; the cache rolls back
+        to the committed pairs at the end. A row's chain is cut where its cumulative head log-probability
+        falls below min_confidence; the batch drafts until every chain has stopped."""
+        head = self.head
+        vocab = head.vocab_ids.to(pred.device)
+        base = self.cache.lengths[rows].clone()                                       # [B] committed pairs
+        B = pred.shape[0]
+        keep, one = torch.zeros(B, 1, dtype=torch.long, device=pred.device), torch.ones_like(base)
+        lp, j = torch.log_softmax(head.logits(pred), -1).max(-1)                      # [B]
+        toks, scores, out = [vocab[j]], [lp], pred
+        try:
+            for d in range(1, k):
+                if bool((scores[-1] < self.log_min_confidence).all()):
+                    break                                          # every chain fell below min_confidence
+                out = head(toks[-1][:, None], out[:, None], (base + d - 1)[:, None], self.cache, rows)[:, 0]
+                self.cache.commit(rows, keep, one)                 # the draft's key stays for the next depth
+                lp, j = torch.log_softmax(head.logits(out), -1).max(-1)
+                toks.append(vocab[j])
+                scores.append(scores[-1] + lp)
+        finally:
+            self.cache.truncate(rows, base)
+        low = torch.stack(scores, 1) < self.log_min_confidence                       # cumulative: a suffix of each chain
+        return Draft(torch.stack(toks, 1).masked_fill(low, PAD))                      # [B, n], one node per depth
 
     def samples(self, batch: ActiveBatch) -> Tensor:
         """[B] bool: the rows that draw their drafts from the head's q (temperature > 0 and >= sample_from)."""
@@ -145,8 +168,8 @@ class EagleProposer:
     def _sampled_chain(self, batch: ActiveBatch, pred: Tensor, k: int, sampled: Tensor) -> Draft:
         """A chain of up to k drafts, with q [B, k, V]: rows in `sampled` [B] draw theirs from the head's q,
         the others draft its argmax (point masses, verified as such: seed-equal to plain decoding). Depth d
-        feeds the d drafts so far (each with its predecessor's head output as feature) causally after the
-        head's cache, as the point-mass chain does. Every row stops where the head's cumulative top
+        feeds the depth-d draft alone (its predecessor's head output as feature) after the head's cache and the
+        drafts before it, as the point-mass chain does. Every row stops where the head's cumulative top
         probability along its chain falls below min_confidence, the point-mass chain's rule (a stopping rule
         on the head's outputs only: the rejection rule stays exact); the batch drafts until all have stopped.
         (Cut on the cumulative q of its own sampled drafts instead, a chain drafted at half as many steps and
@@ -159,27 +182,29 @@ class EagleProposer:
                               Stream.DRAFT)                                              # [B, k]
         vocab_ids = self.head.vocab_ids.to(dev)
         V = self.head.tgt.vocab_size
-        base = self.cache.lengths[rows]
-        out, feats, toks, qs, top = pred, [pred], [], [], []
+        base = self.cache.lengths[rows].clone()
+        keep, one = torch.zeros(B, 1, dtype=torch.long, device=dev), torch.ones_like(base)
+        out, toks, qs, top = pred, [], [], []
         conf = torch.zeros(B, device=dev)                                                 # cumulative log top probability
-        for d in range(k):
-            head_logits = self.head.logits(out).float()                                  # [B, V'] over the head's vocab
-            lp, j = torch.log_softmax(head_logits, -1).max(-1)                           # [B] its top token and log-prob
-            logits = torch.full((B, V), float("-inf"), device=dev)
-            logits[:, vocab_ids] = head_logits                                           # [B, V], -inf off the head's vocab
-            q = to_probs(logits[:, None], batch.sampling)[:, 0]                          # [B, V]
-            argmax = vocab_ids[j]
-            q = torch.where(sampled[:, None], q, torch.zeros_like(q).scatter_(-1, argmax[:, None], 1.0))
-            toks.append(torch.where(sampled, sample(q, u[:, d]), argmax))
-            qs.append(q)
-            conf = conf + lp
-            top.append(conf)
-            if d == k - 1 or bool((conf < self.log_min_confidence).all()):
-                break                                                                     # every chain has stopped
-            tok = torch.stack(toks, 1)                                                    # [B, d+1]
-            h = self.head(tok, torch.stack(feats, 1), base[:, None] + torch.arange(d + 1, device=dev), self.cache, rows)
-            out = h[:, -1]
-            feats.append(out)
+        try:
+            for d in range(k):
+                head_logits = self.head.logits(out).float()                              # [B, V'] over the head's vocab
+                lp, j = torch.log_softmax(head_logits, -1).max(-1)                       # [B] its top token and log-prob
+                logits = torch.full((B, V), float("-inf"), device=dev)
+                logits[:, vocab_ids] = head_logits                                       # [B, V], -inf off the head's vocab
+                q = to_probs(logits[:, None], batch.sampling)[:, 0]                      # [B, V]
+                argmax = vocab_ids[j]
+                q = torch.where(sampled[:, None], q, torch.zeros_like(q).scatter_(-1, argmax[:, None], 1.0))
+                toks.append(torch.where(sampled, sample(q, u[:, d]), argmax))
+                qs.append(q)
+                conf = conf + lp
+                top.append(conf)
+                if d == k - 1 or bool((conf < self.log_min_confidence).all()):
+                    break                                                                 # every chain has stopped
+                out = self.head(toks[-1][:, None], out[:, None], (base + d)[:, None], self.cache, rows)[:, 0]
+                self.cache.commit(rows, keep, one)             # the draft's key stays for the next depth
+        finally:
+            self.cache.truncate(rows, base)
         tokens, probs = torch.stack(toks, 1), torch.stack(qs, 1)                          # [B, n], [B, n, V]
         low = torch.stack(top, 1) < self.log_min_confidence                               # cumulative: a suffix of each chain
         return Draft(tokens.masked_fill(low, PAD), probs, sampled=sampled)

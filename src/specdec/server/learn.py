@@ -326,7 +326,7 @@ class HeadTrainer:
         learnt = dict(self.head.named_parameters())
         for name, p in live.named_parameters():
             p.copy_(learnt[name])
-        live.prepare(live.fc.weight.dtype)
+        live.prepare(live.tgt.dtype)                          # as loading prepared it (it may compute in float32)
 
     def save(self, path: Path, report: dict) -> None:
         """The learnt head as an EAGLE-3 weights file (written beside, then renamed into place)."""
