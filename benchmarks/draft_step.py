@@ -2,8 +2,9 @@
 
 A step feeds one token (and its feature) through the head's decoder layer after a context of `--context`
 committed pairs, then turns the output into draft logits; a chain of K drafts pays K - 1 layer forwards and
-K logits. Prints the medians of interleaved calls (ms), a plain target forward (1 row, LM head included) for
-scale, and, with `--profile`, the ATen ops of a step by self time.
+K logits. Prints the medians of interleaved calls (ms): the step's parts, the proposer's whole chain of
+`--chain` drafts (no confidence cut), a plain target forward (1 row, LM head included) for scale, and, with
+`--profile`, the ATen ops of a step by self time.
 
     .venv/bin/python benchmarks/draft_step.py --threads 1
     .venv/bin/python benchmarks/draft_step.py --threads 1 --profile
@@ -23,6 +24,9 @@ import torch
 from specdec.api import load_model, shipped
 from specdec.machine import cpu_model, probe
 from specdec.models.eagle3 import Eagle3Head
+from specdec.proposers.base import ActiveBatch
+from specdec.proposers.eagle import EagleProposer
+from specdec.sampling import BatchSampling, SamplingParams
 
 
 def medians(calls: dict[str, Callable[[], object]], repeats: int, block: int = 10) -> dict[str, float]:
@@ -46,6 +50,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=200, help="committed pairs in the head's cache")
     ap.add_argument("--repeats", type=int, default=30, help="blocks of 10 calls each")
     ap.add_argument("--head", default="", help="an EAGLE-3 head file (default: the shipped one)")
+    ap.add_argument("--chain", type=int, default=4, help="drafts of the proposer's chain (default: %(default)s)")
     ap.add_argument("--profile", action="store_true", help="also list a step's ATen ops by self time")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -82,8 +87,18 @@ def main() -> None:
         def target_forward() -> object:
             return target.lm_head(target(one, at, tcache, rows)).argmax(-1)
 
+        prop = EagleProposer(head, 1, a.chain, a.chain, name="eagle3")              # chain, no confidence cut
+        prop.allocate(1, C + 8)
+        prompt = toks[0, :C + 1].tolist()
+        prop.start(rows, [prompt], torch.randn(1, C, 4 * H, generator=gen))          # the target's features [1, C, 4H]
+        batch = ActiveBatch(rows, [prompt], BatchSampling.of([SamplingParams()]), torch.zeros(1, dtype=torch.long))
+        prop.propose(batch, a.chain)                                                  # the prompt's catch-up
+
+        def chain() -> object:
+            return prop.propose(batch, a.chain)
+
         calls = {"head layer": layer, "head logits": logits, "drafting step (layer + logits + argmax)": step,
-                 "target forward (1 row, LM head, argmax)": target_forward}
+                 f"proposer's chain of {a.chain} drafts": chain, "target forward (1 row, LM head, argmax)": target_forward}
         medians(calls, 2)
         for name, ms in medians(calls, a.repeats).items():
             print(f"  {name:42s} {ms:7.3f} ms")

@@ -117,7 +117,9 @@ def test_results_schema_and_report_files(target, tmp_path):
         assert run["new_tokens"] == sum(len(t) for t in run["tokens"]) > 0
         assert len(run["tokens"]) == (2 if run["category"] == "mt_bench" else 1)
         if run["kind"] == "method":
-            assert {"tau", "target_forwards", "acceptance_rate", "acceptance_per_position"} <= set(run)
+            assert {"tau", "target_forwards", "acceptance_rate", "acceptance_per_position", "draft_seconds",
+                    "target_seconds"} <= set(run)
+            assert 0 <= run["draft_seconds"] + run["target_seconds"] <= run["seconds"]
     methods = results["summary"]["methods"]
     assert set(methods) == {"none", "ngram", "draft"}
     for cells in methods.values():
@@ -127,6 +129,7 @@ def test_results_schema_and_report_files(target, tmp_path):
                     "acceptance_per_position", "equal", "mismatches"} <= set(cell)
             assert cell["equal"] is True and cell["mismatches"] == 0
     assert methods["none"]["overall"]["tau"] == 1.0 and methods["none"]["overall"]["speedup"] == 1.0
+    assert 0 <= methods["none"]["overall"]["draft_share"] < methods["draft"]["overall"]["draft_share"] < 1.0
     assert methods["draft"]["overall"]["tau"] >= 1.0 and len(methods["draft"]["overall"]["acceptance_per_position"]) == 3
     peer = results["summary"]["peers"]["fake-peer"]["overall"]
     assert peer["same_output"] == peer["runs"] and set(peer["speedup_of"]) == {"none", "ngram", "draft"}
@@ -136,6 +139,7 @@ def test_results_schema_and_report_files(target, tmp_path):
     assert json.loads(paths[0].read_text())["summary"]["equality"]["failures"] == 0
     text = paths[1].read_text()
     assert "| method | qa | mt_bench | overall |" in text and "| `none` | 1.00× (1.00)" in text
+    assert "| time proposing |" in text
     assert "fake-peer" in text and "specdec bench (test)" in text
     for png in paths[2:]:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000

@@ -84,12 +84,16 @@ def _detail_table(results: dict) -> list[str]:
     for name, cells in results["summary"]["methods"].items():
         cell = cells["overall"]
         per = " ".join(f"{x:.2f}" for x in cell["acceptance_per_position"]) or "–"
+        share = cell.get("draft_share")
         rows.append([f"`{name}`", _num(cell["tokens_per_second"], 1), _times(cell["speedup"]),
                      _times(cell["speedup_total"]), _num(cell["tau"]), _num(cell["acceptance_rate"]), per,
-                     _equality(cell, name, greedy)])
+                     "–" if share is None else f"{100 * share:.0f}%", _equality(cell, name, greedy)])
     header = ["method", "tokens/s (median)", "speedup (median)", "speedup (summed time)", "tau",
-              "acceptance rate", "acceptance per position", "output = `none`"]
-    return ["## Throughput, acceptance, equality (all categories)", "", *_table(header, rows)]
+              "acceptance rate", "acceptance per position", "time proposing", "output = `none`"]
+    return ["## Throughput, acceptance, equality (all categories)", "", *_table(header, rows), "",
+            "Time proposing: the share of the generation time (summed over runs) spent outside the target's "
+            "forwards and verification: drafting, and the proposer's and the engine's bookkeeping of each step "
+            "(for `none`, that bookkeeping alone)."]
 
 
 def _tps_table(results: dict) -> list[str]:

@@ -262,6 +262,7 @@ def run_record(system: System, prompt: Prompt, repeat: int, turns: list[Generati
     record.update({
         "target_forwards": total.target_forwards, "drafted": total.drafted, "accepted": total.accepted,
         "drafted_at": total.drafted_at, "accepted_at": total.accepted_at,
+        "draft_seconds": total.draft_seconds, "target_seconds": total.target_seconds,
         "tau": total.new_tokens / total.target_forwards if total.target_forwards else 0.0,
         "acceptance_rate": total.accepted / total.drafted if total.drafted else None,
         "acceptance_per_position": _rates(total.accepted_at, total.drafted_at),
@@ -355,10 +356,12 @@ def mismatches(records: list[dict], baseline: list[dict]) -> list[dict]:
 
 
 def _pooled(records: list[dict]) -> dict:
-    """tau and acceptance pooled over runs that carry engine counters."""
+    """tau, acceptance and the share of the time spent drafting, pooled over runs that carry engine counters."""
     counted = [r for r in records if "target_forwards" in r]
     if not counted:
-        return {"tau": None, "acceptance_rate": None, "acceptance_per_position": []}
+        return {"tau": None, "acceptance_rate": None, "acceptance_per_position": [], "draft_share": None}
+    timed = [r for r in counted if "draft_seconds" in r]          # results written before it was recorded: none
+    seconds = sum(r["seconds"] for r in timed)
     forwards = sum(r["target_forwards"] for r in counted)
     drafted = sum(r["drafted"] for r in counted)
     width = max(len(r["drafted_at"]) for r in counted)
@@ -368,6 +371,7 @@ def _pooled(records: list[dict]) -> dict:
         "tau": sum(r["new_tokens"] for r in counted) / forwards if forwards else 0.0,
         "acceptance_rate": sum(r["accepted"] for r in counted) / drafted if drafted else None,
         "acceptance_per_position": _rates(accepted_at, drafted_at),
+        "draft_share": sum(r["draft_seconds"] for r in timed) / seconds if timed and seconds > 0 else None,
     }
 
 
