@@ -142,16 +142,13 @@ class EagleProposer:
         head = self.head
         vocab = head.vocab_ids.to(pred.device)
         base = self.cache.lengths[rows].clone()                                       # [B] committed pairs
-        B = pred.shape[0]
-        keep, one = torch.zeros(B, 1, dtype=torch.long, device=pred.device), torch.ones_like(base)
         lp, j = torch.log_softmax(head.logits(pred), -1).max(-1)                      # [B]
         toks, scores, out = [vocab[j]], [lp], pred
         try:
             for d in range(1, k):
                 if bool((scores[-1] < self.log_min_confidence).all()):
                     break                                          # every chain fell below min_confidence
-                out = head(toks[-1][:, None], out[:, None], (base + d - 1)[:, None], self.cache, rows)[:, 0]
-                self.cache.commit(rows, keep, one)                 # the draft's key stays for the next depth
+                out = self._feed_draft(toks[-1], out, base + d - 1, rows)
                 lp, j = torch.log_softmax(head.logits(out), -1).max(-1)
                 toks.append(vocab[j])
                 scores.append(scores[-1] + lp)
@@ -159,6 +156,14 @@ class EagleProposer:
             self.cache.truncate(rows, base)
         low = torch.stack(scores, 1) < self.log_min_confidence                       # cumulative: a suffix of each chain
         return Draft(torch.stack(toks, 1).masked_fill(low, PAD))                      # [B, n], one node per depth
+
+    def _feed_draft(self, tok: Tensor, feat: Tensor, at: Tensor, rows: Tensor) -> Tensor:
+        """One draft per row, token tok [B] with feature feat [B, H] at head positions at [B], through the head;
+        its key stays in the head's cache for the chain's next depth (the chain rolls the cache back when it
+        ends) -> the head's output [B, H], the next draft's feature."""
+        out = self.head(tok[:, None], feat[:, None], at[:, None], self.cache, rows)[:, 0]
+        self.cache.commit(rows, torch.zeros_like(tok)[:, None], torch.ones_like(tok))
+        return out
 
     def samples(self, batch: ActiveBatch) -> Tensor:
         """[B] bool: the rows that draw their drafts from the head's q (temperature > 0 and >= sample_from)."""
@@ -182,8 +187,7 @@ class EagleProposer:
                               Stream.DRAFT)                                              # [B, k]
         vocab_ids = self.head.vocab_ids.to(dev)
         V = self.head.tgt.vocab_size
-        base = self.cache.lengths[rows].clone()
-        keep, one = torch.zeros(B, 1, dtype=torch.long, device=dev), torch.ones_like(base)
+        base = self.cache.lengths[rows].clone()                                           # [B] committed pairs
         out, toks, qs, top = pred, [], [], []
         conf = torch.zeros(B, device=dev)                                                 # cumulative log top probability
         try:
@@ -201,8 +205,7 @@ class EagleProposer:
                 top.append(conf)
                 if d == k - 1 or bool((conf < self.log_min_confidence).all()):
                     break                                                                 # every chain has stopped
-                out = self.head(toks[-1][:, None], out[:, None], (base + d)[:, None], self.cache, rows)[:, 0]
-                self.cache.commit(rows, keep, one)             # the draft's key stays for the next depth
+                out = self._feed_draft(toks[-1], out, base + d, rows)
         finally:
             self.cache.truncate(rows, base)
         tokens, probs = torch.stack(toks, 1), torch.stack(qs, 1)                          # [B, n], [B, n, V]

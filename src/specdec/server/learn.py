@@ -52,7 +52,7 @@ class HeadProposer(Proposer, Protocol):
     """A proposer that drafts with an EAGLE-3 head (EagleProposer; HybridProposer, where prompt lookup misses)."""
 
     @property
-    def head(self) -> Eagle3Head | torch.nn.Module: ...
+    def head(self) -> torch.nn.Module: ...
 
 
 @dataclass(frozen=True)
@@ -361,9 +361,7 @@ class OnlineLearner:
     def source(self, drafts: dict[str, DraftSource]) -> dict[str, DraftSource]:
         """The pool's drafts, with one head for every learning method: the checkpoint where one exists, else the
         head given for one of them (eagle3's first), else the shipped one."""
-        given = [drafts[m] for m in LEARNED_METHODS if drafts.get(m) is not None]
-        if self.path.exists():
-            given = [str(self.path)]
+        given = [str(self.path)] if self.path.exists() else [drafts[m] for m in LEARNED_METHODS if drafts.get(m)]
         return {**drafts, **{m: given[0] for m in LEARNED_METHODS}} if given else drafts
 
     # ---- collecting (engine pool, scheduler) ----------------------------------------------
