@@ -276,3 +276,27 @@ def test_a_draft_heads_eight_bit_linear_computes_its_q8_0_weights():
     assert out.shape == (5, 64) and (out - ref).abs().max() < 0.02 * ref.abs().max()
     assert (out - x.float() @ w.float().T).abs().max() > 0                          # quantized: not the dense result
     assert torch.equal(k(x[:1]), out[:1]) and torch.equal(k(x[3:4]), out[3:4])
+
+
+def test_a_draft_heads_four_bit_linear_computes_its_q4_1_weights():
+    """The 4-bit form of an EAGLE-3 head's linear is w quantized to Q4_1 by gguf, through the target's native
+    4-bit kernel: within the inputs' 8-bit rounding of what gguf dequantizes, the same bits for one row alone or
+    among five."""
+    from gguf.quants import GGMLQuantizationType, dequantize, quantize
+
+    from specdec.models import native
+    from specdec.models.eagle3 import four_bit_kernel
+
+    if not native.available(torch.device("cpu")):
+        pytest.skip("no native kernels on this machine")
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(64, 96, generator=gen) * 0.05).to(torch.bfloat16)             # [out, in]
+    x = torch.randn(5, 96, generator=gen).to(torch.bfloat16)                        # [M, in]
+    k = four_bit_kernel(w)
+    q4 = torch.from_numpy(dequantize(quantize(w.float().numpy(), GGMLQuantizationType.Q4_1),
+                                     GGMLQuantizationType.Q4_1).copy()).view(64, 96)
+    ref = x.float() @ q4.T                                                          # [M, out]
+    out = k(x)
+    assert out.shape == (5, 64) and (out - ref).abs().max() < 0.02 * ref.abs().max()
+    assert (out - x.float() @ w.float().T).abs().max() > 0                          # quantized: not the dense result
+    assert torch.equal(k(x[:1]), out[:1]) and torch.equal(k(x[3:4]), out[3:4])

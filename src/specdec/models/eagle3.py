@@ -199,24 +199,25 @@ class Eagle3Head(nn.Module):
                                            enable_gqa=c.n_kv_heads != c.n_heads)
         return self.finish(hidden, o)
 
-    def prepare(self, dtype: torch.dtype) -> "Eagle3Head":
+    def prepare(self, dtype: torch.dtype, kernel: Callable[[Tensor], Kernel] | None = None) -> "Eagle3Head":
         """Inference set-up: cast to the target's dtype and prepack the linears on CPU; beside a 4-bit target,
-        each linear runs where it is fastest on this machine, prepacked or as 8-bit codes (`draft_kernel`).
-        Where every linear runs as 8-bit codes (which take float32 inputs as they take bfloat16 ones), the head
-        computes in float32: its norms, adds and activations skip a bfloat16 round trip per op (the weights keep
-        their rounding to `dtype`)."""
+        each linear runs where it is fastest on this machine, prepacked or as 8-bit or 4-bit codes
+        (`draft_kernel`; `kernel` forces one form, e.g. `eight_bit_kernel`). Where every linear runs as codes
+        (which take float32 inputs as they take bfloat16 ones), the head computes in float32: its norms, adds
+        and activations skip a bfloat16 round trip per op (the weights keep their rounding to `dtype`)."""
         self.to(dtype).eval().requires_grad_(False)
         self.cos, self.sin = self.cos.float(), self.sin.float()
         if packed_linear_available(self.fc.weight.device):
             a, m = self.midlayer.self_attn, self.midlayer.mlp
             mods = {"fc": self.fc, "q": a.q_proj, "k": a.k_proj, "v": a.v_proj, "o": a.o_proj,
                     "gate": m.gate_proj, "up": m.up_proj, "down": m.down_proj, "lm_head": self.lm_head}
-            eight_bit = self.tgt.int4 and native.available(self.fc.weight.device)
-            self.packed = {n: draft_kernel(mod.weight) if eight_bit else pack(mod.weight) for n, mod in mods.items()}
-            codes = [k for k in self.packed.values() if isinstance(k, native.Q8RowsHead)]
-            if len(codes) == len(self.packed):
+            coded = self.tgt.int4 and native.available(self.fc.weight.device)
+            make = kernel or (draft_kernel if coded else pack)
+            self.packed = {n: make(mod.weight) for n, mod in mods.items()}
+            if all(isinstance(k, (native.Q8RowsHead, native.Q4Linear)) for k in self.packed.values()):
                 self.to(torch.float32)
-                self.packed = {n: replace(k, dtype=torch.float32) for n, k in zip(self.packed, codes)}
+                self.packed = {n: replace(k, dtype=torch.float32) if isinstance(k, native.Q8RowsHead) else k
+                               for n, k in self.packed.items()}
         return self
 
     # ---- persistence -------------------------------------------------------------------
@@ -246,12 +247,15 @@ class Eagle3Head(nn.Module):
 
 
 def draft_kernel(w: Tensor) -> Kernel:
-    """A draft head's linear w [out, in]: prepacked in w's dtype, or its Q8_0 codes through the native 8-bit
-    kernel (`eight_bit_kernel`), whichever is faster here (timed at the first start, kept per machine). The
-    8-bit form changes the drafts' last bits, never the output: drafts are only proposals."""
+    """A draft head's linear w [out, in]: prepacked in w's dtype, its Q8_0 codes through the native 8-bit
+    kernel (`eight_bit_kernel`) or its Q4_1 codes through the native 4-bit one (`four_bit_kernel`), whichever
+    is fastest here (timed at the first start, kept per machine). The coded forms change the drafts' last
+    bits, never the output: drafts are only proposals. (The 4-bit form reads half the 8-bit form's bytes; the
+    shipped smollm2-135m head drafted as well with it: docs/benchmarks.md, "A 4-bit EAGLE-3 head".)"""
     makers: dict[str, Callable[[], Kernel]] = {"onednn": lambda: pack(w)}
     if native.q4_fits(tuple(w.shape)):
         makers["native-q8r"] = lambda: eight_bit_kernel(w)
+        makers["native-q4"] = lambda: four_bit_kernel(w)
     return fastest(("draft-linear", *w.shape, str(w.dtype).removeprefix("torch."), *sorted(makers),
                     native.source_stamp()), makers, w)
 
@@ -262,3 +266,16 @@ def eight_bit_kernel(w: Tensor) -> native.Q8RowsHead:
 
     codes = native.q8_0_codes(quantize(w.detach().float().numpy(), GGMLQuantizationType.Q8_0), tuple(w.shape))
     return native.Q8RowsHead.of(codes["q"], codes["d"])
+
+
+def four_bit_kernel(w: Tensor) -> native.Q4Linear:
+    """w [out, in] quantized to Q4_1 (by `gguf`: per block of 32 inputs a scale, a minimum and 4-bit codes) in
+    the native 4-bit kernel's layout, the target's own 4-bit arithmetic."""
+    import numpy as np
+    from gguf.quants import GGMLQuantizationType, quantize
+
+    from .int4 import blocks_q4_1
+
+    raw = np.asarray(quantize(w.detach().float().numpy(), GGMLQuantizationType.Q4_1)).view(np.uint8)
+    b = blocks_q4_1(raw, tuple(w.shape))
+    return native.Q4Linear.of(native.q4_layout(b.q, b.scale, b.zero))
