@@ -1,6 +1,8 @@
 """The native attention kernel: right against a float64 reference, and each query's bits its own."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -240,3 +242,11 @@ def test_native_q4_linear_keeps_its_bits_over_torchs_threads():
     k = native.Q4Linear.of(native.q4_layout(b.q, b.scale, b.zero))
     x = torch.randn(5, 576, generator=torch.Generator().manual_seed(4))
     assert same_bits_on_one_and_two_threads(k, x)
+
+
+@pytest.mark.skipif(not native._compiler() or os.environ.get("SPECDEC_NATIVE", "1") == "0",
+                    reason="no C compiler here, or the native kernels are switched off")
+def test_the_native_kernels_build_wherever_a_c_compiler_is_found():
+    """Where a C compiler is found, attend.c builds and loads: a compile error in it fails here instead of
+    silently sending every native test above to `skip` (and every forward to the torch ops)."""
+    assert native.available(torch.device("cpu")), native.describe(torch.device("cpu"))

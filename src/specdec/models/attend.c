@@ -538,6 +538,7 @@ int specdec_add_rms_norm(const void *x, const void *o, int bf16, int64_t N, int6
 
 #define Q4G 16
 
+
 /* x [M, K] (bfloat16 or float32) -> xq [M, K], dx, sx [M, K / 32] float32, xs8 [M, K / 32] = 8 * the block's code sum */
 int specdec_q8_quantize(const void *x, int x_bf16, int64_t M, int64_t K, int8_t *xq, float *dx, float *sx,
                         int32_t *xs8) {
@@ -577,6 +578,19 @@ typedef struct {
     const uint8_t *codes; const float *scale, *zero; int64_t N; void *out; int out_bf16;
 } q4_job;
 
+/* Prefetch distance of the 4-bit kernels: 4 blocks ahead (codes 1 KB, scales and zeros 256 B each). The
+ * hardware prefetchers leave a weight stream that is not in cache partly exposed, the more so the more rows
+ * share each block; on an Intel Xeon (family 6, model 167) a [1536 x 576] layer read from memory took 14%
+ * less for 1 row and 26% less for 5 with these hints (benchmarks.md, "Prefetching the 4-bit weights"). */
+#define Q4_AHEAD 4
+
+static inline void q4_prefetch(const q4_job *j, int64_t g, int64_t b) {
+    const int64_t nb = j->K / QB, at = g * nb + b + Q4_AHEAD;
+    for (int line = 0; line < 4; line++) __builtin_prefetch(j->codes + at * 256 + 64 * line, 0, 3);
+    __builtin_prefetch(j->scale + at * Q4G, 0, 3);      /* past the last block: a hint, never a fault */
+    __builtin_prefetch(j->zero + at * Q4G, 0, 3);
+}
+
 #ifdef HAVE_512
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 static void q4_group512(const q4_job *j, int64_t g) {
@@ -588,6 +602,7 @@ static void q4_group512(const q4_job *j, int64_t g) {
         for (int c = 0; c < 8; c++) acc[c] = _mm512_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *wb = j->codes + (g * nb + b) * 256;
+            if (m0 == 0) q4_prefetch(j, g, b);
             __m512i q[8];
             for (int p = 0; p < 4; p++) {
                 __m512i v = _mm512_loadu_si512((const void *)(wb + 64 * p));
@@ -627,6 +642,7 @@ static void q4_group256(const q4_job *j, int64_t g) {
             for (int c = 0; c < 4; c++) acc[c] = _mm256_setzero_ps();
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *wb = j->codes + (g * nb + b) * 256 + 32 * h;
+                if (h == 0 && m0 == 0) q4_prefetch(j, g, b);
                 __m256i q[8];
                 for (int p = 0; p < 4; p++) {
                     __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 64 * p));
