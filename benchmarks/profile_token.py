@@ -121,41 +121,47 @@ class Recorder:
 
     def __init__(self) -> None:
         self.on = False
-        self.calls: list[tuple[Callable, tuple]] = []
+        self.calls: list[tuple[str, Callable, tuple]] = []
 
-    def wrap(self, fn: Callable) -> Callable:
+    def wrap(self, fn: Callable, kind: str) -> Callable:
         def run(*args):
             if self.on:
-                self.calls.append((fn, tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in args)))
+                self.calls.append((kind, fn, tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in args)))
             return fn(*args)
         return run
 
-    def kernel(self, k):
-        """A Kernel (linear layer) whose calls are recorded; it keeps the kernel's attributes."""
+    def kernel(self, k, kind: str):
+        """A Kernel (linear layer) whose calls are recorded under `kind`; it keeps the kernel's attributes."""
         rec = self
 
         class Recorded:
             dtype, check, pair = k.dtype, k.check, k.pair
 
             def __call__(self, x):
-                return rec.wrap(k)(x)
+                return rec.wrap(k, kind)(x)
         return Recorded()
 
     @torch.inference_mode()
-    def replay(self, repeats: int) -> float:
-        """Median seconds of the recorded calls run back to back."""
-        times = []
+    def replay(self, repeats: int) -> tuple[float, dict[str, float]]:
+        """Median seconds of the recorded calls run back to back, and of each kind's calls within them."""
+        times, by_kind = [], {kind: [] for kind, _, _ in self.calls}
         for _ in range(repeats):
+            parts = dict.fromkeys(by_kind, 0.0)
             t = time.perf_counter()
-            for fn, args in self.calls:
+            for kind, fn, args in self.calls:
+                t0 = time.perf_counter()
                 fn(*args)
+                parts[kind] += time.perf_counter() - t0
             times.append(time.perf_counter() - t)
-        return statistics.median(times)
+            for kind, sec in parts.items():
+                by_kind[kind].append(sec)
+        return statistics.median(times), {kind: statistics.median(v) for kind, v in by_kind.items()}
 
 
-def kernel_replay(model, run: "Run", repeats: int) -> tuple[float, int]:
-    """(median seconds of one forward's kernels replayed alone, kernel calls per forward). The forward recorded
-    runs its layers from Python (the native layer loop calls the same kernels in the same order)."""
+def kernel_replay(model, run: "Run", repeats: int) -> tuple[float, dict[str, float], int]:
+    """(median seconds of one forward's kernels replayed alone, of each kind's (a linear's name, "attention"),
+    kernel calls per forward). The forward recorded runs its layers from Python (the native layer loop calls the
+    same kernels in the same order)."""
     rec = Recorder()
     loop, model.loop = model.loop, None
     tables = [model.packed] + [layer.packed for layer in model.layers]
@@ -163,8 +169,8 @@ def kernel_replay(model, run: "Run", repeats: int) -> tuple[float, int]:
     attend = decoder.native.Attend.__call__
     for t in tables:
         for name, k in list(t.items()):
-            t[name] = rec.kernel(k)
-    decoder.native.Attend.__call__ = rec.wrap(attend)
+            t[name] = rec.kernel(k, name)
+    decoder.native.Attend.__call__ = rec.wrap(attend, "attention")
     rec.on = True
     run.step()
     rec.on = False
@@ -173,7 +179,7 @@ def kernel_replay(model, run: "Run", repeats: int) -> tuple[float, int]:
         t.update(s)
     decoder.native.Attend.__call__ = attend
     model.loop = loop
-    return rec.replay(repeats), len(rec.calls)
+    return (*rec.replay(repeats), len(rec.calls))
 
 
 def main() -> None:
@@ -207,7 +213,7 @@ def main() -> None:
         t = time.perf_counter()
         run.step()
         times.append(time.perf_counter() - t)
-    replayed, n_calls = kernel_replay(model, run, a.tokens)                  # mid-run: the keys of a typical forward
+    replayed, by_kind, n_calls = kernel_replay(model, run, a.tokens)                  # mid-run: the keys of a typical forward
     decoder.attention = labelled(decoder.attention, "attention")
     decoder.native.Attend.__call__ = labelled(decoder.native.Attend.__call__, "attention")
     model.lm_head = labelled(model.lm_head, "lm_head")
@@ -235,6 +241,7 @@ def main() -> None:
     where = (f"outside them {outside:.2f} ms = {100 * outside / wall:.1f}% of the forward" if outside > 0 else
              "nothing measurable outside them (each replayed call pays its own Python entry)")
     print(f"kernels replayed alone ({n_calls} calls: linears, LM head, attention): {replayed * 1000:.2f} ms; {where}")
+    print("  replayed, by kind: " + ", ".join(f"{kind} {sec * 1000:.2f} ms" for kind, sec in by_kind.items()))
     profiled = sum(parts.values())
     print(f"under the profiler: {profiled:.2f} ms per forward")
     for k, v in parts.items():
