@@ -580,16 +580,18 @@ typedef struct {
 
 /* Prefetch distance of the 4-bit kernels: 4 blocks ahead (codes 1 KB, scales and zeros 256 B each). The
  * hardware prefetchers leave a weight stream that is not in cache partly exposed, the more so the more rows
- * share each block; on an Intel Xeon (family 6, model 167) a [1536 x 576] layer read from memory took 14%
- * less for 1 row and 26% less for 5 with these hints (benchmarks.md, "Prefetching the 4-bit weights"). */
+ * share each block; on an Intel Xeon (family 6, model 167) a [1536 x 576] layer read from memory took 16%
+ * less for 1 row and 29% less for 5 with these hints (benchmarks.md, "Prefetching the 4-bit weights"). */
 #define Q4_AHEAD 4
 
-static inline void q4_prefetch(const q4_job *j, int64_t g, int64_t b) {
-    const int64_t nb = j->K / QB, at = g * nb + b + Q4_AHEAD;
-    for (int line = 0; line < 4; line++) __builtin_prefetch(j->codes + at * 256 + 64 * line, 0, 3);
-    __builtin_prefetch(j->scale + at * Q4G, 0, 3);      /* past the last block: a hint, never a fault */
-    __builtin_prefetch(j->zero + at * Q4G, 0, 3);
-}
+/* (a macro: as an inline function, gcc 12 dropped these hints from the AVX-512 and AVX2 loops) */
+#define Q4_PREFETCH(j, g, b) do {                                                                            \
+        const int64_t at_ = (g) * ((j)->K / QB) + (b) + Q4_AHEAD;                                          \
+        for (int line_ = 0; line_ < 4; line_++)                                                            \
+            _mm_prefetch((const char *)((j)->codes + at_ * 256 + 64 * line_), _MM_HINT_T0);                \
+        _mm_prefetch((const char *)((j)->scale + at_ * Q4G), _MM_HINT_T0);   /* past the end: a hint, no fault */ \
+        _mm_prefetch((const char *)((j)->zero + at_ * Q4G), _MM_HINT_T0);                                  \
+    } while (0)
 
 #ifdef HAVE_512
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
@@ -602,7 +604,7 @@ static void q4_group512(const q4_job *j, int64_t g) {
         for (int c = 0; c < 8; c++) acc[c] = _mm512_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *wb = j->codes + (g * nb + b) * 256;
-            if (m0 == 0) q4_prefetch(j, g, b);
+            if (m0 == 0) Q4_PREFETCH(j, g, b);
             __m512i q[8];
             for (int p = 0; p < 4; p++) {
                 __m512i v = _mm512_loadu_si512((const void *)(wb + 64 * p));
@@ -614,9 +616,8 @@ static void q4_group512(const q4_job *j, int64_t g) {
             for (int c = 0; c < mc; c++) {
                 const int64_t m = m0 + c, mb = m * nb + b;
                 const int32_t *x4 = (const int32_t *)(j->xq + m * j->K + b * QB);
-                __m512i s = _mm512_setzero_si512();
+                __m512i s = _mm512_set1_epi32(-j->xs8[mb]);            /* the codes' offset of 8, then the products */
                 for (int i = 0; i < 8; i++) s = _mm512_dpbusd_epi32(s, q[i], _mm512_set1_epi32(x4[i]));
-                s = _mm512_sub_epi32(s, _mm512_set1_epi32(j->xs8[mb]));
                 acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(_mm512_cvtepi32_ps(s),
                                                              _mm512_mul_ps(sv, _mm512_set1_ps(j->dx[mb]))));
                 acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(zv, _mm512_set1_ps(j->sx[mb])));
@@ -642,7 +643,7 @@ static void q4_group256(const q4_job *j, int64_t g) {
             for (int c = 0; c < 4; c++) acc[c] = _mm256_setzero_ps();
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *wb = j->codes + (g * nb + b) * 256 + 32 * h;
-                if (h == 0 && m0 == 0) q4_prefetch(j, g, b);
+                if (h == 0 && m0 == 0) Q4_PREFETCH(j, g, b);
                 __m256i q[8];
                 for (int p = 0; p < 4; p++) {
                     __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 64 * p));
@@ -654,10 +655,9 @@ static void q4_group256(const q4_job *j, int64_t g) {
                 for (int c = 0; c < mc; c++) {
                     const int64_t m = m0 + c, mb = m * nb + b;
                     const int32_t *x4 = (const int32_t *)(j->xq + m * j->K + b * QB);
-                    __m256i s = _mm256_setzero_si256();
+                    __m256i s = _mm256_set1_epi32(-j->xs8[mb]);        /* the codes' offset of 8, then the products */
                     for (int i = 0; i < 8; i++)     /* codes <= 15, |xq| <= 127: the 16-bit pair sums cannot saturate */
                         s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(q[i], _mm256_set1_epi32(x4[i])), ones));
-                    s = _mm256_sub_epi32(s, _mm256_set1_epi32(j->xs8[mb]));
                     acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(_mm256_cvtepi32_ps(s),
                                                                  _mm256_mul_ps(sv, _mm256_set1_ps(j->dx[mb]))));
                     acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(zv, _mm256_set1_ps(j->sx[mb])));
