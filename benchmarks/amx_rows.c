@@ -20,6 +20,24 @@
 
 typedef struct { uint8_t palette, start_row, r[14]; uint16_t colsb[16]; uint8_t rows[16]; } tilecfg;
 
+/* The C tiles 2..5 of the blocks in flight (up to 4) into cbuf[4][16 * 16] (tile numbers are immediates). */
+#define STORE_TILES(cbuf, nblk) do {                       \
+        if (0 < (nblk)) _tile_stored(2, (cbuf)[0], 64);    \
+        if (1 < (nblk)) _tile_stored(3, (cbuf)[1], 64);    \
+        if (2 < (nblk)) _tile_stored(4, (cbuf)[2], 64);    \
+        if (3 < (nblk)) _tile_stored(5, (cbuf)[3], 64);    \
+    } while (0)
+
+/* The M rows' 16 outputs of group g, as the VNNI loops store them. */
+__attribute__((target("avx512f")))
+static void store_rows(const q4_job *j, int64_t g, const __m512 *acc, int M) {
+    for (int c = 0; c < M; c++) {
+        float a[Q4G];
+        _mm512_storeu_ps(a, acc[c]);
+        q4_store(j->out, j->out_bf16, c * j->N + g * Q4G, a, Q4G);
+    }
+}
+
 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni")))
 static void q8r_group_amx(const q4_job *j, int64_t g) {
     const int64_t nb = j->K / QB;
@@ -32,10 +50,7 @@ static void q8r_group_amx(const q4_job *j, int64_t g) {
         /* up to 4 blocks in flight: C tiles 2..5 */
 #define ONE(t, o) if (o < nblk) { _tile_loadd(0, j->xq + (b + o) * QB, j->K); _tile_loadd(1, j->codes + (g * nb + b + o) * 512, 64); _tile_zero(t); _tile_dpbssd(t, 0, 1); }
         ONE(2, 0) ONE(3, 1) ONE(4, 2) ONE(5, 3)
-        if (0 < nblk) _tile_stored(2, cbuf[0], 64);
-        if (1 < nblk) _tile_stored(3, cbuf[1], 64);
-        if (2 < nblk) _tile_stored(4, cbuf[2], 64);
-        if (3 < nblk) _tile_stored(5, cbuf[3], 64);
+        STORE_TILES(cbuf, nblk);
         for (int o = 0; o < nblk; o++) {
             const __m512 dv = _mm512_loadu_ps(j->scale + (g * nb + b + o) * Q4G);
             for (int c = 0; c < M; c++) {
@@ -45,11 +60,7 @@ static void q8r_group_amx(const q4_job *j, int64_t g) {
             }
         }
     }
-    for (int c = 0; c < M; c++) {
-        float a[Q4G];
-        _mm512_storeu_ps(a, acc[c]);
-        q4_store(j->out, j->out_bf16, c * j->N + g * Q4G, a, Q4G);
-    }
+    store_rows(j, g, acc, M);
 }
 
 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni")))
@@ -73,10 +84,7 @@ static void q4_group_amx4(const q4_job *j, int64_t g) {
         }
 #define ONE4(t, o) if (o < nblk) { _tile_loadd(0, j->xq + (b + o) * QB, j->K); _tile_loadd(1, wbuf[o], 64); _tile_zero(t); _tile_dpbsud(t, 0, 1); }
         ONE4(2, 0) ONE4(3, 1) ONE4(4, 2) ONE4(5, 3)
-        if (0 < nblk) _tile_stored(2, cbuf[0], 64);
-        if (1 < nblk) _tile_stored(3, cbuf[1], 64);
-        if (2 < nblk) _tile_stored(4, cbuf[2], 64);
-        if (3 < nblk) _tile_stored(5, cbuf[3], 64);
+        STORE_TILES(cbuf, nblk);
         for (int o = 0; o < nblk; o++) {
             const __m512 sv = _mm512_loadu_ps(j->scale + (g * nb + b + o) * Q4G);
             const __m512 zv = _mm512_loadu_ps(j->zero + (g * nb + b + o) * Q4G);
@@ -88,11 +96,7 @@ static void q4_group_amx4(const q4_job *j, int64_t g) {
             }
         }
     }
-    for (int c = 0; c < M; c++) {
-        float a[Q4G];
-        _mm512_storeu_ps(a, acc[c]);
-        q4_store(j->out, j->out_bf16, c * j->N + g * Q4G, a, Q4G);
-    }
+    store_rows(j, g, acc, M);
 }
 
 __attribute__((target("amx-tile,amx-int8")))

@@ -25,6 +25,7 @@ import torch
 from specdec.api import load_model, runtime_info
 from specdec.bench import report, runner
 from specdec.bench.suites import load_suite
+from specdec.cli_bench import limit_prompts
 from specdec.models.eagle3 import Eagle3Head, eight_bit_kernel
 from specdec.proposers.eagle import EagleProposer
 
@@ -72,10 +73,7 @@ def main() -> None:
     ap.add_argument("--out", default="runs/bench/head-variants", help="report folder (default: %(default)s)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    prompts = load_suite(a.suite, None)
-    if a.limit:
-        prompts = [p for c in dict.fromkeys(p.category for p in prompts)
-                   for p in [q for q in prompts if q.category == c][:a.limit]]
+    prompts = limit_prompts(load_suite(a.suite, None), a.limit or None)
     target, tokenizer, name = load_model(a.model, "q4")
     methods = [m for m in a.methods.split(",") if m]
     variants = [v for v in a.variants.split(",") if v]

@@ -255,47 +255,24 @@ def test_rows_past_a_kernels_checked_limit_keep_the_kernels_output_dtype():
     assert many.dtype == torch.float32 and torch.equal(many, one_by_one)
 
 
-def test_a_draft_heads_eight_bit_linear_computes_its_q8_0_weights():
-    """The 8-bit form of an EAGLE-3 head's linear is w quantized to Q8_0 by gguf, against 8-bit inputs: within
-    the inputs' rounding of what gguf dequantizes, the same bits for one row alone or among five."""
+@pytest.mark.parametrize("form, quant", [("eight_bit_kernel", "Q8_0"), ("four_bit_kernel", "Q4_1")])
+def test_a_draft_heads_coded_linear_computes_its_gguf_weights(form, quant):
+    """The coded forms of an EAGLE-3 head's linear are w quantized by gguf (Q8_0 through the native 8-bit
+    kernel, Q4_1 through the target's native 4-bit one), against 8-bit inputs: within the inputs' rounding of
+    what gguf dequantizes, the same bits for one row alone or among five."""
     from gguf.quants import GGMLQuantizationType, dequantize, quantize
 
-    from specdec.models import native
-    from specdec.models.eagle3 import eight_bit_kernel
+    from specdec.models import eagle3, native
 
     if not native.available(torch.device("cpu")):
         pytest.skip("no native kernels on this machine")
     gen = torch.Generator().manual_seed(0)
     w = (torch.randn(64, 96, generator=gen) * 0.05).to(torch.bfloat16)             # [out, in]
     x = torch.randn(5, 96, generator=gen).to(torch.bfloat16)                        # [M, in]
-    k = eight_bit_kernel(w)
-    q8 = torch.from_numpy(dequantize(quantize(w.float().numpy(), GGMLQuantizationType.Q8_0),
-                                     GGMLQuantizationType.Q8_0).copy()).view(64, 96)
-    ref = x.float() @ q8.T                                                          # [M, out]
-    out = k(x)
-    assert out.shape == (5, 64) and (out - ref).abs().max() < 0.02 * ref.abs().max()
-    assert (out - x.float() @ w.float().T).abs().max() > 0                          # quantized: not the dense result
-    assert torch.equal(k(x[:1]), out[:1]) and torch.equal(k(x[3:4]), out[3:4])
-
-
-def test_a_draft_heads_four_bit_linear_computes_its_q4_1_weights():
-    """The 4-bit form of an EAGLE-3 head's linear is w quantized to Q4_1 by gguf, through the target's native
-    4-bit kernel: within the inputs' 8-bit rounding of what gguf dequantizes, the same bits for one row alone or
-    among five."""
-    from gguf.quants import GGMLQuantizationType, dequantize, quantize
-
-    from specdec.models import native
-    from specdec.models.eagle3 import four_bit_kernel
-
-    if not native.available(torch.device("cpu")):
-        pytest.skip("no native kernels on this machine")
-    gen = torch.Generator().manual_seed(0)
-    w = (torch.randn(64, 96, generator=gen) * 0.05).to(torch.bfloat16)             # [out, in]
-    x = torch.randn(5, 96, generator=gen).to(torch.bfloat16)                        # [M, in]
-    k = four_bit_kernel(w)
-    q4 = torch.from_numpy(dequantize(quantize(w.float().numpy(), GGMLQuantizationType.Q4_1),
-                                     GGMLQuantizationType.Q4_1).copy()).view(64, 96)
-    ref = x.float() @ q4.T                                                          # [M, out]
+    k = getattr(eagle3, form)(w)
+    kind = GGMLQuantizationType[quant]
+    wq = torch.from_numpy(dequantize(quantize(w.float().numpy(), kind), kind).copy()).view(64, 96)
+    ref = x.float() @ wq.T                                                          # [M, out]
     out = k(x)
     assert out.shape == (5, 64) and (out - ref).abs().max() < 0.02 * ref.abs().max()
     assert (out - x.float() @ w.float().T).abs().max() > 0                          # quantized: not the dense result

@@ -538,7 +538,6 @@ int specdec_add_rms_norm(const void *x, const void *o, int bf16, int64_t N, int6
 
 #define Q4G 16
 
-
 /* x [M, K] (bfloat16 or float32) -> xq [M, K], dx, sx [M, K / 32] float32, xs8 [M, K / 32] = 8 * the block's code sum */
 int specdec_q8_quantize(const void *x, int x_bf16, int64_t M, int64_t K, int8_t *xq, float *dx, float *sx,
                         int32_t *xs8) {
