@@ -222,13 +222,13 @@ def q8r_reference(x: Tensor, q: Tensor, d: Tensor) -> Tensor:
 
 def test_the_16_row_native_head_is_its_integer_reference_bit_for_bit_for_any_rows_threads_and_isa():
     from specdec.models import native
-    from specdec.models.native import Q8RowsHead, q8_0_codes
+    from specdec.models.native import Q8Rows, q8_0_codes
 
     if not native.available(torch.device("cpu")):
         pytest.skip("no native kernels here")
     data, ref = q8_0(48, 256, seed=6)                                          # 3 groups of 16 rows
     codes = q8_0_codes(data, (48, 256))
-    head = Q8RowsHead.of(codes["q"], codes["d"])
+    head = Q8Rows.of(codes["q"], codes["d"])
     x = torch.randn(11, 256, generator=torch.Generator().manual_seed(7)).bfloat16()   # 11: a chunk of 8 and 3
     x[3] = 0
     out = head(x)
@@ -241,8 +241,8 @@ def test_the_16_row_native_head_is_its_integer_reference_bit_for_bit_for_any_row
     assert float((out - dense).abs().max() / dense.abs().max()) < 0.02
     assert head.check.many_rows and head.check.lone_row
     with pytest.raises(ValueError, match="groups of 16"):
-        Q8RowsHead.of(codes["q"][:40], codes["d"][:40])
-    big = Q8RowsHead.of(torch.randint(-127, 128, (6144, 256), dtype=torch.int8), torch.rand(6144, 8) / 100)
+        Q8Rows.of(codes["q"][:40], codes["d"][:40])
+    big = Q8Rows.of(torch.randint(-127, 128, (6144, 256), dtype=torch.int8), torch.rand(6144, 8) / 100)
     assert same_bits_on_one_and_two_threads(big, x)                            # large enough to be split
 
 

@@ -1,6 +1,6 @@
 """The native layer loop (layers.cpp) gives the bits of the Python layer loop it replaces: every layer's
-int4 linears, norms and attention, for one token, K tokens, token trees, ragged batches and feature taps,
-Llama's and Gemma's layer shapes, bfloat16 and float32 activations."""
+4-bit, 8-bit and dense linears, norms and attention, for one token, K tokens, token trees, ragged batches and
+feature taps, Llama's and Gemma's layer shapes, bfloat16 and float32 activations."""
 from __future__ import annotations
 
 import os
@@ -43,7 +43,8 @@ _MODELS: dict[tuple[str, torch.dtype, str], Transformer] = {}
 def q4_model(shape: str, dtype: torch.dtype, kernel: str = "int4") -> Transformer:
     """A random 3-layer model whose linears are 4-bit, as the q4 mode loads one: through torch's int4 kernel,
     the native one (`native.Q4Linear`), a mix (layer by layer and linear by linear), or that mix with every
-    third linear in another format (dense: a oneDNN-prepacked weight, as gemma3's 6-bit tensors)."""
+    third linear in another format (dense: a oneDNN-prepacked weight, as gemma3's 6-bit tensors); q8: a third
+    each native 4-bit, 8-bit codes (`native.Q8Rows`, as gemma3's Q5_0 and Q8_0 tensors) and dense."""
     needs_bf16(dtype)
     if (shape, dtype, kernel) not in _MODELS:
         cfg = SHAPES[shape]
@@ -53,9 +54,15 @@ def q4_model(shape: str, dtype: torch.dtype, kernel: str = "int4") -> Transforme
         for i, layer in enumerate(model.layers):
             for j, n in enumerate(LINEARS):
                 b = random_blocks(*getattr(layer, n).shape, rng)
-                native_here = kernel == "native" or (kernel in ("mixed", "dense") and (i + j) % 2)
-                if kernel == "dense" and (i + j) % 3 == 0:
+                native_here = kernel in ("native", "q8") or (kernel in ("mixed", "dense") and (i + j) % 2)
+                if kernel in ("dense", "q8") and (i + j) % 3 == 0:
                     continue                                                 # `pack` gives it a PackedLinear
+                if kernel == "q8" and (i + j) % 3 == 1:
+                    n_out, n_in = getattr(layer, n).shape
+                    q = torch.from_numpy(rng.integers(-128, 128, (n_out, n_in), dtype=np.int8))
+                    d = torch.from_numpy(rng.uniform(0.0005, 0.003, (n_out, n_in // GROUP)).astype(np.float32))
+                    kernels[i, n] = native.Q8Rows.of_layout(native.q8_rows_layout(q, d))
+                    continue
                 kernels[i, n] = (native.Q4Linear.of(native.q4_layout(b.q, b.scale, b.zero)) if native_here
                                  else Int4Linear.of(b))
         _MODELS[shape, dtype, kernel] = model.use_int4(kernels).pack()
@@ -91,7 +98,7 @@ def forward_both(model: Transformer, lengths: list[int], t: int, tree: bool = Fa
 
 
 @needs_loop
-@pytest.mark.parametrize("kernel", ["int4", "native", "mixed", "dense"])
+@pytest.mark.parametrize("kernel", ["int4", "native", "mixed", "dense", "q8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("shape", ["llama", "gemma"])
 @pytest.mark.parametrize("case", ["one token", "K tokens", "tree", "ragged batch", "features"])
@@ -99,7 +106,7 @@ def test_the_native_loop_gives_the_python_loops_bits(shape, dtype, case, kernel)
     model = q4_model(shape, dtype, kernel)
     assert model.loop is not None and model.loop.dtype == dtype
     kinds = {type(k).__name__ for layer in model.layers for k in layer.packed.values()}
-    assert ("PackedLinear" in kinds) == (kernel == "dense")
+    assert ("PackedLinear" in kinds) == (kernel in ("dense", "q8")) and ("Q8Rows" in kinds) == (kernel == "q8")
     lengths, t, tree, features = {
         "one token": ([30], 1, False, ()),
         "K tokens": ([30], 5, False, ()),

@@ -236,6 +236,54 @@ def test_q4_1_and_q4_k_blocks_decode_to_what_gguf_dequantizes():
     np.testing.assert_allclose(blocks_q4_k(q4k, (8, 512)).dequantize(), dequantize(q4k, T.Q4_K).reshape(8, 512), rtol=1e-6)
 
 
+def _gguf_tensor(w, kind: str):
+    """A GGUF reader's tensor view of w [N, K] quantized to `kind`: data, tensor_type, shape (innermost first)."""
+    from types import SimpleNamespace
+
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import quantize
+
+    return SimpleNamespace(data=quantize(w, T[kind]), tensor_type=T[kind], shape=[w.shape[1], w.shape[0]])
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q4_0"])
+def test_blocks_of_8_bit_codes_decode_to_what_gguf_dequantizes(kind):
+    """Q8_0, Q5_0 and Q4_0 as 8-bit codes and a scale per block give exactly gguf's weights (and Q4_0 as 4-bit
+    blocks too); zero blocks (a scale of 0) decode to zeros."""
+    import numpy as np
+    from gguf.quants import dequantize
+
+    from specdec.models.int4 import blocks_q4_0, read_blocks8
+
+    w = np.random.default_rng(1).standard_normal((8, 512)).astype(np.float32)
+    w[3, 64:96] = 0
+    t = _gguf_tensor(w, kind)
+    ref = dequantize(t.data, t.tensor_type).reshape(8, 512)
+    b = read_blocks8(t)
+    assert b.q.dtype == np.int8 and np.array_equal(b.dequantize(), ref)
+    assert np.abs(b.q).max() > {"Q8_0": 100, "Q5_0": 12, "Q4_0": 6}[kind]      # the codes' whole range is used
+    if kind == "Q4_0":
+        assert np.array_equal(blocks_q4_0(t.data, (8, 512)).dequantize(), ref)
+    with pytest.raises(ValueError, match="8-bit codes"):
+        read_blocks8(_gguf_tensor(w, "Q4_1"))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0"])
+def test_real_8_bit_code_tensors_decode_to_what_gguf_dequantizes(kind):
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize
+
+    from specdec.models.int4 import read_blocks8
+    from specdec.models.registry import resolve
+
+    reader = gguf.GGUFReader(resolve("gemma3-270m")[1])
+    t = next(t for t in reader.tensors if t.tensor_type.name == kind and t.name.startswith("blk."))
+    ref = dequantize(t.data, t.tensor_type).reshape([int(s) for s in reversed(t.shape)])
+    assert np.array_equal(read_blocks8(t).dequantize(), ref)
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("model, kind", [("smollm2-135m", "Q4_1"), ("gemma3-270m", "Q4_K")])
 def test_real_4bit_tensors_decode_to_what_gguf_dequantizes(model, kind):

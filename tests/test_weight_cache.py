@@ -94,3 +94,29 @@ def test_writing_an_entry_removes_older_formats_of_the_same_form(tmp_path, monke
     load_gguf(path, torch.float32)                               # converts and stores this format's entry
     assert where.is_file() and not old.exists()
     assert other_torch.exists() and other_form.exists()
+
+
+def test_an_entry_keeps_every_kernel_layout(tmp_path, monkeypatch):
+    """4-bit and 8-bit native layouts, the Q8_0 head and the dense state come back as written."""
+    from specdec.models.config import ModelConfig
+    from specdec.models.gguf_loader import Weights
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    g = torch.Generator().manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, hidden_dim=64,
+                      max_seq_len=64, name="t")
+    q4 = {(0, "w13"): {"codes": torch.randint(0, 255, (8, 1, 256), dtype=torch.uint8, generator=g),
+                       "scale": torch.rand(8, 1, 16, generator=g), "zero": torch.rand(8, 1, 16, generator=g)}}
+    q8 = {(1, "wqkv"): {"codes": torch.randint(-128, 127, (4, 1, 512), dtype=torch.int8, generator=g),
+                        "d": torch.rand(4, 1, 16, generator=g)},
+          (0, "wo"): {"codes": torch.randint(-128, 127, (2, 1, 512), dtype=torch.int8, generator=g),
+                      "d": torch.rand(2, 1, 16, generator=g)}}
+    head = {"q": torch.randint(-128, 127, (64, 32), dtype=torch.int8, generator=g), "d": torch.rand(64, 1, generator=g)}
+    written = Weights(cfg, {"norm": torch.rand(32, generator=g)}, {}, head, q4, q8)
+    where = tmp_path / "entry.safetensors"
+    weight_cache.write(where, written)
+    read = weight_cache.read(where)
+    assert read.config == cfg and set(read.q4) == set(q4) and set(read.q8) == set(q8)
+    for a, b in ((read.q4, q4), (read.q8, q8), ({0: read.q8_head}, {0: head}), ({0: read.state}, {0: written.state})):
+        for key in b:
+            assert all(torch.equal(a[key][part], b[key][part]) for part in b[key])

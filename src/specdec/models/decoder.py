@@ -161,7 +161,7 @@ class Block(nn.Module):
             o = self._attention(qkv.float(), cos, ssin, mask, slots).reshape(B * T, nh * hd).to(x.dtype)
         o = self._linear(o, "wo", prefill)
         if cfg.sandwich_norm:
-            o = self._norm(o, "post_attn_norm")
+            o = self._post_norm(o, "post_attn_norm", fused)
         if fused and o.dtype == x.dtype and o.is_contiguous():
             x, h = native.add_rms_norm(x, o, self._w32("ffn_norm"), cfg.norm_eps)
         else:
@@ -171,8 +171,15 @@ class Block(nn.Module):
         act = F.gelu(gate, approximate="tanh") if cfg.gelu else F.silu(gate)   # torch's (a native loop was slower)
         o = self._linear(act * up, "w2", prefill)
         if cfg.sandwich_norm:
-            o = self._norm(o, "post_ffn_norm")
+            o = self._post_norm(o, "post_ffn_norm", fused)
         return x, o
+
+    def _post_norm(self, o: Tensor, name: str, fused: bool) -> Tensor:
+        """A sandwich norm of a layer's output o [B*T, D]: the native norm where the layer's other norms are
+        native (one call, as the native layer loop computes it), else torch's."""
+        if fused and o.is_contiguous():
+            return native.add_rms_norm(o, NO_OUTPUT, self._w32(name), self.cfg.norm_eps)[1]
+        return self._norm(o, name)
 
 
 class Transformer(nn.Module):

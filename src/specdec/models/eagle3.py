@@ -214,9 +214,9 @@ class Eagle3Head(nn.Module):
             coded = self.tgt.int4 and native.available(self.fc.weight.device)
             make = kernel or (draft_kernel if coded else pack)
             self.packed = {n: make(mod.weight) for n, mod in mods.items()}
-            if all(isinstance(k, (native.Q8RowsHead, native.Q4Linear)) for k in self.packed.values()):
+            if all(isinstance(k, (native.Q8Rows, native.Q4Linear)) for k in self.packed.values()):
                 self.to(torch.float32)
-                self.packed = {n: replace(k, dtype=torch.float32) if isinstance(k, native.Q8RowsHead) else k
+                self.packed = {n: replace(k, dtype=torch.float32) if isinstance(k, native.Q8Rows) else k
                                for n, k in self.packed.items()}
         return self
 
@@ -260,12 +260,12 @@ def draft_kernel(w: Tensor) -> Kernel:
                     native.source_stamp()), makers, w)
 
 
-def eight_bit_kernel(w: Tensor) -> native.Q8RowsHead:
+def eight_bit_kernel(w: Tensor) -> native.Q8Rows:
     """w [out, in] quantized to Q8_0 (by `gguf`, as llama.cpp does) in the native kernel's 16-row layout."""
     from gguf.quants import GGMLQuantizationType, quantize
 
     codes = native.q8_0_codes(quantize(w.detach().float().numpy(), GGMLQuantizationType.Q8_0), tuple(w.shape))
-    return native.Q8RowsHead.of(codes["q"], codes["d"])
+    return native.Q8Rows.of(codes["q"], codes["d"])
 
 
 def four_bit_kernel(w: Tensor) -> native.Q4Linear:

@@ -5,6 +5,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -13,8 +14,9 @@ from ..errors import SpecdecError
 from .config import ModelConfig
 from .decoder import Transformer, cfg_dtype_name
 from . import native
-from .int4 import HEAD, HEAD_TYPES, NATIVE_HEAD, NATIVE_HEAD_Q8R, NATIVE_HEAD_Q8X8, INT4_TYPES, Blocks4, Int4Linear, read_blocks, read_head
-from .kernels import Kernel, fastest
+from .int4 import (HEAD, HEAD_TYPES, NATIVE_HEAD, NATIVE_HEAD_Q8R, NATIVE_HEAD_Q8X8, INT4_TYPES, INT8_TYPES, Blocks4,
+                   Blocks8, Int4Linear, read_blocks, read_blocks8, read_head)
+from .kernels import Kernel, fastest, pack
 
 SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
 
@@ -27,6 +29,7 @@ class Weights:
     int4: dict[tuple[int, str], Kernel]        # (layer, fused linear name) or int4.HEAD -> 4-bit kernel (`Int4Linear`)
     q8_head: dict[str, torch.Tensor]           # a Q8_0 LM head as stored ({"q": int8 codes, "d": scales}) or empty
     q4: dict[tuple[int, str], dict[str, torch.Tensor]]  # the same 4-bit linears in the native layout (`native.q4_layout`)
+    q8: dict[tuple[int, str], dict[str, torch.Tensor]]  # linears of 8-bit codes (`int4.Blocks8`) in `native.q8_rows_layout`
 
 
 def open_gguf(path: str | Path):
@@ -94,8 +97,9 @@ def load_gguf(path: str | Path, dtype: torch.dtype, device: str | torch.device =
               use_cache: bool = True) -> Transformer:
     """Build the decoder and fill it with the file's dequantized weights (in `dtype`).
 
-    int4: also decode and verify through the file's own 4-bit blocks (Q4_1, Q4_K) where a fused
-    linear layer is stored in them entirely (see `int4.py`); prefills keep the dequantized weights.
+    int4: also decode and verify through the file's own blocks where a fused linear layer is stored in
+    4-bit formats (Q4_0, Q4_1, Q4_K) or 8-bit codes (Q8_0, Q5_0, Q4_0) entirely (see `int4.py`); prefills
+    keep the dequantized weights.
     use_cache: read the weights from the packed-weight cache (`weight_cache.py`) when it holds this
     file in this form, else convert the file and store the result there."""
     from . import weight_cache
@@ -117,7 +121,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype, device: str | torch.device =
 
 def read_gguf(path: Path, dtype: torch.dtype, int4: bool) -> Weights:
     """The file's configuration, its weights dequantized to `dtype` (CPU) and, with int4, the packed
-    4-bit kernels of the fused linears stored wholly in a 4-bit format."""
+    4-bit kernels of the fused linears stored wholly in a 4-bit format, and the 8-bit codes of those stored
+    wholly in formats of 8-bit codes."""
     from gguf.quants import dequantize
 
     reader = open_gguf(path)
@@ -135,7 +140,10 @@ def read_gguf(path: Path, dtype: torch.dtype, int4: bool) -> Weights:
         return torch.from_numpy(np.array(w, dtype=np.float32)).to(dtype)          # a copy: the file is read-only
 
     arch_interleaved = field(reader, "general.architecture") == "llama"
-    blocks4 = int4_blocks(raw, cfg, arch_interleaved) if int4 else {}
+    blocks4 = fused_blocks(raw, cfg, arch_interleaved, INT4_TYPES, read_blocks) if int4 else {}
+    blocks8 = fused_blocks(raw, cfg, arch_interleaved, INT8_TYPES, read_blocks8) if int4 else {}
+    q8 = {key: native.q8_rows_layout(torch.from_numpy(b.q), torch.from_numpy(b.d)) for key, b in blocks8.items()
+          if key not in blocks4 and native.q4_fits(b.q.shape)}
     head = "output.weight" if "output.weight" in raw else "token_embd.weight"
     kernels4 = {key: Int4Linear.of(b) for key, b in blocks4.items()}
     q4 = {key: native.q4_layout(b.q, b.scale, b.zero) for key, b in blocks4.items() if native.q4_fits(b.q.shape)}
@@ -156,7 +164,7 @@ def read_gguf(path: Path, dtype: torch.dtype, int4: bool) -> Weights:
         for src, dst in _LAYER_MAP.items():
             if p + src + ".weight" in raw:
                 sd[f"layers.{i}.{dst}"] = take(p + src + ".weight")
-    return Weights(cfg, sd, kernels4, q8_head, q4)
+    return Weights(cfg, sd, kernels4, q8_head, q4, q8)
 
 
 def build(weights: Weights, device: str | torch.device, name: str, max_seq_len: int | None) -> Transformer:
@@ -175,11 +183,15 @@ def build(weights: Weights, device: str | torch.device, name: str, max_seq_len: 
     if native.available(model.device):
         for (i, name), layout in weights.q4.items():                      # 4-bit linears: torch's or the native kernel
             kernels[(i, name)] = q4_kernel(kernels[(i, name)], layout, getattr(model.layers[i], name))
+        for (i, name), layout in weights.q8.items():                      # 8-bit codes: native, or prepacked dense
+            k = q8_kernel(layout, getattr(model.layers[i], name))
+            if isinstance(k, native.Q8Rows):
+                kernels[(i, name)] = k
     if weights.q8_head and native.available(model.device):                # LM head candidates (`pack` times them)
         kernels[NATIVE_HEAD] = native.Q8Head.of(weights.q8_head["q"], weights.q8_head["d"])
         kernels[NATIVE_HEAD_Q8X8] = native.Q8Head.of(weights.q8_head["q"], weights.q8_head["d"], quantized=True)
         if native.q4_fits(tuple(weights.q8_head["q"].shape)):
-            kernels[NATIVE_HEAD_Q8R] = native.Q8RowsHead.of(weights.q8_head["q"], weights.q8_head["d"])
+            kernels[NATIVE_HEAD_Q8R] = native.Q8Rows.of(weights.q8_head["q"], weights.q8_head["d"])
     return model.eval().requires_grad_(False).use_int4(kernels).pack()
 
 
@@ -191,8 +203,18 @@ def q4_kernel(int4: Int4Linear, layout: dict[str, torch.Tensor], w: torch.Tensor
     return fastest(("q4-linear", *w.shape, cfg_dtype_name(w.dtype), *sorted(makers), native.source_stamp()), makers, w)
 
 
-def int4_blocks(tensors: dict, cfg: ModelConfig, interleaved: bool) -> dict[tuple[int, str], Blocks4]:
-    """(layer, fused linear name) -> its 4-bit blocks, for the fused layers stored wholly in a 4-bit format."""
+def q8_kernel(layout: dict[str, torch.Tensor], w: torch.Tensor) -> Kernel:
+    """A linear of 8-bit codes: the native 8-bit kernel (activations quantized to 8 bits, as llama.cpp computes
+    Q8_0 and Q5_0 layers) or oneDNN on the dequantized weights prepacked, whichever is faster on this machine
+    for its shape (timed at the first start and kept, as `q4_kernel`)."""
+    makers = {"onednn": lambda: pack(w), "native-q8r": lambda: native.Q8Rows.of_layout(layout)}
+    return fastest(("q8-linear", *w.shape, cfg_dtype_name(w.dtype), *sorted(makers), native.source_stamp()), makers, w)
+
+
+def fused_blocks(tensors: dict, cfg: ModelConfig, interleaved: bool, types: tuple[str, ...],
+                 read: Callable) -> dict[tuple[int, str], Blocks4 | Blocks8]:
+    """(layer, fused linear name) -> its blocks (`read` of each part, joined), for the fused layers whose parts
+    are all stored in `types`."""
     parts = {"wqkv": ("attn_q", "attn_k", "attn_v"), "w13": ("ffn_gate", "ffn_up"), "wo": ("attn_output",),
              "w2": ("ffn_down",)}
     heads = {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads}
@@ -200,13 +222,13 @@ def int4_blocks(tensors: dict, cfg: ModelConfig, interleaved: bool) -> dict[tupl
     for i in range(cfg.n_layers):
         for name, srcs in parts.items():
             ts = [tensors.get(f"blk.{i}.{s}.weight") for s in srcs]
-            if any(t is None or t.tensor_type.name not in INT4_TYPES for t in ts):
+            if any(t is None or t.tensor_type.name not in types for t in ts):
                 continue
             bs = []
             for s, t in zip(srcs, ts):
-                b = read_blocks(t)
+                b = read(t)
                 if interleaved and s in heads:                 # the rows' rope permutation, as for the weights
                     b = b.rows(unpermute(torch.arange(b.q.shape[0])[:, None], heads[s])[:, 0].numpy())
                 bs.append(b)
-            out[(i, name)] = Blocks4.cat(bs)
+            out[(i, name)] = type(bs[0]).cat(bs)
     return out

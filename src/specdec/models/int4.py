@@ -8,10 +8,14 @@ the same k-order accumulation; `kernels.check_rows` confirms it on this machine 
 so it needs no pair trick. GGUF block formats map onto it exactly up to the scales' rounding
 to bfloat16:
 
+- Q4_0 (32 weights, fp16 d): w = d (q - 8), so scale = d, zero = 0;
 - Q4_1 (32 weights, fp16 d and m): w = d * q + m, so scale = d, zero = m + 8 d;
 - Q4_K (256-weight super-blocks, fp16 d and dmin, 6-bit sub-scales sc_j and mins m_j per 32):
   w = d sc_j q - dmin m_j, so scale = d sc_j, zero = 8 d sc_j - dmin m_j.
-Tensors in other formats keep a dequantized kernel (see `Transformer.pack`).
+Fused linears stored wholly in formats of one fp16 scale per 32 signed codes (Q8_0, Q5_0, and Q4_0
+where a part is not 4-bit) are exactly 8-bit codes q and a scale d per block, w = d q (`Blocks8`), which
+the native 8-bit kernel computes (`native.Q8Rows`). Tensors in other formats (Q6_K, ...) keep a
+dequantized kernel (see `Transformer.pack`).
 
 An 8-bit Q8_0 LM head (32 int8 codes q and an fp16 d per block: w = d q) is exactly two 4-bit
 halves, q = 16 hi + lo with hi in [-8, 7] and lo in [0, 16): one int4 call over K doubled,
@@ -30,12 +34,13 @@ from torch import Tensor
 from .kernels import RowCheck, checked
 
 GROUP = 32
-INT4_TYPES = ("Q4_1", "Q4_K")
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+INT8_TYPES = ("Q8_0", "Q5_0", "Q4_0")   # w = d q: one fp16 d (the block's first 2 bytes), 32 signed codes
 HEAD_TYPES = ("Q8_0",)    # LM head formats computed as 4-bit halves
 HEAD = (-1, "lm_head")    # the LM head's key among the (layer, linear name) keys of 4-bit kernels
 NATIVE_HEAD = (-1, "native-q8")  # an 8-bit head through the native kernel (`native.Q8Head`), another candidate
 NATIVE_HEAD_Q8X8 = (-1, "native-q8x8")  # the same with 8-bit activations (integer dot products), another
-NATIVE_HEAD_Q8R = (-1, "native-q8r")    # that arithmetic in 16-row groups (`native.Q8RowsHead`), another
+NATIVE_HEAD_Q8R = (-1, "native-q8r")    # that arithmetic in 16-row groups (`native.Q8Rows`), another
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,14 @@ class Blocks4:
 def _nibbles(qs: np.ndarray, width: int) -> np.ndarray:
     """[n, ..., width/2] bytes holding `width` 4-bit codes (low nibbles first, then high) -> [n, ..., width]."""
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def blocks_q4_0(data: np.ndarray, shape: tuple[int, int]) -> Blocks4:
+    """Q4_0 rows (N rows of K // 32 blocks: fp16 d, 16 bytes of codes) -> Blocks4."""
+    N, K = shape
+    b = np.ascontiguousarray(data).reshape(N, K // 32, 18)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    return Blocks4(_nibbles(b[..., 2:], 32).reshape(N, K), d, np.zeros_like(d))
 
 
 def blocks_q4_1(data: np.ndarray, shape: tuple[int, int]) -> Blocks4:
@@ -114,11 +127,50 @@ def read_blocks(tensor) -> Blocks4:
     """A GGUF tensor stored as Q4_1 or Q4_K -> Blocks4 (rows = the weight's output dimension)."""
     shape = (int(tensor.shape[1]), int(tensor.shape[0]))                   # GGUF lists dims innermost first
     kind = tensor.tensor_type.name
+    if kind == "Q4_0":
+        return blocks_q4_0(tensor.data, shape)
     if kind == "Q4_1":
         return blocks_q4_1(tensor.data, shape)
     if kind == "Q4_K":
         return blocks_q4_k(tensor.data, shape)
     raise ValueError(f"not a 4-bit block format: {kind}")
+
+
+@dataclass(frozen=True)
+class Blocks8:
+    """A [N, K] weight as signed 8-bit codes with a scale per block of GROUP along K: w = q d."""
+    q: np.ndarray         # [N, K] int8
+    d: np.ndarray         # [N, K // GROUP] float32
+
+    def rows(self, idx: np.ndarray) -> "Blocks8":
+        return Blocks8(self.q[idx], self.d[idx])
+
+    @staticmethod
+    def cat(parts: list["Blocks8"]) -> "Blocks8":
+        return Blocks8(np.concatenate([p.q for p in parts]), np.concatenate([p.d for p in parts]))
+
+    def dequantize(self) -> np.ndarray:
+        """[N, K] float32 weights, exactly the GGUF's dequantization."""
+        N, K = self.q.shape
+        return (self.q.reshape(N, K // GROUP, GROUP).astype(np.float32) * self.d[..., None]).reshape(N, K)
+
+
+def read_blocks8(tensor) -> Blocks8:
+    """A GGUF tensor stored as Q8_0, Q5_0 or Q4_0 -> Blocks8. gguf dequantizes each block as float32 d times
+    the integer code, exactly (an 11-bit by 8-bit product), so the codes are those products divided by d."""
+    from gguf.quants import dequantize
+
+    kind = tensor.tensor_type.name
+    if kind not in INT8_TYPES:
+        raise ValueError(f"not a format of 8-bit codes and one scale per block: {kind}")
+    N, K = int(tensor.shape[1]), int(tensor.shape[0])
+    nb = K // GROUP
+    blocks = np.ascontiguousarray(tensor.data).reshape(N * nb, -1)
+    d = blocks[:, 0:2].copy().view(np.float16)[:, 0].astype(np.float32).reshape(N, nb)
+    w = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(N, nb, GROUP)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(d[..., None] != 0, w / d[..., None], 0)
+    return Blocks8(q.astype(np.int8).reshape(N, K), d)
 
 
 @dataclass(frozen=True)

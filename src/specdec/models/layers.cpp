@@ -3,13 +3,13 @@
 // is a fifth of the step; here the same kernels run back to back, so the bits are the Python loop's:
 //   x, h = add_rms_norm(x, o, attn_norm)          attend.c
 //   qkv  = int4_mm(h, wqkv)                        torch's CPU int4 kernel (at::cpu, no dispatcher), attend.c's
-//                                                  4-bit kernel (8-bit activations) over torch's threads, or a
-//                                                  oneDNN-prepacked linear (a model's other formats)
+//                                                  4-bit or 8-bit kernel (8-bit activations) over torch's
+//                                                  threads, or a oneDNN-prepacked linear (other formats)
 //   a    = qkv_attend(qkv, ...)                    attend.c (q/k norms, rope, cache writes, attention)
-//   o    = int4_mm(a, wo)          [post_attn_norm(o): torch's rms_norm, as `decoder.rms_norm`]
+//   o    = int4_mm(a, wo)          [o = post_attn_norm(o): attend.c, nothing added]
 //   x, h = add_rms_norm(x, o, ffn_norm)
 //   g, u = int4_mm(h, w13).chunk(2)
-//   o    = int4_mm(act(g) * u, w2) [post_ffn_norm(o)]    act: SiLU or tanh-GELU (at::cpu, torch's bits)
+//   o    = int4_mm(act(g) * u, w2) [o = post_ffn_norm(o)]    act: SiLU or tanh-GELU (at::cpu, torch's bits)
 // Activations bfloat16 or float32 (cast to bfloat16 for each int4 call and back, as `kernels.linear` does).
 // Weights stay owned by Python (tensors made with from_blob).
 // Built by `native.LayerLoop` against the running torch's headers and libraries; C ABI, called by ctypes.
@@ -20,7 +20,6 @@
 #include <ATen/ops/silu_cpu_dispatch.h>
 #include <ATen/ops/gelu_cpu_dispatch.h>
 #include <ATen/ops/mul_cpu_dispatch.h>
-#include <ATen/ops/rms_norm.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/TensorImpl.h>
@@ -57,14 +56,15 @@ namespace {
 enum { WQKV, WO, W13, W2, N_LINEARS };
 enum { ATTN_NORM, FFN_NORM, Q_NORM, K_NORM, POST_ATTN_NORM, POST_FFN_NORM, N_NORMS };
 
-enum { TORCH_INT4, NATIVE_Q4, ONEDNN };
+enum { TORCH_INT4, NATIVE_ROWS, ONEDNN };
 
 struct Linear {
     int kind = TORCH_INT4;
     at::Tensor packed;              // torch's: [N, K / 2] uint8 in its int4 layout
     at::Tensor scale_zero;          //          [K / 32, N, 2] bfloat16
-    const uint8_t *codes = nullptr; // native: [N / 16, K / 32, 256] (native.q4_layout)
-    const float *scale = nullptr, *zero = nullptr;  // [N / 16, K / 32, 16]
+    q4_fn matmul = nullptr;         // native: attend.c's 4-bit kernel (codes [N / 16, K / 32, 256], native.q4_layout)
+    const uint8_t *codes = nullptr; //         or 8-bit one (codes [N / 16, K / 32, 512], native.q8_rows_layout)
+    const float *scale = nullptr, *zero = nullptr;  // [N / 16, K / 32, 16] (8-bit: scale d, zero unused)
     int isa = 0;                    //         its instructions at most (the same bits at every level)
     at::Tensor weight;              // oneDNN: the prepacked weight (`kernels.PackedLinear`)
     at::ScalarType dtype = at::kFloat;  //     its inputs' and outputs' dtype
@@ -76,7 +76,6 @@ struct Linear {
 struct Layer {
     Linear lin[N_LINEARS];
     const float *norm[N_NORMS] = {};  // float32 weights, nullptr: none
-    at::Tensor post[2];             // the sandwich norms' weights as tensors (undefined: none)
     int local = 0;                  // attends through the local (sliding-window) plan
 };
 
@@ -90,18 +89,17 @@ struct Loop {
     attend_fn attend = nullptr;
     norm_fn norm = nullptr;
     quantize_fn quantize = nullptr;
-    q4_fn q4 = nullptr;
 };
 
-// Threads pay for a 4-bit linear from about 1.5M weights (measured on an AMD EPYC Zen 4, 2 threads: the
+// Threads pay for a native linear from about 1.5M weights (measured on an AMD EPYC Zen 4, 2 threads: the
 // [3072 x 576] gate/up layer 39 -> 25 us for 1 row, 81 -> 49 us for 5; the [576 x 1536] layer was slower
 // on 2 threads than on 1, 51 -> 61 us for 5 rows): smaller ones run on the calling thread.
 const int64_t Q4_PARALLEL_WEIGHTS = 1500000;
 
 const at::TensorOptions BF16 = at::TensorOptions().dtype(at::kBFloat16);
 
-// The native 4-bit kernel over torch's threads (groups of 16 outputs split between them): x [M, K] quantized
-// once, then out [M, N] (out_bf16: bfloat16, else float32). Returns 0, or -3 on a torch error.
+// A native kernel (4-bit or 8-bit codes) over torch's threads (groups of 16 outputs split between them): x [M, K]
+// quantized once, then out [M, N] (out_bf16: bfloat16, else float32). Returns 0, or -3 on a torch error.
 int q4_threads(quantize_fn quantize, q4_fn q4, const void *x, int x_bf16, int64_t M, int64_t K,
                const uint8_t *codes, const float *scale, const float *zero, int64_t N, void *out, int out_bf16,
                int isa) {
@@ -144,7 +142,7 @@ at::Tensor int4_mm(const Loop &m, const Linear &l, const at::Tensor &x) {
         return m.bf16 ? y : y.to(at::kFloat);
     }
     at::Tensor y = at::empty({x.size(0), l.n_out}, m.act);
-    q4_threads(m.quantize, m.q4, x.data_ptr(), m.bf16, x.size(0), l.n_in, l.codes, l.scale, l.zero, l.n_out,
+    q4_threads(m.quantize, l.matmul, x.data_ptr(), m.bf16, x.size(0), l.n_in, l.codes, l.scale, l.zero, l.n_out,
                y.data_ptr(), m.bf16, l.isa);
     return y;
 }
@@ -160,10 +158,12 @@ int add_norm(const Loop &m, at::Tensor &x, const at::Tensor &o, const float *w, 
     return rc;
 }
 
-// decoder.rms_norm: torch's RMSNorm in float32, rounded to the activations' dtype
-at::Tensor torch_norm(const Loop &m, const at::Tensor &x, const at::Tensor &w) {
-    at::Tensor y = at::rms_norm(m.bf16 ? x.to(at::kFloat) : x, {m.dim}, w, m.eps);
-    return m.bf16 ? y.to(at::kBFloat16) : y;
+// a sandwich norm of a layer's output (decoder.Block._post_norm): attend.c's norm, nothing added
+int post_norm(const Loop &m, at::Tensor &o, const float *w) {
+    at::Tensor h = at::empty({o.size(0), m.dim}, m.act);
+    int rc = m.norm(o.data_ptr(), nullptr, m.bf16, o.size(0), m.dim, w, (float)m.eps, o.data_ptr(), h.data_ptr());
+    o = h;
+    return rc;
 }
 
 int run_layer(const Loop &m, int i, const specdec_plan &p, at::Tensor &x, at::Tensor &o) {
@@ -180,14 +180,14 @@ int run_layer(const Loop &m, int i, const specdec_plan &p, at::Tensor &x, at::Te
                   p.T, p.nh, p.nkv, p.hd, p.scale, a.data_ptr(), m.bf16);
     if (rc) return rc == -1 ? -1 : -2;
     o = int4_mm(m, l.lin[WO], a);                                              // [N, D]
-    if (l.post[0].defined()) o = torch_norm(m, o, l.post[0]);
+    if (l.norm[POST_ATTN_NORM] && (rc = post_norm(m, o, l.norm[POST_ATTN_NORM]))) return rc;
     if ((rc = add_norm(m, x, o, l.norm[FFN_NORM], h))) return rc;
     at::Tensor gu = int4_mm(m, l.lin[W13], h);                                 // [N, 2F]
     int64_t F = gu.size(1) / 2;
     at::Tensor gate = gu.narrow(1, 0, F), up = gu.narrow(1, F, F);
     at::Tensor act = m.gelu ? at::cpu::gelu(gate, "tanh") : at::cpu::silu(gate);
     o = int4_mm(m, l.lin[W2], at::cpu::mul(act, up));                          // [N, D]
-    if (l.post[1].defined()) o = torch_norm(m, o, l.post[1]);
+    if (l.norm[POST_FFN_NORM] && (rc = post_norm(m, o, l.norm[POST_FFN_NORM]))) return rc;
     return 0;
 }
 
@@ -212,7 +212,7 @@ int set_linear(void *m, int64_t i, int which, int kind, int64_t n_out, int64_t n
 
 extern "C" {
 
-// One native 4-bit linear over torch's threads (`native.Q4Linear` calls it where the loop is built).
+// One native linear over torch's threads (`native.Q4Linear` and `native.Q8Rows` call it where the loop is built).
 int specdec_q4_threads(quantize_fn quantize, q4_fn q4, const void *x, int x_bf16, int64_t M, int64_t K,
                        const uint8_t *codes, const float *scale, const float *zero, int64_t N, void *out,
                        int out_bf16, int isa) {
@@ -224,7 +224,7 @@ int specdec_q4_threads(quantize_fn quantize, q4_fn q4, const void *x, int x_bf16
 }
 
 void *specdec_loop_new(int64_t n_layers, int64_t dim, double eps, int gelu, int bf16, attend_fn attend, norm_fn norm,
-                       quantize_fn quantize, q4_fn q4) {
+                       quantize_fn quantize) {
     try {
         Loop *m = new Loop();
         m->layers.resize(n_layers);
@@ -236,7 +236,6 @@ void *specdec_loop_new(int64_t n_layers, int64_t dim, double eps, int gelu, int 
         m->attend = attend;
         m->norm = norm;
         m->quantize = quantize;
-        m->q4 = q4;
         return m;
     } catch (...) {
         return nullptr;
@@ -255,10 +254,12 @@ int specdec_loop_linear(void *m, int64_t i, int which, void *packed, int64_t N, 
     });
 }
 
-// ... through the native 4-bit kernel: codes, scale, zero in native.q4_layout's layout.
-int specdec_loop_q4(void *m, int64_t i, int which, const uint8_t *codes, const float *scale, const float *zero,
-                    int64_t N, int64_t K, int isa, int64_t max_rows) {
-    return set_linear(m, i, which, NATIVE_Q4, N, K, max_rows, [&](Linear &l) {
+// ... through a native kernel `matmul` (attend.c's specdec_q4_q8_matmul: codes, scale, zero in native.q4_layout's
+// layout; specdec_q8r_q8_matmul: codes and scale d in native.q8_rows_layout's, zero unused).
+int specdec_loop_rows(void *m, int64_t i, int which, q4_fn matmul, const uint8_t *codes, const float *scale,
+                      const float *zero, int64_t N, int64_t K, int isa, int64_t max_rows) {
+    return set_linear(m, i, which, NATIVE_ROWS, N, K, max_rows, [&](Linear &l) {
+        l.matmul = matmul;
         l.codes = codes;
         l.scale = scale;
         l.zero = zero;
@@ -284,10 +285,6 @@ int specdec_loop_norms(void *m, int64_t i, const float *attn, const float *ffn, 
         Layer &l = ((Loop *)m)->layers.at(i);
         const float *w[N_NORMS] = {attn, ffn, q, k, post_attn, post_ffn};
         std::memcpy(l.norm, w, sizeof w);
-        const auto f32 = at::TensorOptions().dtype(at::kFloat);
-        int64_t dim = ((Loop *)m)->dim;
-        for (int j = 0; j < 2; j++)
-            l.post[j] = w[POST_ATTN_NORM + j] ? at::from_blob((void *)w[POST_ATTN_NORM + j], {dim}, f32) : at::Tensor();
         l.local = local;
         return 0;
     } catch (...) {

@@ -27,7 +27,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -158,7 +158,7 @@ def _build_loop() -> str:
     except (OSError, subprocess.SubprocessError) as e:
         return f"could not build or load it: {e}"
     lib.specdec_loop_new.restype = _PTR
-    lib.specdec_loop_new.argtypes = [_I64, _I64, ctypes.c_double, ctypes.c_int, ctypes.c_int, _PTR, _PTR, _PTR, _PTR]
+    lib.specdec_loop_new.argtypes = [_I64, _I64, ctypes.c_double, ctypes.c_int, ctypes.c_int, _PTR, _PTR, _PTR]
     lib.specdec_loop_free.restype = None
     lib.specdec_loop_free.argtypes = [_PTR]
     lib.specdec_loop_linear.restype = ctypes.c_int
@@ -166,8 +166,8 @@ def _build_loop() -> str:
     lib.specdec_q4_threads.restype = ctypes.c_int
     lib.specdec_q4_threads.argtypes = [_PTR, _PTR, _PTR, ctypes.c_int, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR,
                                        ctypes.c_int, ctypes.c_int]
-    lib.specdec_loop_q4.restype = ctypes.c_int
-    lib.specdec_loop_q4.argtypes = [_PTR, _I64, ctypes.c_int, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_int, _I64]
+    lib.specdec_loop_rows.restype = ctypes.c_int
+    lib.specdec_loop_rows.argtypes = [_PTR, _I64, ctypes.c_int, _PTR, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_int, _I64]
     lib.specdec_loop_onednn.restype = ctypes.c_int
     lib.specdec_loop_onednn.argtypes = [_PTR, _I64, ctypes.c_int, _PTR, ctypes.c_int, ctypes.c_int, _I64]
     lib.specdec_loop_norms.restype = ctypes.c_int
@@ -371,8 +371,8 @@ def q8_0_codes(data, shape: tuple[int, int]) -> dict[str, Tensor]:
 class LayerLoop:
     """A decoder's layers run by one native call per forward (layers.cpp): the same kernels as the Python loop
     of `decoder.Block` in the same order, so the same bits, without the Python between them. For the q4 mode:
-    4-bit linears (torch's int4 kernel or `Q4Linear`), and linears stored in other formats through their
-    oneDNN-prepacked weights; `of` says None otherwise."""
+    4-bit linears (torch's int4 kernel or `Q4Linear`), linears of 8-bit codes (`Q8Rows`), and linears stored in
+    other formats through their oneDNN-prepacked weights; `of` says None otherwise."""
 
     def __init__(self, lib: ctypes.CDLL, handle: int, keep: list, max_rows: int, dtype: torch.dtype) -> None:
         self._lib, self._handle, self._keep = lib, handle, keep
@@ -395,9 +395,9 @@ class LayerLoop:
         if model.dtype not in DTYPES or not layers or model.device.type != "cpu":
             return None
         kernels = [[layer.packed.get(n) for n in ("wqkv", "wo", "w13", "w2")] for layer in layers]
-        if not any(isinstance(k, (Int4Linear, Q4Linear)) for ks in kernels for k in ks):
+        if not any(isinstance(k, (Int4Linear, Q4Linear, Q8Rows)) for ks in kernels for k in ks):
             return None                                       # not the q4 mode: its linears are cheap to call
-        if not all((isinstance(k, Int4Linear) and k.copies == 1 or isinstance(k, Q4Linear)
+        if not all((isinstance(k, Int4Linear) and k.copies == 1 or isinstance(k, (Q4Linear, Q8Rows))
                     or isinstance(k, PackedLinear) and k.dtype in DTYPES) and k.check.many_rows
                    for ks in kernels for k in ks):
             return None
@@ -406,8 +406,7 @@ class LayerLoop:
         lib = _LOOP[0]
         handle = lib.specdec_loop_new(len(layers), cfg.dim, cfg.norm_eps, int(cfg.gelu),
                                       int(model.dtype == torch.bfloat16), _entry("specdec_qkv_attend"),
-                                      _entry("specdec_add_rms_norm"), _entry("specdec_q8_quantize"),
-                                      _entry("specdec_q4_q8_matmul"))
+                                      _entry("specdec_add_rms_norm"), _entry("specdec_q8_quantize"))
         if not handle:
             raise MemoryError("native layer loop: out of memory")
         keep: list = []
@@ -417,8 +416,12 @@ class LayerLoop:
             for which, k in enumerate(ks):
                 if isinstance(k, Q4Linear):
                     keep += [k.codes, k.scale, k.zero]
-                    rc = lib.specdec_loop_q4(handle, i, which, k.codes.data_ptr(), k.scale.data_ptr(),
-                                             k.zero.data_ptr(), *k.shape, k.isa, k.check.max_rows)
+                    rc = lib.specdec_loop_rows(handle, i, which, _entry("specdec_q4_q8_matmul"), k.codes.data_ptr(),
+                                               k.scale.data_ptr(), k.zero.data_ptr(), *k.shape, k.isa, k.check.max_rows)
+                elif isinstance(k, Q8Rows):
+                    keep += [k.codes, k.d]
+                    rc = lib.specdec_loop_rows(handle, i, which, _entry("specdec_q8r_q8_matmul"), k.codes.data_ptr(),
+                                               k.d.data_ptr(), k.d.data_ptr(), *k.shape, k.isa, k.check.max_rows)
                 elif isinstance(k, PackedLinear):
                     keep.append(k.weight)
                     rc = lib.specdec_loop_onednn(handle, i, which, k.weight._cdata, int(k.dtype == torch.bfloat16),
@@ -510,7 +513,7 @@ def _rows_linear(q8r: bool, x: Tensor, codes: Tensor, scale: Tensor, zero: Tenso
 
 def q8_rows_layout(q: Tensor, d: Tensor) -> dict[str, Tensor]:
     """A Q8_0 head's codes q [N, K] int8 and scales d [N, K / 32] (`q8_0_codes`) -> the 16-row layout of
-    `Q8RowsHead` (see attend.c): {"codes": [N / 16, K / 32, 512] int8, "d": [N / 16, K / 32, 16] float32}."""
+    `Q8Rows` (see attend.c): {"codes": [N / 16, K / 32, 512] int8, "d": [N / 16, K / 32, 16] float32}."""
     N, K = q.shape
     if not q4_fits((N, K)):
         raise ValueError(f"8-bit row layout: [{N}, {K}] is not whole groups of 16 rows and blocks of 32")
@@ -520,8 +523,9 @@ def q8_rows_layout(q: Tensor, d: Tensor) -> dict[str, Tensor]:
 
 
 @dataclass(frozen=True)
-class Q8RowsHead:
-    """An 8-bit (Q8_0) LM head in 16-row groups (`q8_rows_layout`) against inputs quantized to 8 bits: exact
+class Q8Rows:
+    """A linear of 8-bit codes with a scale per 32 inputs (Q8_0, Q5_0, Q4_0: an LM head, a model's layers, an
+    EAGLE-3 head's linears) in 16-row groups (`q8_rows_layout`) against inputs quantized to 8 bits: exact
     integer block sums and one float sum per output in block order, so the same bits for any row count, thread
     count or instruction set; one block's codes serve up to 8 input rows, and the rows are split over torch's
     threads where the layer loop is built."""
@@ -534,21 +538,33 @@ class Q8RowsHead:
     pair = False
     label = "native 8-bit x 8-bit (16-row groups)"
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(out, in)"""
+        return self.codes.shape[0] * Q4_GROUP, self.codes.shape[1] * 32
+
     def __call__(self, x: Tensor) -> Tensor:
-        """x [M, K] bfloat16 -> [M, N] float32"""
-        K = self.codes.shape[1] * 32
+        """x [M, K] bfloat16 or float32 -> [M, N] float32"""
+        K = self.shape[1]
         if x.dtype not in DTYPES or x.dim() != 2 or x.shape[1] != K:
-            raise ValueError(f"Q8 head: expected [M, {K}] bfloat16 or float32, got {x.dtype} {list(x.shape)}")
-        return _rows_linear(True, x, self.codes, self.d, self.d, self.isa, "Q8 head")
+            raise ValueError(f"8-bit linear: expected [M, {K}] bfloat16 or float32, got {x.dtype} {list(x.shape)}")
+        return _rows_linear(True, x, self.codes, self.d, self.d, self.isa, "8-bit linear")
 
     @staticmethod
-    def of(q: Tensor, d: Tensor) -> "Q8RowsHead":
-        """The head of Q8_0 codes q [N, K] int8 and scales d [N, K / 32], its rows checked on this machine."""
+    def of(q: Tensor, d: Tensor) -> "Q8Rows":
+        """The linear of codes q [N, K] int8 and scales d [N, K / 32] (an LM head: bfloat16 inputs), its rows
+        checked on this machine."""
+        return Q8Rows.of_layout(q8_rows_layout(q, d), torch.bfloat16)
+
+    @staticmethod
+    def of_layout(layout: dict[str, Tensor], dtype: torch.dtype = torch.float32) -> "Q8Rows":
+        """The linear of a `q8_rows_layout`, inputs cast to `dtype` (float32, as `Q4Linear`: a layer's bfloat16
+        or float32 activations enter as they are), its rows checked on this machine."""
         from .kernels import RowCheck, checked
 
-        lay, isa = q8_rows_layout(q, d), q8x8_isa()
-        head = Q8RowsHead(lay["codes"], lay["d"], RowCheck(True, True), isa)
-        return Q8RowsHead(head.codes, head.d, checked(("native-q8r", *q.shape), head, q.shape[1], torch.bfloat16), isa)
+        isa = q8x8_isa()
+        k = Q8Rows(layout["codes"], layout["d"], RowCheck(True, True), isa, dtype)
+        return replace(k, check=checked(("native-q8r", *k.shape), k, k.shape[1], torch.bfloat16))
 
 
 @dataclass(frozen=True)

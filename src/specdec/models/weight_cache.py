@@ -1,7 +1,7 @@
 """Converted weights on disk, so that a GGUF file is dequantized and packed once, not at every start.
 
 An entry holds what `gguf_loader.read_gguf` makes of a file for one compute form: the configuration,
-the dequantized weights and the 4-bit kernels' packed codes and scales. It is keyed by the file's
+the dequantized weights and the 4-bit and 8-bit kernels' packed codes and scales. It is keyed by the file's
 SHA-256, the weights' dtype, the 4-bit form, the torch version and torch's CPU kernel family (the
 int4 packing is the kernel's own layout). Entries are written whole and renamed into place, so a
 killed writer leaves nothing half-read; an unreadable entry is converted again. The file hash is
@@ -25,8 +25,8 @@ from .config import ModelConfig
 from .int4 import Int4Linear
 from .registry import cache_dir, write_atomic
 
-FORMAT = 4               # 2: the 4-bit kernels' `copies` (an 8-bit LM head as two 4-bit halves); 3: the Q8_0 head;
-                         # 4: the native 4-bit layout
+FORMAT = 5               # 2: the 4-bit kernels' `copies` (an 8-bit LM head as two 4-bit halves); 3: the Q8_0 head;
+                         # 4: the native 4-bit layout; 5: layers of 8-bit codes, Q4_0 as 4-bit
 
 
 def _hashes_file() -> Path:
@@ -71,9 +71,10 @@ def write(where: Path, weights) -> None:
         tensors[f"int4.{i}.{name}.copies"] = torch.tensor([k.copies])
     for k, v in weights.q8_head.items():
         tensors[f"q8head.{k}"] = v
-    for (i, name), layout in weights.q4.items():
-        for part, v in layout.items():
-            tensors[f"q4n.{i}.{name}.{part}"] = v
+    for prefix, layouts in (("q4n", weights.q4), ("q8n", weights.q8)):
+        for (i, name), layout in layouts.items():
+            for part, v in layout.items():
+                tensors[f"{prefix}.{i}.{name}.{part}"] = v
     meta = {"format": str(FORMAT), "config": json.dumps(dataclasses.asdict(weights.config))}
     write_atomic(where, save(tensors, metadata=meta))
     for old in superseded(where):
@@ -137,9 +138,9 @@ def read(where: Path):
             int4[(int(i), name)] = Int4Linear.packed_as(tensors[f"{stem}.packed"], tensors[f"{stem}.scale_zero"],
                                                         int(tensors[f"{stem}.copies"]))
     q8_head = {k[len("q8head."):]: v for k, v in tensors.items() if k.startswith("q8head.")}
-    q4: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    layouts: dict[str, dict[tuple[int, str], dict[str, torch.Tensor]]] = {"q4n": {}, "q8n": {}}
     for k, v in tensors.items():
-        if k.startswith("q4n."):
-            _, i, name, part = k.split(".")
-            q4.setdefault((int(i), name), {})[part] = v
-    return Weights(cfg, state, int4, q8_head, q4)
+        if k.startswith(("q4n.", "q8n.")):
+            prefix, i, name, part = k.split(".")
+            layouts[prefix].setdefault((int(i), name), {})[part] = v
+    return Weights(cfg, state, int4, q8_head, layouts["q4n"], layouts["q8n"])
