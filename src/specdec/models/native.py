@@ -165,9 +165,10 @@ def _build_loop() -> str:
     lib.specdec_loop_linear.argtypes = [_PTR, _I64, ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64]
     lib.specdec_q4_threads.restype = ctypes.c_int
     lib.specdec_q4_threads.argtypes = [_PTR, _PTR, _PTR, ctypes.c_int, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR,
-                                       ctypes.c_int, ctypes.c_int]
+                                       ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.specdec_loop_rows.restype = ctypes.c_int
-    lib.specdec_loop_rows.argtypes = [_PTR, _I64, ctypes.c_int, _PTR, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_int, _I64]
+    lib.specdec_loop_rows.argtypes = [_PTR, _I64, ctypes.c_int, _PTR, ctypes.c_int, _PTR, _PTR, _PTR, _I64, _I64,
+                                      ctypes.c_int, _I64]
     lib.specdec_loop_onednn.restype = ctypes.c_int
     lib.specdec_loop_onednn.argtypes = [_PTR, _I64, ctypes.c_int, _PTR, ctypes.c_int, ctypes.c_int, _I64]
     lib.specdec_loop_norms.restype = ctypes.c_int
@@ -416,11 +417,11 @@ class LayerLoop:
             for which, k in enumerate(ks):
                 if isinstance(k, Q4Linear):
                     keep += [k.codes, k.scale, k.zero]
-                    rc = lib.specdec_loop_rows(handle, i, which, _entry("specdec_q4_q8_matmul"), k.codes.data_ptr(),
+                    rc = lib.specdec_loop_rows(handle, i, which, _entry("specdec_q4_q8_matmul"), 4, k.codes.data_ptr(),
                                                k.scale.data_ptr(), k.zero.data_ptr(), *k.shape, k.isa, k.check.max_rows)
                 elif isinstance(k, Q8Rows):
                     keep += [k.codes, k.d]
-                    rc = lib.specdec_loop_rows(handle, i, which, _entry("specdec_q8r_q8_matmul"), k.codes.data_ptr(),
+                    rc = lib.specdec_loop_rows(handle, i, which, _entry("specdec_q8r_q8_matmul"), 8, k.codes.data_ptr(),
                                                k.d.data_ptr(), k.d.data_ptr(), *k.shape, k.isa, k.check.max_rows)
                 elif isinstance(k, PackedLinear):
                     keep.append(k.weight)
@@ -503,7 +504,7 @@ def _rows_linear(q8r: bool, x: Tensor, codes: Tensor, scale: Tensor, zero: Tenso
             out.data_ptr(), 0, isa)
     if loop_available():
         matmul = _entry("specdec_q8r_q8_matmul" if q8r else "specdec_q4_q8_matmul")
-        rc = _LOOP[0].specdec_q4_threads(_entry("specdec_q8_quantize"), matmul, *args)
+        rc = _LOOP[0].specdec_q4_threads(_entry("specdec_q8_quantize"), matmul, *args, 8 if q8r else 4)
     else:
         rc = _LIB[0].specdec_rows_linear(int(q8r), *args)
     if rc:
