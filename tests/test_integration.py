@@ -119,6 +119,20 @@ def test_a_draft_with_another_tokenizer_is_lossless():
     assert sum(r.metrics["accepted_prediction_tokens"] for r in spec) == 0 and sum(r.metrics["acceptance_rate"] for r in spec) > 0
 
 
+@pytest.mark.parametrize("method, source", [("suffix", None), ("self", "self:14"), ("lookahead", None)])
+def test_gemma3_in_q4_is_lossless_with_its_8_bit_and_6_bit_layers(method, source):
+    """gemma3-270m in its default mode (4-bit, 8-bit-code and dense layers side by side in the layer loop):
+    methods that draft without a trained head (self: its first 14 layers and its own head), K = 4,
+    two prompts batched, token-identical to plain decoding."""
+    model, tok, _ = load_model("gemma3-270m", "auto")
+    ps = ["The three primary colors are", "def add(a, b):\n    \"\"\"Return the sum of a and b.\"\"\"\n"]
+    plain = Generator(model, tok, NoProposer()).generate(ps, max_new_tokens=32, chat=False)
+    proposer = make_proposer(method, model, tok, source, "auto", "cpu")
+    spec = Generator(model, tok, proposer, "fixed", 4).generate(ps, max_new_tokens=32, chat=False)
+    assert [r.tokens for r in spec] == [r.tokens for r in plain]
+    assert sum(r.metrics["target_forwards"] for r in spec) < sum(r.metrics["target_forwards"] for r in plain)
+
+
 def test_the_vocabulary_map_names_the_tokens_the_target_writes():
     """Gemma spells "." both as its token "." and as the byte-fallback token <0x2E>; a draft mapped onto the one
     the target never writes is never accepted. Every common piece maps onto the id Gemma's tokenizer gives it."""
