@@ -43,8 +43,9 @@ _MODELS: dict[tuple[str, torch.dtype, str], Transformer] = {}
 def q4_model(shape: str, dtype: torch.dtype, kernel: str = "int4") -> Transformer:
     """A random 3-layer model whose linears are 4-bit, as the q4 mode loads one: through torch's int4 kernel,
     the native one (`native.Q4Linear`), a mix (layer by layer and linear by linear), or that mix with every
-    third linear in another format (dense: a oneDNN-prepacked weight, as gemma3's 6-bit tensors); q8: a third
-    each native 4-bit, 8-bit codes (`native.Q8Rows`, as gemma3's Q5_0 and Q8_0 tensors) and dense."""
+    third linear in another format (dense: a oneDNN-prepacked weight); q8: a third each native 4-bit, 8-bit
+    codes (`native.Q8Rows`, a scale per 32 inputs as gemma3's Q5_0 and Q8_0 tensors or per 16 as its Q6_K ones)
+    and dense."""
     needs_bf16(dtype)
     if (shape, dtype, kernel) not in _MODELS:
         cfg = SHAPES[shape]
@@ -60,7 +61,8 @@ def q4_model(shape: str, dtype: torch.dtype, kernel: str = "int4") -> Transforme
                 if kernel == "q8" and (i + j) % 3 == 1:
                     n_out, n_in = getattr(layer, n).shape
                     q = torch.from_numpy(rng.integers(-128, 128, (n_out, n_in), dtype=np.int8))
-                    d = torch.from_numpy(rng.uniform(0.0005, 0.003, (n_out, n_in // GROUP)).astype(np.float32))
+                    per = GROUP if i % 2 else GROUP // 2                     # a scale per 32 or (Q6_K) 16 inputs
+                    d = torch.from_numpy(rng.uniform(0.0005, 0.003, (n_out, n_in // per)).astype(np.float32))
                     kernels[i, n] = native.Q8Rows.of_layout(native.q8_rows_layout(q, d))
                     continue
                 kernels[i, n] = (native.Q4Linear.of(native.q4_layout(b.q, b.scale, b.zero)) if native_here

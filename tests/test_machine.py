@@ -268,8 +268,32 @@ def test_blocks_of_8_bit_codes_decode_to_what_gguf_dequantizes(kind):
         read_blocks8(_gguf_tensor(w, "Q4_1"))
 
 
+def test_q6_k_blocks_decode_to_what_gguf_dequantizes():
+    """Random Q6_K super-blocks (any bits are valid codes and scales; the fp16 d kept finite) as 8-bit codes with a
+    scale per 16 weights give exactly gguf's weights; joined with a Q8_0 part, that part's scales repeat."""
+    import numpy as np
+    from types import SimpleNamespace
+
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize
+
+    from specdec.models.int4 import Blocks8, read_blocks8
+
+    rng = np.random.default_rng(2)
+    data = rng.integers(0, 256, (8 * 2, 210), dtype=np.uint8)                 # 8 rows of 512: 2 super-blocks each
+    data[:, 208:210] = np.frombuffer(rng.uniform(1e-4, 1e-2, 16).astype(np.float16).tobytes(), np.uint8).reshape(16, 2)
+    t = SimpleNamespace(data=data, tensor_type=T.Q6_K, shape=[512, 8])
+    b = read_blocks8(t)
+    assert b.sub == 16 and np.abs(b.q).max() == 32 and b.q.min() >= -32
+    assert np.array_equal(b.dequantize(), dequantize(data, T.Q6_K).reshape(8, 512))
+    w = np.random.default_rng(3).standard_normal((4, 512)).astype(np.float32)
+    q8 = read_blocks8(_gguf_tensor(w, "Q8_0"))
+    both = Blocks8.cat([q8, b])
+    assert both.sub == 16 and np.array_equal(both.dequantize()[:4], q8.dequantize())
+
+
 @pytest.mark.integration
-@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q6_K"])
 def test_real_8_bit_code_tensors_decode_to_what_gguf_dequantizes(kind):
     import gguf
     import numpy as np

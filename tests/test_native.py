@@ -250,3 +250,33 @@ def test_the_native_kernels_build_wherever_a_c_compiler_is_found():
     """Where a C compiler is found, attend.c builds and loads: a compile error in it fails here instead of
     silently sending every native test above to `skip` (and every forward to the torch ops)."""
     assert native.available(torch.device("cpu")), native.describe(torch.device("cpu"))
+
+
+@needs_native
+def test_8_bit_codes_with_a_scale_per_16_inputs_have_the_same_bits_everywhere():
+    """Q6_K's form (codes in [-32, 32), a scale per 16 inputs): the two half-block integer sums times their scales,
+    the same bits at every instruction level, for any row count and on one or two threads; right against a float64
+    reference of the same input quantization."""
+    import dataclasses
+
+    g = torch.Generator().manual_seed(5)
+    N, K = 3072, 256                                                         # large enough to be split over threads
+    q = torch.randint(-32, 32, (N, K), dtype=torch.int8, generator=g)
+    d = torch.rand(N, K // 16, generator=g) / 50
+    k = native.Q8Rows.of_layout(native.q8_rows_layout(q, d))
+    assert k.kind == native.ROWS_Q8H and k.check.many_rows and k.check.lone_row
+    x = torch.randn(11, K, generator=g)
+    out = k(x)
+    for isa in range(native.q8x8_isa() + 1):
+        assert torch.equal(dataclasses.replace(k, isa=isa)(x), out), isa
+    for m in (1, 2, 5, 8):
+        assert torch.equal(k(x[:m]), out[:m])
+    assert same_bits_on_one_and_two_threads(k, x[:5])
+    xb = x.reshape(11, K // 32, 32)
+    dx = xb.abs().amax(-1) / 127
+    xq = torch.sign(xb / dx[..., None]) * torch.floor((xb / dx[..., None]).abs() + 0.5)
+    w = (q.double().reshape(N, K // 16, 16) * d.double()[..., None]).reshape(N, K)
+    ref = (xq.double() * dx.double()[..., None]).reshape(11, K) @ w.T
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="one per 32 or 16"):
+        native.q8_rows_layout(q, d[:, :5])

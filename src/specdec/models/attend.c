@@ -792,18 +792,139 @@ static void q8r_group_c(const q4_job *j, int64_t g) {
     }
 }
 
-/* Groups [g0, g1) of 16 output rows (the 4-bit kernel, or with q8r the 8-bit head) from inputs quantized by
- * specdec_q8_quantize; out [M, N] bfloat16 (out_bf16) or float32; instructions up to `isa` (specdec_q8x8_isa). */
-static void rows_matmul(int q8r, const q4_job *j, int64_t g0, int64_t g1, int isa) {
+/* ---- 8-bit codes with a scale per 16 inputs (Q6_K: codes q in [-32, 32), scale d sc_j per 16) ----
+ * The codes laid out as the 8-bit head's (native.q8_rows_layout); `scale` [N / 16][nb][32] float32: for each
+ * block the 16 rows' scales of inputs 0-15, then of inputs 16-31. Output (m, n), over the blocks in order:
+ *   acc = acc + (float)(sum of q xq over inputs 0-15) * (s_lo dx);  acc = acc + (float)(sum over 16-31) * (s_hi dx)
+ * Exact integer half-block sums (maddubs over |q| and xq signed by q, then madd, on 512 or 256 bits; plain C):
+ * every path and row count gives the same bits. */
+#ifdef HAVE_512
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+static void q8h_group512(const q4_job *j, int64_t g) {
+    const int64_t nb = j->K / QB;
+    const __m512i ones = _mm512_set1_epi16(1), zero = _mm512_setzero_si512();
+    for (int64_t m0 = 0; m0 < j->M; m0 += 8) {
+        const int mc = j->M - m0 < 8 ? (int)(j->M - m0) : 8;
+        __m512 acc[8];
+        for (int c = 0; c < 8; c++) acc[c] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *wb = j->codes + (g * nb + b) * 512;
+            if (m0 == 0) _mm_prefetch((const char *)(wb + 512 * 4), _MM_HINT_T0);
+            __m512i a[8];
+            __mmask64 neg[8];
+            for (int p = 0; p < 8; p++) {                  /* lane r of part p: row r's codes of inputs 4p..4p+3 */
+                const __m512i v = _mm512_loadu_si512((const void *)(wb + 64 * p));
+                a[p] = _mm512_abs_epi8(v);
+                neg[p] = _mm512_movepi8_mask(v);
+            }
+            const float *sb = j->scale + (g * nb + b) * 2 * Q4G;
+            const __m512 lo = _mm512_loadu_ps(sb), hi = _mm512_loadu_ps(sb + Q4G);
+            for (int c = 0; c < mc; c++) {
+                const int64_t m = m0 + c, mb = m * nb + b;
+                const int32_t *x4 = (const int32_t *)(j->xq + m * j->K + b * QB);
+                __m512i s[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+                for (int p = 0; p < 8; p++) {                  /* |q| <= 128, |xq| <= 127: no 16-bit saturation */
+                    const __m512i xv = _mm512_set1_epi32(x4[p]);
+                    s[p >> 2] = _mm512_add_epi32(s[p >> 2], _mm512_madd_epi16(
+                        _mm512_maddubs_epi16(a[p], _mm512_mask_sub_epi8(xv, neg[p], zero, xv)), ones));
+                }
+                const __m512 dx = _mm512_set1_ps(j->dx[mb]);
+                acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(_mm512_cvtepi32_ps(s[0]), _mm512_mul_ps(lo, dx)));
+                acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(_mm512_cvtepi32_ps(s[1]), _mm512_mul_ps(hi, dx)));
+            }
+        }
+        for (int c = 0; c < mc; c++) {
+            float a[Q4G];
+            _mm512_storeu_ps(a, acc[c]);
+            q4_store(j->out, j->out_bf16, (m0 + c) * j->N + g * Q4G, a, Q4G);
+        }
+    }
+}
+#endif
+
+#ifdef __AVX2__
+static void q8h_group256(const q4_job *j, int64_t g) {
+    const int64_t nb = j->K / QB;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++)
+        for (int64_t m0 = 0; m0 < j->M; m0 += 4) {
+            const int mc = j->M - m0 < 4 ? (int)(j->M - m0) : 4;
+            __m256 acc[4];
+            for (int c = 0; c < 4; c++) acc[c] = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *wb = j->codes + (g * nb + b) * 512 + 32 * h;
+                if (h == 0 && m0 == 0) _mm_prefetch((const char *)(wb + 512 * 4), _MM_HINT_T0);
+                __m256i q[8];
+                for (int p = 0; p < 8; p++) q[p] = _mm256_loadu_si256((const __m256i *)(wb + 64 * p));
+                const float *sb = j->scale + (g * nb + b) * 2 * Q4G + 8 * h;
+                const __m256 lo = _mm256_loadu_ps(sb), hi = _mm256_loadu_ps(sb + Q4G);
+                for (int c = 0; c < mc; c++) {
+                    const int64_t m = m0 + c, mb = m * nb + b;
+                    const int32_t *x4 = (const int32_t *)(j->xq + m * j->K + b * QB);
+                    __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+                    for (int p = 0; p < 8; p++) {              /* |q| <= 128, |xq| <= 127: no 16-bit saturation */
+                        __m256i xv = _mm256_set1_epi32(x4[p]);
+                        s[p >> 2] = _mm256_add_epi32(s[p >> 2], _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(_mm256_sign_epi8(q[p], q[p]), _mm256_sign_epi8(xv, q[p])), ones));
+                    }
+                    const __m256 dx = _mm256_set1_ps(j->dx[mb]);
+                    acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(_mm256_cvtepi32_ps(s[0]), _mm256_mul_ps(lo, dx)));
+                    acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(_mm256_cvtepi32_ps(s[1]), _mm256_mul_ps(hi, dx)));
+                }
+            }
+            for (int c = 0; c < mc; c++) {
+                float a[8];
+                _mm256_storeu_ps(a, acc[c]);
+                q4_store(j->out, j->out_bf16, (m0 + c) * j->N + g * Q4G + 8 * h, a, 8);
+            }
+        }
+}
+#endif
+
+static void q8h_group_c(const q4_job *j, int64_t g) {
+    const int64_t nb = j->K / QB;
+    for (int64_t m = 0; m < j->M; m++) {
+        float acc[Q4G] = {0};
+        for (int64_t b = 0; b < nb; b++) {
+            const int8_t *wb = (const int8_t *)j->codes + (g * nb + b) * 512;
+            const int8_t *xb = j->xq + m * j->K + b * QB;
+            const float *sb = j->scale + (g * nb + b) * 2 * Q4G, dx = j->dx[m * nb + b];
+            for (int r = 0; r < Q4G; r++) {
+                int32_t s[2] = {0, 0};
+                for (int p = 0; p < 8; p++)
+                    for (int i = 0; i < 4; i++) s[p >> 2] += (int32_t)wb[64 * p + 4 * r + i] * xb[4 * p + i];
+                acc[r] = acc[r] + (float)s[0] * (sb[r] * dx);
+                acc[r] = acc[r] + (float)s[1] * (sb[Q4G + r] * dx);
+            }
+        }
+        q4_store(j->out, j->out_bf16, m * j->N + g * Q4G, acc, Q4G);
+    }
+}
+
+/* Groups [g0, g1) of 16 output rows from inputs quantized by specdec_q8_quantize, by `kind`: ROWS_Q4 the 4-bit
+ * kernel, ROWS_Q8 the 8-bit head's, ROWS_Q8H 8-bit codes with half-block scales; out [M, N] bfloat16
+ * (out_bf16) or float32; instructions up to `isa` (specdec_q8x8_isa). */
+enum { ROWS_Q4, ROWS_Q8, ROWS_Q8H };
+static void rows_matmul(int kind, const q4_job *j, int64_t g0, int64_t g1, int isa) {
     isa = specdec_q8x8_isa(isa);
     for (int64_t g = g0; g < g1; g++) {
+        if (kind == ROWS_Q8H) {
 #ifdef HAVE_512
-        if (isa >= 2) { (q8r ? q8r_group512 : q4_group512)(j, g); continue; }
+            if (isa >= 2) { q8h_group512(j, g); continue; }
 #endif
 #ifdef __AVX2__
-        if (isa >= 1) { (q8r ? q8r_group256 : q4_group256)(j, g); continue; }
+            if (isa >= 1) { q8h_group256(j, g); continue; }
 #endif
-        (q8r ? q8r_group_c : q4_group_c)(j, g);
+            q8h_group_c(j, g);
+            continue;
+        }
+#ifdef HAVE_512
+        if (isa >= 2) { (kind == ROWS_Q8 ? q8r_group512 : q4_group512)(j, g); continue; }
+#endif
+#ifdef __AVX2__
+        if (isa >= 1) { (kind == ROWS_Q8 ? q8r_group256 : q4_group256)(j, g); continue; }
+#endif
+        (kind == ROWS_Q8 ? q8r_group_c : q4_group_c)(j, g);
     }
 }
 
@@ -812,7 +933,7 @@ int specdec_q4_q8_matmul(const int8_t *xq, const float *dx, const float *sx, con
                          int64_t K, const uint8_t *codes, const float *scale, const float *zero, int64_t N,
                          void *out, int out_bf16, int64_t g0, int64_t g1, int isa) {
     const q4_job j = {xq, dx, sx, xs8, M, K, codes, scale, zero, N, out, out_bf16};
-    rows_matmul(0, &j, g0, g1, isa);
+    rows_matmul(ROWS_Q4, &j, g0, g1, isa);
     return 0;
 }
 
@@ -820,13 +941,21 @@ int specdec_q8r_q8_matmul(const int8_t *xq, const float *dx, const float *sx, co
                           int64_t K, const uint8_t *codes, const float *scale, const float *zero, int64_t N,
                           void *out, int out_bf16, int64_t g0, int64_t g1, int isa) {
     const q4_job j = {xq, dx, sx, xs8, M, K, codes, scale, zero, N, out, out_bf16};
-    rows_matmul(1, &j, g0, g1, isa);
+    rows_matmul(ROWS_Q8, &j, g0, g1, isa);
     return 0;
 }
 
-/* One of them whole, on one thread (where the layer loop is not built): x [M, K] (bfloat16 or float32) ->
- * out [M, N]. 0, or -1: out of memory. */
-int specdec_rows_linear(int q8r, const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *codes,
+int specdec_q8h_q8_matmul(const int8_t *xq, const float *dx, const float *sx, const int32_t *xs8, int64_t M,
+                          int64_t K, const uint8_t *codes, const float *scale, const float *zero, int64_t N,
+                          void *out, int out_bf16, int64_t g0, int64_t g1, int isa) {
+    const q4_job j = {xq, dx, sx, xs8, M, K, codes, scale, zero, N, out, out_bf16};
+    rows_matmul(ROWS_Q8H, &j, g0, g1, isa);
+    return 0;
+}
+
+/* One of them whole (`kind`: ROWS_Q4, ROWS_Q8, ROWS_Q8H), on one thread (where the layer loop is not built):
+ * x [M, K] (bfloat16 or float32) -> out [M, N]. 0, or -1: out of memory. */
+int specdec_rows_linear(int kind, const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *codes,
                         const float *scale, const float *zero, int64_t N, void *out, int out_bf16, int isa) {
     const int64_t nb = K / QB;
     int8_t *xq = malloc((size_t)(M * K));
@@ -837,7 +966,7 @@ int specdec_rows_linear(int q8r, const void *x, int x_bf16, int64_t M, int64_t K
     else {
         specdec_q8_quantize(x, x_bf16, M, K, xq, dx, sx, xs8);
         const q4_job j = {xq, dx, sx, xs8, M, K, codes, scale, zero, N, out, out_bf16};
-        rows_matmul(q8r, &j, 0, N / Q4G, isa);
+        rows_matmul(kind, &j, 0, N / Q4G, isa);
     }
     free(xq); free(dx); free(sx); free(xs8);
     return rc;

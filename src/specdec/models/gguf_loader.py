@@ -205,10 +205,12 @@ def q4_kernel(int4: Int4Linear, layout: dict[str, torch.Tensor], w: torch.Tensor
 
 def q8_kernel(layout: dict[str, torch.Tensor], w: torch.Tensor) -> Kernel:
     """A linear of 8-bit codes: the native 8-bit kernel (activations quantized to 8 bits, as llama.cpp computes
-    Q8_0 and Q5_0 layers) or oneDNN on the dequantized weights prepacked, whichever is faster on this machine
+    Q8_0, Q5_0 and Q6_K layers) or oneDNN on the dequantized weights prepacked, whichever is faster on this machine
     for its shape (timed at the first start and kept, as `q4_kernel`)."""
     makers = {"onednn": lambda: pack(w), "native-q8r": lambda: native.Q8Rows.of_layout(layout)}
-    return fastest(("q8-linear", *w.shape, cfg_dtype_name(w.dtype), *sorted(makers), native.source_stamp()), makers, w)
+    scales = f"scales/{32 * 16 // layout['d'].shape[-1]}"                  # a scale per 32 or per 16 inputs
+    return fastest(("q8-linear", *w.shape, scales, cfg_dtype_name(w.dtype), *sorted(makers), native.source_stamp()),
+                   makers, w)
 
 
 def fused_blocks(tensors: dict, cfg: ModelConfig, interleaved: bool, types: tuple[str, ...],

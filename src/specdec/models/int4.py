@@ -12,9 +12,9 @@ to bfloat16:
 - Q4_1 (32 weights, fp16 d and m): w = d * q + m, so scale = d, zero = m + 8 d;
 - Q4_K (256-weight super-blocks, fp16 d and dmin, 6-bit sub-scales sc_j and mins m_j per 32):
   w = d sc_j q - dmin m_j, so scale = d sc_j, zero = 8 d sc_j - dmin m_j.
-Fused linears stored wholly in formats of one fp16 scale per 32 signed codes (Q8_0, Q5_0, and Q4_0
-where a part is not 4-bit) are exactly 8-bit codes q and a scale d per block, w = d q (`Blocks8`), which
-the native 8-bit kernel computes (`native.Q8Rows`). Tensors in other formats (Q6_K, ...) keep a
+Fused linears stored wholly in formats of signed codes and a scale per 32 weights (Q8_0, Q5_0, and Q4_0
+where a part is not 4-bit) or per 16 (Q6_K: d sc_j) are exactly 8-bit codes q and those scales, w = d q
+(`Blocks8`), which the native 8-bit kernels compute (`native.Q8Rows`). Tensors in other formats keep a
 dequantized kernel (see `Transformer.pack`).
 
 An 8-bit Q8_0 LM head (32 int8 codes q and an fp16 d per block: w = d q) is exactly two 4-bit
@@ -35,7 +35,7 @@ from .kernels import RowCheck, checked
 
 GROUP = 32
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
-INT8_TYPES = ("Q8_0", "Q5_0", "Q4_0")   # w = d q: one fp16 d (the block's first 2 bytes), 32 signed codes
+INT8_TYPES = ("Q8_0", "Q5_0", "Q4_0", "Q6_K")   # w = d q: signed codes, a scale per 32 (Q6_K: per 16) inputs
 HEAD_TYPES = ("Q8_0",)    # LM head formats computed as 4-bit halves
 HEAD = (-1, "lm_head")    # the LM head's key among the (layer, linear name) keys of 4-bit kernels
 NATIVE_HEAD = (-1, "native-q8")  # an 8-bit head through the native kernel (`native.Q8Head`), another candidate
@@ -138,38 +138,55 @@ def read_blocks(tensor) -> Blocks4:
 
 @dataclass(frozen=True)
 class Blocks8:
-    """A [N, K] weight as signed 8-bit codes with a scale per block of GROUP along K: w = q d."""
+    """A [N, K] weight as signed 8-bit codes with a scale per `sub` (32 or 16) inputs along K: w = q d."""
     q: np.ndarray         # [N, K] int8
-    d: np.ndarray         # [N, K // GROUP] float32
+    d: np.ndarray         # [N, K // sub] float32
+
+    @property
+    def sub(self) -> int:
+        return self.q.shape[1] // self.d.shape[1]
 
     def rows(self, idx: np.ndarray) -> "Blocks8":
         return Blocks8(self.q[idx], self.d[idx])
 
     @staticmethod
     def cat(parts: list["Blocks8"]) -> "Blocks8":
-        return Blocks8(np.concatenate([p.q for p in parts]), np.concatenate([p.d for p in parts]))
+        """Rows of all parts; if any has a scale per 16 inputs, the others' scales are repeated to match."""
+        sub = min(p.sub for p in parts)
+        return Blocks8(np.concatenate([p.q for p in parts]),
+                       np.concatenate([np.repeat(p.d, p.sub // sub, axis=1) for p in parts]))
 
     def dequantize(self) -> np.ndarray:
         """[N, K] float32 weights, exactly the GGUF's dequantization."""
         N, K = self.q.shape
-        return (self.q.reshape(N, K // GROUP, GROUP).astype(np.float32) * self.d[..., None]).reshape(N, K)
+        return (self.d[..., None] * self.q.reshape(N, K // self.sub, self.sub).astype(np.float32)).reshape(N, K)
+
+
+def _q6_k_scales(blocks: np.ndarray) -> np.ndarray:
+    """Q6_K super-blocks [n, 210] (128 bytes of low bits, 64 of high, 16 int8 scales, fp16 d) -> [n, 16] float32
+    scales d sc_j, one per 16 weights, as gguf computes them."""
+    return blocks[:, 208:210].copy().view(np.float16).astype(np.float32) * blocks[:, 192:208].view(np.int8).astype(np.float32)
 
 
 def read_blocks8(tensor) -> Blocks8:
-    """A GGUF tensor stored as Q8_0, Q5_0 or Q4_0 -> Blocks8. gguf dequantizes each block as float32 d times
-    the integer code, exactly (an 11-bit by 8-bit product), so the codes are those products divided by d."""
+    """A GGUF tensor stored as Q8_0, Q5_0, Q4_0 (an fp16 scale d per 32 weights, its first 2 bytes) or Q6_K (a
+    scale d sc_j per 16) -> Blocks8. gguf dequantizes each weight as the float32 scale times its integer code, so
+    the codes are those products divided by the scale (rounded: Q6_K's products may round in their last bit)."""
     from gguf.quants import dequantize
 
     kind = tensor.tensor_type.name
     if kind not in INT8_TYPES:
         raise ValueError(f"not a format of 8-bit codes and one scale per block: {kind}")
     N, K = int(tensor.shape[1]), int(tensor.shape[0])
-    nb = K // GROUP
-    blocks = np.ascontiguousarray(tensor.data).reshape(N * nb, -1)
-    d = blocks[:, 0:2].copy().view(np.float16)[:, 0].astype(np.float32).reshape(N, nb)
-    w = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(N, nb, GROUP)
+    blocks = np.ascontiguousarray(tensor.data).reshape(N * (K // 256 if kind == "Q6_K" else K // GROUP), -1)
+    if kind == "Q6_K":
+        d = _q6_k_scales(blocks).reshape(N, K // 16)
+    else:
+        d = blocks[:, 0:2].copy().view(np.float16)[:, 0].astype(np.float32).reshape(N, K // GROUP)
+    sub = K // d.shape[1]
+    w = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(N, K // sub, sub)
     with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(d[..., None] != 0, w / d[..., None], 0)
+        q = np.where(d[..., None] != 0, np.rint(w / d[..., None]), 0)
     return Blocks8(q.astype(np.int8).reshape(N, K), d)
 
 

@@ -421,7 +421,7 @@ class LayerLoop:
                                                k.scale.data_ptr(), k.zero.data_ptr(), *k.shape, k.isa, k.check.max_rows)
                 elif isinstance(k, Q8Rows):
                     keep += [k.codes, k.d]
-                    rc = lib.specdec_loop_rows(handle, i, which, _entry("specdec_q8r_q8_matmul"), 8, k.codes.data_ptr(),
+                    rc = lib.specdec_loop_rows(handle, i, which, _entry(_ROWS_ENTRY[k.kind]), 8, k.codes.data_ptr(),
                                                k.d.data_ptr(), k.d.data_ptr(), *k.shape, k.isa, k.check.max_rows)
                 elif isinstance(k, PackedLinear):
                     keep.append(k.weight)
@@ -493,34 +493,42 @@ def _entry(name: str) -> int:
     return ctypes.cast(getattr(_LIB[0], name), _PTR).value
 
 
-def _rows_linear(q8r: bool, x: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, isa: int, what: str) -> Tensor:
-    """x [M, K] (bfloat16 or float32, checked by the caller) -> float32 [M, N] through attend.c's 4-bit kernel
-    or (q8r) its 16-row 8-bit head: over torch's threads as the layer loop runs them where it is built, else
-    on one thread (the same bits)."""
+ROWS_Q4, ROWS_Q8, ROWS_Q8H = 0, 1, 2   # attend.c's row kernels: 4-bit codes, 8-bit codes, 8-bit codes with half-block scales
+_ROWS_ENTRY = {ROWS_Q4: "specdec_q4_q8_matmul", ROWS_Q8: "specdec_q8r_q8_matmul", ROWS_Q8H: "specdec_q8h_q8_matmul"}
+
+
+def _rows_linear(kind: int, x: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, isa: int, what: str) -> Tensor:
+    """x [M, K] (bfloat16 or float32, checked by the caller) -> float32 [M, N] through attend.c's row kernel `kind`
+    (ROWS_Q4, ROWS_Q8, ROWS_Q8H): over torch's threads as the layer loop runs them where it is built, else on one
+    thread (the same bits)."""
     x = x.contiguous()
     M, K, N = x.shape[0], codes.shape[1] * 32, codes.shape[0] * Q4_GROUP
     out = torch.empty(M, N, dtype=torch.float32)
     args = (x.data_ptr(), x.dtype == torch.bfloat16, M, K, codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), N,
             out.data_ptr(), 0, isa)
     if loop_available():
-        matmul = _entry("specdec_q8r_q8_matmul" if q8r else "specdec_q4_q8_matmul")
-        rc = _LOOP[0].specdec_q4_threads(_entry("specdec_q8_quantize"), matmul, *args, 8 if q8r else 4)
+        rc = _LOOP[0].specdec_q4_threads(_entry("specdec_q8_quantize"), _entry(_ROWS_ENTRY[kind]), *args,
+                                         4 if kind == ROWS_Q4 else 8)
     else:
-        rc = _LIB[0].specdec_rows_linear(int(q8r), *args)
+        rc = _LIB[0].specdec_rows_linear(kind, *args)
     if rc:
         raise MemoryError(f"{what}: out of memory") if rc == -1 else RuntimeError(f"{what}: error {rc}")
     return out
 
 
 def q8_rows_layout(q: Tensor, d: Tensor) -> dict[str, Tensor]:
-    """A Q8_0 head's codes q [N, K] int8 and scales d [N, K / 32] (`q8_0_codes`) -> the 16-row layout of
-    `Q8Rows` (see attend.c): {"codes": [N / 16, K / 32, 512] int8, "d": [N / 16, K / 32, 16] float32}."""
+    """8-bit codes q [N, K] int8 and scales d [N, K / 32] (`q8_0_codes`, `int4.Blocks8`) or [N, K / 16] (a scale
+    per 16 inputs: Q6_K) -> the 16-row layout of `Q8Rows` (see attend.c): {"codes": [N / 16, K / 32, 512] int8,
+    "d": [N / 16, K / 32, 16] float32, or [N / 16, K / 32, 32] (the 16 rows' scales of inputs 0-15, then 16-31)}."""
     N, K = q.shape
     if not q4_fits((N, K)):
         raise ValueError(f"8-bit row layout: [{N}, {K}] is not whole groups of 16 rows and blocks of 32")
-    nb = K // 32
+    nb, halves = K // 32, d.shape[1] // (K // 32)
+    if halves not in (1, 2) or d.shape != (N, nb * halves):
+        raise ValueError(f"8-bit row layout: scales {list(d.shape)} for [{N}, {K}]: one per 32 or 16 inputs")
     codes = q.reshape(N // Q4_GROUP, Q4_GROUP, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(N // Q4_GROUP, nb, 512)
-    return {"codes": codes.contiguous(), "d": d.reshape(N // Q4_GROUP, Q4_GROUP, nb).transpose(1, 2).contiguous()}
+    d = d.reshape(N // Q4_GROUP, Q4_GROUP, nb, halves).permute(0, 2, 3, 1).reshape(N // Q4_GROUP, nb, halves * Q4_GROUP)
+    return {"codes": codes.contiguous(), "d": d.contiguous()}
 
 
 @dataclass(frozen=True)
@@ -531,25 +539,33 @@ class Q8Rows:
     count or instruction set; one block's codes serve up to 8 input rows, and the rows are split over torch's
     threads where the layer loop is built."""
     codes: Tensor         # [N / 16, K / 32, 512] int8
-    d: Tensor             # [N / 16, K / 32, 16] float32
+    d: Tensor             # [N / 16, K / 32, 16] float32, or [N / 16, K / 32, 32]: a scale per 16 inputs
     check: "RowCheck"
     isa: int = 2
     dtype: torch.dtype = torch.bfloat16   # of its inputs (bfloat16 or float32: the same values quantized; float32 out)
 
     pair = False
-    label = "native 8-bit x 8-bit (16-row groups)"
+
+    @property
+    def label(self) -> str:
+        return "native 8-bit x 8-bit (16-row groups)" + ("" if self.kind == ROWS_Q8 else ", scales per 16")
 
     @property
     def shape(self) -> tuple[int, int]:
         """(out, in)"""
         return self.codes.shape[0] * Q4_GROUP, self.codes.shape[1] * 32
 
+    @property
+    def kind(self) -> int:
+        """attend.c's kernel: ROWS_Q8 (a scale per 32 inputs), ROWS_Q8H (per 16)"""
+        return ROWS_Q8 if self.d.shape[-1] == Q4_GROUP else ROWS_Q8H
+
     def __call__(self, x: Tensor) -> Tensor:
         """x [M, K] bfloat16 or float32 -> [M, N] float32"""
         K = self.shape[1]
         if x.dtype not in DTYPES or x.dim() != 2 or x.shape[1] != K:
             raise ValueError(f"8-bit linear: expected [M, {K}] bfloat16 or float32, got {x.dtype} {list(x.shape)}")
-        return _rows_linear(True, x, self.codes, self.d, self.d, self.isa, "8-bit linear")
+        return _rows_linear(self.kind, x, self.codes, self.d, self.d, self.isa, "8-bit linear")
 
     @staticmethod
     def of(q: Tensor, d: Tensor) -> "Q8Rows":
@@ -565,7 +581,8 @@ class Q8Rows:
 
         isa = q8x8_isa()
         k = Q8Rows(layout["codes"], layout["d"], RowCheck(True, True), isa, dtype)
-        return replace(k, check=checked(("native-q8r", *k.shape), k, k.shape[1], torch.bfloat16))
+        key = ("native-q8r", *k.shape) if k.kind == ROWS_Q8 else ("native-q8h", *k.shape)
+        return replace(k, check=checked(key, k, k.shape[1], torch.bfloat16))
 
 
 @dataclass(frozen=True)
@@ -595,7 +612,7 @@ class Q4Linear:
         K = self.shape[1]
         if x.dtype not in DTYPES or x.dim() != 2 or x.shape[1] != K:
             raise ValueError(f"Q4 linear: expected [M, {K}] float32 or bfloat16, got {x.dtype} {list(x.shape)}")
-        return _rows_linear(False, x, self.codes, self.scale, self.zero, self.isa, "Q4 linear")
+        return _rows_linear(ROWS_Q4, x, self.codes, self.scale, self.zero, self.isa, "Q4 linear")
 
     @staticmethod
     def of(layout: dict[str, Tensor]) -> "Q4Linear":

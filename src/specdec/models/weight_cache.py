@@ -25,8 +25,8 @@ from .config import ModelConfig
 from .int4 import Int4Linear
 from .registry import cache_dir, write_atomic
 
-FORMAT = 5               # 2: the 4-bit kernels' `copies` (an 8-bit LM head as two 4-bit halves); 3: the Q8_0 head;
-                         # 4: the native 4-bit layout; 5: layers of 8-bit codes, Q4_0 as 4-bit
+FORMAT = 6               # 2: the 4-bit kernels' `copies` (an 8-bit LM head as two 4-bit halves); 3: the Q8_0 head;
+                         # 4: the native 4-bit layout; 5: layers of 8-bit codes, Q4_0 as 4-bit; 6: Q6_K as 8-bit codes
 
 
 def _hashes_file() -> Path:
