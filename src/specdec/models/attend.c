@@ -738,8 +738,9 @@ static void q8r_group512(const q4_job *j, int64_t g) {
 #endif
 
 #ifdef __AVX2__
-static void q8r_group256(const q4_job *j, int64_t g) {
-    const int64_t nb = j->K / QB;
+/* halves: a scale per 16 inputs (ROWS_Q8H, `scale` [N / 16][nb][32]), else per 32 (`scale` [N / 16][nb][16]) */
+static void q8r_group256(const q4_job *j, int64_t g, int halves) {
+    const int64_t nb = j->K / QB, stride = halves ? 2 * Q4G : Q4G;
     const __m256i ones = _mm256_set1_epi16(1);
     for (int h = 0; h < 2; h++)
         for (int64_t m0 = 0; m0 < j->M; m0 += 4) {
@@ -748,20 +749,28 @@ static void q8r_group256(const q4_job *j, int64_t g) {
             for (int c = 0; c < 4; c++) acc[c] = _mm256_setzero_ps();
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *wb = j->codes + (g * nb + b) * 512 + 32 * h;
+                if (halves && h == 0 && m0 == 0) _mm_prefetch((const char *)(wb + 512 * 4), _MM_HINT_T0);
                 __m256i q[8];
                 for (int p = 0; p < 8; p++) q[p] = _mm256_loadu_si256((const __m256i *)(wb + 64 * p));
-                const __m256 dv = _mm256_loadu_ps(j->scale + (g * nb + b) * Q4G + 8 * h);
+                const float *sb = j->scale + (g * nb + b) * stride + 8 * h;
+                const __m256 lo = _mm256_loadu_ps(sb), hi = halves ? _mm256_loadu_ps(sb + Q4G) : lo;
                 for (int c = 0; c < mc; c++) {
                     const int64_t m = m0 + c, mb = m * nb + b;
                     const int32_t *x4 = (const int32_t *)(j->xq + m * j->K + b * QB);
-                    __m256i s = _mm256_setzero_si256();
+                    __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
                     for (int p = 0; p < 8; p++) {              /* |q| <= 128, |xq| <= 127: no 16-bit saturation */
                         __m256i xv = _mm256_set1_epi32(x4[p]);
-                        s = _mm256_add_epi32(s, _mm256_madd_epi16(
+                        s[p >> 2] = _mm256_add_epi32(s[p >> 2], _mm256_madd_epi16(
                             _mm256_maddubs_epi16(_mm256_sign_epi8(q[p], q[p]), _mm256_sign_epi8(xv, q[p])), ones));
                     }
-                    acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(_mm256_cvtepi32_ps(s),
-                                                                 _mm256_mul_ps(dv, _mm256_set1_ps(j->dx[mb]))));
+                    const __m256 dx = _mm256_set1_ps(j->dx[mb]);
+                    if (!halves) {                             /* the whole block's exact integer sum, one scale */
+                        acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s[0], s[1])),
+                                                                     _mm256_mul_ps(lo, dx)));
+                        continue;
+                    }
+                    acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(_mm256_cvtepi32_ps(s[0]), _mm256_mul_ps(lo, dx)));
+                    acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(_mm256_cvtepi32_ps(s[1]), _mm256_mul_ps(hi, dx)));
                 }
             }
             for (int c = 0; c < mc; c++) {
@@ -773,19 +782,24 @@ static void q8r_group256(const q4_job *j, int64_t g) {
 }
 #endif
 
-static void q8r_group_c(const q4_job *j, int64_t g) {
-    const int64_t nb = j->K / QB;
+static void q8r_group_c(const q4_job *j, int64_t g, int halves) {
+    const int64_t nb = j->K / QB, stride = halves ? 2 * Q4G : Q4G;
     for (int64_t m = 0; m < j->M; m++) {
         float acc[Q4G] = {0};
         for (int64_t b = 0; b < nb; b++) {
             const int8_t *wb = (const int8_t *)j->codes + (g * nb + b) * 512;
             const int8_t *xb = j->xq + m * j->K + b * QB;
-            const int64_t mb = m * nb + b;
+            const float *sb = j->scale + (g * nb + b) * stride, dx = j->dx[m * nb + b];
             for (int r = 0; r < Q4G; r++) {
-                int32_t s = 0;
+                int32_t s[2] = {0, 0};
                 for (int p = 0; p < 8; p++)
-                    for (int i = 0; i < 4; i++) s += (int32_t)wb[64 * p + 4 * r + i] * xb[4 * p + i];
-                acc[r] = acc[r] + (float)s * (j->scale[(g * nb + b) * Q4G + r] * j->dx[mb]);
+                    for (int i = 0; i < 4; i++) s[p >> 2] += (int32_t)wb[64 * p + 4 * r + i] * xb[4 * p + i];
+                if (!halves) {
+                    acc[r] = acc[r] + (float)(s[0] + s[1]) * (sb[r] * dx);
+                    continue;
+                }
+                acc[r] = acc[r] + (float)s[0] * (sb[r] * dx);
+                acc[r] = acc[r] + (float)s[1] * (sb[Q4G + r] * dx);
             }
         }
         q4_store(j->out, j->out_bf16, m * j->N + g * Q4G, acc, Q4G);
@@ -796,8 +810,8 @@ static void q8r_group_c(const q4_job *j, int64_t g) {
  * The codes laid out as the 8-bit head's (native.q8_rows_layout); `scale` [N / 16][nb][32] float32: for each
  * block the 16 rows' scales of inputs 0-15, then of inputs 16-31. Output (m, n), over the blocks in order:
  *   acc = acc + (float)(sum of q xq over inputs 0-15) * (s_lo dx);  acc = acc + (float)(sum over 16-31) * (s_hi dx)
- * Exact integer half-block sums (maddubs over |q| and xq signed by q, then madd, on 512 or 256 bits; plain C):
- * every path and row count gives the same bits. */
+ * Exact integer half-block sums (maddubs over |q| and xq signed by q, then madd: q8h_group512 below, and the 8-bit
+ * head's AVX2 and plain C loops above with `halves`): every path and row count gives the same bits. */
 #ifdef HAVE_512
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 static void q8h_group512(const q4_job *j, int64_t g) {
@@ -842,93 +856,30 @@ static void q8h_group512(const q4_job *j, int64_t g) {
 }
 #endif
 
-#ifdef __AVX2__
-static void q8h_group256(const q4_job *j, int64_t g) {
-    const int64_t nb = j->K / QB;
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int h = 0; h < 2; h++)
-        for (int64_t m0 = 0; m0 < j->M; m0 += 4) {
-            const int mc = j->M - m0 < 4 ? (int)(j->M - m0) : 4;
-            __m256 acc[4];
-            for (int c = 0; c < 4; c++) acc[c] = _mm256_setzero_ps();
-            for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *wb = j->codes + (g * nb + b) * 512 + 32 * h;
-                if (h == 0 && m0 == 0) _mm_prefetch((const char *)(wb + 512 * 4), _MM_HINT_T0);
-                __m256i q[8];
-                for (int p = 0; p < 8; p++) q[p] = _mm256_loadu_si256((const __m256i *)(wb + 64 * p));
-                const float *sb = j->scale + (g * nb + b) * 2 * Q4G + 8 * h;
-                const __m256 lo = _mm256_loadu_ps(sb), hi = _mm256_loadu_ps(sb + Q4G);
-                for (int c = 0; c < mc; c++) {
-                    const int64_t m = m0 + c, mb = m * nb + b;
-                    const int32_t *x4 = (const int32_t *)(j->xq + m * j->K + b * QB);
-                    __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-                    for (int p = 0; p < 8; p++) {              /* |q| <= 128, |xq| <= 127: no 16-bit saturation */
-                        __m256i xv = _mm256_set1_epi32(x4[p]);
-                        s[p >> 2] = _mm256_add_epi32(s[p >> 2], _mm256_madd_epi16(
-                            _mm256_maddubs_epi16(_mm256_sign_epi8(q[p], q[p]), _mm256_sign_epi8(xv, q[p])), ones));
-                    }
-                    const __m256 dx = _mm256_set1_ps(j->dx[mb]);
-                    acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(_mm256_cvtepi32_ps(s[0]), _mm256_mul_ps(lo, dx)));
-                    acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(_mm256_cvtepi32_ps(s[1]), _mm256_mul_ps(hi, dx)));
-                }
-            }
-            for (int c = 0; c < mc; c++) {
-                float a[8];
-                _mm256_storeu_ps(a, acc[c]);
-                q4_store(j->out, j->out_bf16, (m0 + c) * j->N + g * Q4G + 8 * h, a, 8);
-            }
-        }
-}
-#endif
-
-static void q8h_group_c(const q4_job *j, int64_t g) {
-    const int64_t nb = j->K / QB;
-    for (int64_t m = 0; m < j->M; m++) {
-        float acc[Q4G] = {0};
-        for (int64_t b = 0; b < nb; b++) {
-            const int8_t *wb = (const int8_t *)j->codes + (g * nb + b) * 512;
-            const int8_t *xb = j->xq + m * j->K + b * QB;
-            const float *sb = j->scale + (g * nb + b) * 2 * Q4G, dx = j->dx[m * nb + b];
-            for (int r = 0; r < Q4G; r++) {
-                int32_t s[2] = {0, 0};
-                for (int p = 0; p < 8; p++)
-                    for (int i = 0; i < 4; i++) s[p >> 2] += (int32_t)wb[64 * p + 4 * r + i] * xb[4 * p + i];
-                acc[r] = acc[r] + (float)s[0] * (sb[r] * dx);
-                acc[r] = acc[r] + (float)s[1] * (sb[Q4G + r] * dx);
-            }
-        }
-        q4_store(j->out, j->out_bf16, m * j->N + g * Q4G, acc, Q4G);
-    }
-}
-
 /* Groups [g0, g1) of 16 output rows from inputs quantized by specdec_q8_quantize, by `kind`: ROWS_Q4 the 4-bit
  * kernel, ROWS_Q8 the 8-bit head's, ROWS_Q8H 8-bit codes with half-block scales; out [M, N] bfloat16
  * (out_bf16) or float32; instructions up to `isa` (specdec_q8x8_isa). */
 enum { ROWS_Q4, ROWS_Q8, ROWS_Q8H };
 static void rows_matmul(int kind, const q4_job *j, int64_t g0, int64_t g1, int isa) {
     isa = specdec_q8x8_isa(isa);
+    const int halves = kind == ROWS_Q8H;
     for (int64_t g = g0; g < g1; g++) {
-        if (kind == ROWS_Q8H) {
 #ifdef HAVE_512
-            if (isa >= 2) { q8h_group512(j, g); continue; }
+        if (isa >= 2) { (kind == ROWS_Q4 ? q4_group512 : halves ? q8h_group512 : q8r_group512)(j, g); continue; }
 #endif
 #ifdef __AVX2__
-            if (isa >= 1) { q8h_group256(j, g); continue; }
-#endif
-            q8h_group_c(j, g);
+        if (isa >= 1) {
+            if (kind == ROWS_Q4) q4_group256(j, g);
+            else q8r_group256(j, g, halves);
             continue;
         }
-#ifdef HAVE_512
-        if (isa >= 2) { (kind == ROWS_Q8 ? q8r_group512 : q4_group512)(j, g); continue; }
 #endif
-#ifdef __AVX2__
-        if (isa >= 1) { (kind == ROWS_Q8 ? q8r_group256 : q4_group256)(j, g); continue; }
-#endif
-        (kind == ROWS_Q8 ? q8r_group_c : q4_group_c)(j, g);
+        if (kind == ROWS_Q4) q4_group_c(j, g);
+        else q8r_group_c(j, g, halves);
     }
 }
 
-/* The two kernels as entries of one signature (the layer loop splits their groups over torch's threads). */
+/* The kernels as entries of one signature (the layer loop splits their groups over torch's threads). */
 int specdec_q4_q8_matmul(const int8_t *xq, const float *dx, const float *sx, const int32_t *xs8, int64_t M,
                          int64_t K, const uint8_t *codes, const float *scale, const float *zero, int64_t N,
                          void *out, int out_bf16, int64_t g0, int64_t g1, int isa) {
