@@ -98,7 +98,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype, device: str | torch.device =
     """Build the decoder and fill it with the file's dequantized weights (in `dtype`).
 
     int4: also decode and verify through the file's own blocks where a fused linear layer is stored in
-    4-bit formats (Q4_0, Q4_1, Q4_K) or 8-bit codes (Q8_0, Q5_0, Q4_0) entirely (see `int4.py`); prefills
+    4-bit formats (Q4_0, Q4_1, Q4_K) or as 8-bit codes (Q8_0, Q5_0, Q4_0, Q6_K) entirely (see `int4.py`); prefills
     keep the dequantized weights.
     use_cache: read the weights from the packed-weight cache (`weight_cache.py`) when it holds this
     file in this form, else convert the file and store the result there."""

@@ -534,7 +534,7 @@ def q8_rows_layout(q: Tensor, d: Tensor) -> dict[str, Tensor]:
 @dataclass(frozen=True)
 class Q8Rows:
     """A linear of 8-bit codes with a scale per 32 inputs (Q8_0, Q5_0, Q4_0: an LM head, a model's layers, an
-    EAGLE-3 head's linears) in 16-row groups (`q8_rows_layout`) against inputs quantized to 8 bits: exact
+    EAGLE-3 head's linears) or per 16 (Q6_K layers: `kind` ROWS_Q8H) in 16-row groups (`q8_rows_layout`) against inputs quantized to 8 bits: exact
     integer block sums and one float sum per output in block order, so the same bits for any row count, thread
     count or instruction set; one block's codes serve up to 8 input rows, and the rows are split over torch's
     threads where the layer loop is built."""
