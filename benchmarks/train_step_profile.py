@@ -31,7 +31,7 @@ from specdec.train.magpie import read_shards
 def _phases(head: Eagle3Head, w_sub: torch.Tensor, batch: tuple, steps: int, opt, params,
             dtype: torch.dtype) -> dict[str, float]:
     """One training step, timed phase by phase (seconds)."""
-    toks, f, lens = batch
+    toks, f, lens, _ = batch
     t: dict[str, float] = {}
     H, W = head.cfg.dim, toks.shape[1] - 1
     j = torch.arange(W)

@@ -215,6 +215,63 @@ def test_served_agreement_counts_answer_positions_against_the_whole_vocabulary()
     assert served_agreement(head, none, seqs, feats, {"chat": [0, 1, 2]}, w.float(), 3, 64)["chat"] == [0.0] * 3
 
 
+def test_ttt_loss_temperature_sharpens_the_target_toward_its_argmax():
+    """Below temperature 1 the loss learns a sharpened target: at a small temperature it is the cross-entropy of
+    the target's argmax (the hard label); the agreement it reports does not depend on the temperature."""
+    from specdec.train.eagle3 import ttt_losses
+
+    target, head = _head(seed=5, vocab=97, ids=torch.arange(97))
+    toks = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(1))
+    feats = torch.stack([_target_features(target, t[None], head)[0] for t in toks]).float()
+    w = (target.output if target.output.numel() else target.embed).float()
+    lens = torch.full((2,), 16)
+    with torch.no_grad():
+        soft, accs = ttt_losses(head, toks, feats, lens, w, 1)
+        sharp, accs_sharp = ttt_losses(head, toks, feats, lens, w, 1, temperature=1e-4)
+        H = head.cfg.dim
+        label = (feats[:, 1:, :H] @ w.T).argmax(-1)                               # [B, W]
+        logq = torch.log_softmax(head.logits(next(iter(ttt_unroll(head, toks, feats, 1)))).float(), -1)
+        m = (torch.arange(15)[None] + 1 < lens[:, None]).float()
+        hard = (-logq.gather(-1, label[..., None])[..., 0] * m).sum() / m.sum()
+    assert accs_sharp == accs
+    assert float(sharp) == pytest.approx(float(hard), rel=1e-4)
+    assert abs(float(sharp) - float(soft)) > 1e-3
+
+
+def test_ttt_loss_weights_positions_by_whether_the_drafted_token_is_an_answer():
+    """answer_weight marks draft position j by the answer mask of window token j + 2 (prompt_weight elsewhere, and
+    past a row's end); a weight of 0 on prompt positions gives the loss of the answer positions alone, a weight of
+    1 everywhere the unweighted loss."""
+    from specdec.train.eagle3 import answer_weight, ttt_losses
+    from specdec.train.magpie import Row
+
+    rows = [Row(list(range(12)), [0] * 5 + [1] * 7, "chat", "a/0"), Row(list(range(6)), [0, 0, 1, 1, 1, 1], "qa", "a/1")]
+    w = answer_weight(rows, [0, 1], torch.tensor([2, 0]), 8, 0.25)
+    assert w.tolist() == [[0.25, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0.25, 0.25, 0.25]]
+
+    target, head = _head(seed=6, vocab=97, ids=torch.arange(97))
+    toks = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(2))
+    feats = torch.stack([_target_features(target, t[None], head)[0] for t in toks]).float()
+    wt = (target.output if target.output.numel() else target.embed).float()
+    lens = torch.full((2,), 16)
+    answer = torch.zeros(2, 15)
+    answer[0, 4:] = 1
+    answer[1, :6] = 1
+    with torch.no_grad():
+        plain, accs = ttt_losses(head, toks, feats, lens, wt, 1)
+        ones, accs1 = ttt_losses(head, toks, feats, lens, wt, 1, weight=torch.ones(2, 15))
+        only, accs0 = ttt_losses(head, toks, feats, lens, wt, 1, weight=answer)
+        H = head.cfg.dim
+        p = torch.softmax(feats[:, 1:, :H] @ wt.T, -1)
+        logq = torch.log_softmax(head.logits(next(iter(ttt_unroll(head, toks, feats, 1)))).float(), -1)
+        ce = -(p * logq).sum(-1)                                                   # [B, 15]
+        m = (torch.arange(15)[None] + 1 < lens[:, None]).float() * answer
+        expect = (ce * m).sum() / m.sum()
+    assert float(ones) == pytest.approx(float(plain), rel=1e-6) and accs1 == accs == accs0
+    assert float(only) == pytest.approx(float(expect), rel=1e-5)
+    assert abs(float(only) - float(plain)) > 1e-4
+
+
 class _EveryThirdStep:
     """A draft-length policy that drafts k tokens at every third step and none in between; `asked` keeps, per
     step, the drafts it asked for and the tokens per row of the head forwards the test saw in that step."""

@@ -35,6 +35,8 @@ def test_leak_check_catches_a_benchmark_prompt():
     (["train", "medusa", "--out", "x.safetensors", "--heads", "-1"], "--heads must be > 0"),
     (["train", "draft", "--out", "x.safetensors", "--max-rows", "-5"], "--max-rows must be >= 0"),
     (["train", "data", "--batch", "0"], "--batch must be > 0"),
+    (["train", "eagle3", "--out", "x.safetensors", "--target-temperature", "0"], "--target-temperature must be > 0"),
+    (["train", "eagle3", "--out", "x.safetensors", "--prompt-weight", "-1"], "--prompt-weight must be >= 0"),
 ])
 def test_train_cli_errors(argv, msg, capsys):
     assert main(argv) == 2

@@ -17,12 +17,14 @@ def _check_target(model: str) -> None:
 def _check_numbers(a: argparse.Namespace) -> None:
     """Sizes and budgets must be positive (max_rows 0 = all)."""
     for name in ("minutes", "vocab_size", "window", "batch", "lr", "max_seq", "heads", "max_prompts",
-                 "max_new_tokens", "shards", "rows", "steps", "report_minutes"):
+                 "max_new_tokens", "shards", "rows", "steps", "report_minutes", "target_temperature"):
         value = getattr(a, name, 1)
         if not value > 0:
             raise SpecdecError(f"--{name.replace('_', '-')} must be > 0, got {value}")
     if not 0 <= getattr(a, "greedy_fraction", 0) <= 1:
         raise SpecdecError(f"--greedy-fraction must be in [0, 1], got {a.greedy_fraction}")
+    if not getattr(a, "prompt_weight", 0) >= 0:
+        raise SpecdecError(f"--prompt-weight must be >= 0, got {a.prompt_weight}")
     if getattr(a, "max_rows", 0) < 0:
         raise SpecdecError(f"--max-rows must be >= 0 (0 = all), got {a.max_rows}")
 
@@ -93,7 +95,8 @@ def cmd_eagle3(a: argparse.Namespace) -> int:
         raise SpecdecError(f"--init: no such head file: {a.init}")
     opts = Eagle3Options(a.minutes, a.vocab_size, a.window, a.batch, a.lr, a.max_seq, a.steps, a.max_rows,
                          train_dtype=_train_dtype(a), report_minutes=a.report_minutes, init=a.init,
-                         mlp_width=a.mlp_width)
+                         mlp_width=a.mlp_width, target_temperature=a.target_temperature,
+                         prompt_weight=a.prompt_weight)
     data = magpie_dir(a.data, a.model)
     report = train_eagle3(a.model, data, Path(a.out), a.overwrite, opts, Path(a.features or data))
     print(json.dumps(report, indent=2))
@@ -218,6 +221,12 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
                     "head (default: a new head; --vocab-size is then the file's)")
     e3.add_argument("--mlp-width", type=int, default=0, metavar="N", help="the head's MLP width (default: the "
                     "target's, or --init's); wider than --init's head: widened computing the same function at first")
+    e3.add_argument("--target-temperature", type=float, default=1.0, metavar="T", help="learn the target's "
+                    "distribution at temperature T: 1 its own (what sampled drafts meet), below 1 sharpened toward "
+                    "its argmax (what greedy drafting is judged on)")
+    e3.add_argument("--prompt-weight", type=float, default=1.0, metavar="W", help="loss weight of the draft "
+                    "positions inside prompts (system prompt, template, question), which drafting never meets; "
+                    "answer positions weigh 1")
     e3.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     _dtype_option(e3)
     e3.set_defaults(func=cmd_eagle3)

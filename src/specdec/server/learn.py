@@ -162,7 +162,7 @@ class TrafficBuffer:
 
         seqs = list(self.seqs)
         idx = rng.choices(range(len(seqs)), weights=[len(t) for t, _ in seqs], k=n)
-        toks, f, lens = _windows([t for t, _ in seqs], [x for _, x in seqs], idx, window, rng)
+        toks, f, lens, _ = _windows([t for t, _ in seqs], [x for _, x in seqs], idx, window, rng)
         return toks, f.float(), lens
 
 

@@ -95,40 +95,58 @@ def ttt_unroll(head: Eagle3Head, toks: Tensor, feats: Tensor, steps: int) -> lis
 
 
 def ttt_losses(head: Eagle3Head, toks: Tensor, feats: Tensor, lens: Tensor, w_sub: Tensor,
-               steps: int) -> tuple[Tensor, list[float]]:
+               steps: int, temperature: float = 1.0, weight: Tensor | float = 1.0) -> tuple[Tensor, list[float]]:
     """toks [B, W], feats [B, W, H*(1+n)] (final hidden, then aux), lens [B] -> (loss, top-1 agreement
-    with the target per step: the greedy acceptance at draft position s+1 given the earlier ones)."""
+    with the target per step: the greedy acceptance at draft position s+1 given the earlier ones).
+
+    The loss is the cross-entropy from the target's distribution over the draft vocabulary at `temperature`
+    (1: the target's own; below 1 sharpened toward its argmax, what greedy drafting is judged on), averaged
+    with `weight` per draft position j ([B, W - 1], or one number for all); the agreement counts every
+    position alike."""
     H, W = head.cfg.dim, toks.shape[1] - 1
     j = torch.arange(W)
     valid = (j[None] + 1 < lens[:, None])                                     # p_{j+1} exists  [B, W]
     with torch.no_grad():
-        p = torch.softmax(feats[:, 1:, :H].float() @ w_sub.T, -1)              # [B, W, V'] target of x_{j+2}
+        p = torch.softmax(feats[:, 1:, :H].float() @ w_sub.T / temperature, -1)  # [B, W, V'] target of x_{j+2}
         p_arg = p.argmax(-1)
     loss, accs = torch.zeros(()), []
     for s, h in enumerate(ttt_unroll(head, toks, feats, steps)):
         logq = torch.log_softmax(head.logits(h).float(), -1)
         m = (valid & (j[None] >= s)).float()
         n = m.sum().clamp(min=1)
-        loss = loss + STEP_DECAY ** s * (-(p * logq).sum(-1) * m).sum() / n
+        mw = m * weight
+        loss = loss + STEP_DECAY ** s * (-(p * logq).sum(-1) * mw).sum() / mw.sum().clamp(min=1e-6)
         accs.append(float(((logq.argmax(-1) == p_arg).float() * m).sum() / n))
     return loss, accs
 
 
 def _windows(seqs: list[list[int]], feats: list[Tensor], idx: list[int], window: int,
-             rng: random.Random) -> tuple[Tensor, Tensor, Tensor]:
-    """tokens [B, W], features [B, W, F] (right-padded) and lengths [B] of random windows."""
+             rng: random.Random) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """tokens [B, W], features [B, W, F] (right-padded), lengths [B] and starts [B] of random windows."""
     W = min(window, max(len(seqs[i]) for i in idx))
     toks = torch.zeros(len(idx), W, dtype=torch.long)
     f = torch.zeros(len(idx), W, feats[idx[0]].shape[-1], dtype=torch.bfloat16)
     lens = torch.zeros(len(idx), dtype=torch.long)
+    starts = torch.zeros(len(idx), dtype=torch.long)
     for r, i in enumerate(idx):
         n = len(seqs[i])
         a = rng.randrange(0, max(1, n - W + 1))
         m = min(W, n - a)
         toks[r, :m] = torch.tensor(seqs[i][a:a + m])
         f[r, :m] = feats[i][a:a + m]
-        lens[r] = m
-    return toks, f, lens
+        lens[r], starts[r] = m, a
+    return toks, f, lens, starts
+
+
+def answer_weight(rows: list[Row], idx: list[int], starts: Tensor, W: int, prompt_weight: float) -> Tensor:
+    """Loss weight per draft position j of windows starting at `starts` [B] (W tokens each) -> [B, W - 1]:
+    1 where the drafted token (window position j + 2) is an answer token, `prompt_weight` where it is part
+    of the prompt (system prompt, template, question), which drafting never meets."""
+    out = torch.full((len(idx), W - 1), prompt_weight)
+    for r, (i, a) in enumerate(zip(idx, starts.tolist())):
+        seg = rows[i].answer_mask[a + 2:a + W + 1]
+        out[r, :len(seg)] = torch.where(torch.tensor(seg, dtype=torch.bool), 1.0, prompt_weight)
+    return out
 
 
 @torch.no_grad()
@@ -139,7 +157,7 @@ def validate(head: Eagle3Head, seqs, feats, by_cat: dict[str, list[int]], window
     for cat, idx in sorted(by_cat.items()):
         accs = []
         for i in range(0, len(idx), batch):
-            toks, f, lens = _windows(seqs, feats, idx[i:i + batch], window, random.Random(i))
+            toks, f, lens, _ = _windows(seqs, feats, idx[i:i + batch], window, random.Random(i))
             accs.append(ttt_losses(head, toks, f.float(), lens, w_sub, steps)[1])
         out[cat] = [round(sum(a[k] for a in accs) / len(accs), 4) for k in range(steps)]
     return out
@@ -229,6 +247,8 @@ class Eagle3Options:
     report_minutes: float = 10.0     # validation on a fixed sample, appended to OUT.curve.jsonl
     init: str = ""                   # a head (.safetensors) to continue from; "" = start from the target
     mlp_width: int = 0               # the head's MLP width (0: the target's; wider than `init`'s: widened in place)
+    target_temperature: float = 1.0  # the target distribution the head learns: softmax(logits / T)
+    prompt_weight: float = 1.0       # loss weight of draft positions inside prompts (answers: 1)
 
 
 class Curve:
@@ -331,8 +351,9 @@ def fit_eagle3(target: Transformer, name: str, rows: list[Row], out: Path, opts:
 
     def step_fn() -> tuple[Tensor, dict[str, str]]:
         idx = rng.sample(train_idx, min(opts.batch, len(train_idx)))
-        toks, f, lens = _windows(seqs, feats, idx, opts.window, rng)
-        loss, accs = ttt_losses(head, toks, f.float(), lens, w_sub, opts.steps)
+        toks, f, lens, starts = _windows(seqs, feats, idx, opts.window, rng)
+        weight = answer_weight(rows, idx, starts, toks.shape[1], opts.prompt_weight)
+        loss, accs = ttt_losses(head, toks, f.float(), lens, w_sub, opts.steps, opts.target_temperature, weight)
         ckpt.tokens += int((lens - 1).clamp(min=0).sum())
         return loss, {f"acc{k + 1}": f"{a:.2f}" for k, a in enumerate(accs)}
 
@@ -357,6 +378,7 @@ def fit_eagle3(target: Transformer, name: str, rows: list[Row], out: Path, opts:
               "tokens": sum(len(s) for s in seqs), "tokens_seen": ckpt.tokens, "steps": n_steps, "minutes": spent,
               "train_dtype": str(opts.train_dtype).removeprefix("torch."),
               "draft_vocab": cfg.draft_vocab, "aux_layers": list(cfg.aux_layers), "ttt_steps": opts.steps,
+              "target_temperature": opts.target_temperature, "prompt_weight": opts.prompt_weight,
               "validation_top1_agreement_per_position": final,
               "served_top1_agreement_per_position": served}
     curve.add(n_steps, ckpt.tokens, (time.time() - started) / 60, {c: final[c] for c in sorted(final)})
