@@ -879,30 +879,20 @@ static void rows_matmul(int kind, const q4_job *j, int64_t g0, int64_t g1, int i
     }
 }
 
-/* The kernels as entries of one signature (the layer loop splits their groups over torch's threads). */
-int specdec_q4_q8_matmul(const int8_t *xq, const float *dx, const float *sx, const int32_t *xs8, int64_t M,
-                         int64_t K, const uint8_t *codes, const float *scale, const float *zero, int64_t N,
-                         void *out, int out_bf16, int64_t g0, int64_t g1, int isa) {
-    const q4_job j = {xq, dx, sx, xs8, M, K, codes, scale, zero, N, out, out_bf16};
-    rows_matmul(ROWS_Q4, &j, g0, g1, isa);
-    return 0;
-}
-
-int specdec_q8r_q8_matmul(const int8_t *xq, const float *dx, const float *sx, const int32_t *xs8, int64_t M,
-                          int64_t K, const uint8_t *codes, const float *scale, const float *zero, int64_t N,
-                          void *out, int out_bf16, int64_t g0, int64_t g1, int isa) {
-    const q4_job j = {xq, dx, sx, xs8, M, K, codes, scale, zero, N, out, out_bf16};
-    rows_matmul(ROWS_Q8, &j, g0, g1, isa);
-    return 0;
-}
-
-int specdec_q8h_q8_matmul(const int8_t *xq, const float *dx, const float *sx, const int32_t *xs8, int64_t M,
-                          int64_t K, const uint8_t *codes, const float *scale, const float *zero, int64_t N,
-                          void *out, int out_bf16, int64_t g0, int64_t g1, int isa) {
-    const q4_job j = {xq, dx, sx, xs8, M, K, codes, scale, zero, N, out, out_bf16};
-    rows_matmul(ROWS_Q8H, &j, g0, g1, isa);
-    return 0;
-}
+/* The kernels as entries of one signature (the layer loop splits their groups over torch's threads): each takes
+ * xq, dx, sx, xs8 from specdec_q8_quantize, M, K, the weights (codes, scale, zero), N, out, out_bf16, the groups
+ * [g0, g1) and the instruction limit `isa`. */
+#define ROWS_ENTRY(name, kind)                                                                                    \
+    int name(const int8_t *xq, const float *dx, const float *sx, const int32_t *xs8, int64_t M, int64_t K,        \
+             const uint8_t *codes, const float *scale, const float *zero, int64_t N, void *out, int out_bf16,     \
+             int64_t g0, int64_t g1, int isa) {                                                                   \
+        const q4_job j = {xq, dx, sx, xs8, M, K, codes, scale, zero, N, out, out_bf16};                           \
+        rows_matmul(kind, &j, g0, g1, isa);                                                                       \
+        return 0;                                                                                                 \
+    }
+ROWS_ENTRY(specdec_q4_q8_matmul, ROWS_Q4)
+ROWS_ENTRY(specdec_q8r_q8_matmul, ROWS_Q8)
+ROWS_ENTRY(specdec_q8h_q8_matmul, ROWS_Q8H)
 
 /* One of them whole (`kind`: ROWS_Q4, ROWS_Q8, ROWS_Q8H), on one thread (where the layer loop is not built):
  * x [M, K] (bfloat16 or float32) -> out [M, N]. 0, or -1: out of memory. */

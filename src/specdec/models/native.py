@@ -417,7 +417,7 @@ class LayerLoop:
             for which, k in enumerate(ks):
                 if isinstance(k, Q4Linear):
                     keep += [k.codes, k.scale, k.zero]
-                    rc = lib.specdec_loop_rows(handle, i, which, _entry("specdec_q4_q8_matmul"), 4, k.codes.data_ptr(),
+                    rc = lib.specdec_loop_rows(handle, i, which, _entry(_ROWS_ENTRY[ROWS_Q4]), 4, k.codes.data_ptr(),
                                                k.scale.data_ptr(), k.zero.data_ptr(), *k.shape, k.isa, k.check.max_rows)
                 elif isinstance(k, Q8Rows):
                     keep += [k.codes, k.d]
