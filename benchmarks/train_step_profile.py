@@ -23,7 +23,8 @@ import torch
 from specdec.api import load_model
 from specdec.machine import probe
 from specdec.models.eagle3 import Eagle3Config, Eagle3Head
-from specdec.train.eagle3 import STEP_DECAY, _windows, extract_aux, ttt_unroll
+from specdec.train.eagle3 import STEP_DECAY, extract_aux, ttt_unroll
+from specdec.train.features import windows
 from specdec.train.features import vocab_subset
 from specdec.train.magpie import read_shards
 
@@ -91,7 +92,7 @@ def main() -> int:
     rng = random.Random(0)
     for dtype in (torch.float32, torch.bfloat16):
         opt = torch.optim.AdamW(params, lr=1e-4)
-        runs = [_phases(head, w_sub, _windows(sample, feats, rng.sample(range(len(sample)), 8), 128, rng),
+        runs = [_phases(head, w_sub, windows(sample, feats, rng.sample(range(len(sample)), 8), 128, rng, torch.bfloat16),
                         4, opt, params, dtype) for _ in range(a.steps)]
         med = {name: statistics.median(r[name] for r in runs[1:]) for name in runs[0]}
         total = sum(med.values())

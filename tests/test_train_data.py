@@ -48,3 +48,24 @@ def test_train_refuses_to_overwrite(tmp_path, capsys):
     out.write_bytes(b"x")
     assert main(["train", "eagle", "--out", str(out)]) == 2
     assert "--overwrite" in capsys.readouterr().err
+
+
+def test_training_windows_are_aligned_slices_of_tokens_and_features():
+    import random
+
+    import torch
+
+    from specdec.train.features import windows
+
+    seqs = [list(range(10, 30)), list(range(100, 105))]                       # 20 and 5 tokens
+    feats = [torch.arange(len(s) * 3, dtype=torch.bfloat16).view(len(s), 3) + 1 for s in seqs]
+    toks, f, lens, starts = windows(seqs, feats, [0, 1], 8, random.Random(5), torch.bfloat16)
+    assert toks.shape == (2, 8) and f.shape == (2, 8, 3) and f.dtype == torch.bfloat16
+    assert lens.tolist() == [8, 5] and starts[1] == 0                        # a short sequence: all of it, padded
+    for r, i in enumerate([0, 1]):
+        a, m = int(starts[r]), int(lens[r])
+        assert toks[r, :m].tolist() == seqs[i][a:a + m]
+        assert torch.equal(f[r, :m], feats[i][a:a + m])
+        assert not f[r, m:].any() and not toks[r, m:].any()
+    again = windows(seqs, feats, [0, 1], 8, random.Random(5))                # the same rng: the same windows
+    assert torch.equal(again[0], toks) and again[1].dtype == torch.float32 and torch.equal(again[1], f.float())

@@ -158,12 +158,12 @@ class TrafficBuffer:
     def windows(self, n: int, window: int, rng: random.Random) -> tuple[Tensor, Tensor, Tensor]:
         """n random windows (sequences drawn by length): tokens [n, W], features [n, W, F] (float32,
         right-padded), lengths [n]."""
-        from ..train.eagle3 import _windows
+        from ..train.features import windows as cut
 
         seqs = list(self.seqs)
         idx = rng.choices(range(len(seqs)), weights=[len(t) for t, _ in seqs], k=n)
-        toks, f, lens, _ = _windows([t for t, _ in seqs], [x for _, x in seqs], idx, window, rng)
-        return toks, f.float(), lens
+        toks, f, lens, _ = cut([t for t, _ in seqs], [x for _, x in seqs], idx, window, rng)
+        return toks, f, lens
 
 
 # ---- measuring -----------------------------------------------------------------------------

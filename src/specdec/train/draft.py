@@ -15,24 +15,8 @@ import torch
 
 from ..errors import SpecdecError
 from ..models.distilled import DistilledDraft
-from .features import begin, training_set, vocab_subset
+from .features import begin, training_set, vocab_subset, windows
 from .loop import Checkpoint, train_loop
-
-
-def _windows(seqs: list[list[int]], feats: list[torch.Tensor], idx: list[int], window: int,
-             rng: random.Random) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """tokens [B, W], target features [B, W, H] (right-padded) and lengths [B] of random windows."""
-    W = min(window, max(len(seqs[i]) for i in idx))
-    toks = torch.zeros(len(idx), W, dtype=torch.long)
-    f = torch.zeros(len(idx), W, feats[idx[0]].shape[-1])
-    lens = torch.zeros(len(idx), dtype=torch.long)
-    for r, i in enumerate(idx):
-        start = rng.randrange(0, max(1, len(seqs[i]) - W + 1))
-        m = min(W, len(seqs[i]) - start)
-        toks[r, :m] = torch.tensor(seqs[i][start:start + m])
-        f[r, :m] = feats[i][start:start + m].float()
-        lens[r] = m
-    return toks, f, lens
 
 
 def draft_losses(draft: DistilledDraft, toks: torch.Tensor, f: torch.Tensor, lens: torch.Tensor,
@@ -70,14 +54,14 @@ def train_draft(model: str, data: Path, out: Path, minutes: float, layers: list[
 
     def step_fn() -> tuple[torch.Tensor, dict[str, str]]:
         idx = rng.sample(train_idx, min(batch, len(train_idx)))
-        loss, agree = draft_losses(draft, *_windows(seqs, feats, idx, window, rng), w_sub)
+        loss, agree = draft_losses(draft, *windows(seqs, feats, idx, window, rng)[:3], w_sub)
         return loss, {"agree": f"{agree:.2f}"}
 
     ckpt = Checkpoint(out, draft, opt)
     steps, spent_min = train_loop("train draft", params, opt, lr, minutes, ckpt, step_fn, dtype=train_dtype)
     draft.eval()
     with torch.no_grad():
-        agrees = [draft_losses(draft, *_windows(seqs, feats, eval_idx[i:i + batch], window, random.Random(1)),
+        agrees = [draft_losses(draft, *windows(seqs, feats, eval_idx[i:i + batch], window, random.Random(1))[:3],
                                w_sub)[1] for i in range(0, len(eval_idx), batch)]
     report = {"target": name, "layers": layers, "sequences": len(seqs), "tokens": sum(len(s) for s in seqs),
               "steps": steps, "minutes": spent_min, "vocab_size": len(ids),

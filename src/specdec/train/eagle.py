@@ -14,25 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from ..models.eagle import EagleHead
-from .features import begin, training_set, vocab_subset
+from .features import begin, training_set, vocab_subset, windows
 from .loop import Checkpoint, train_loop
-
-
-def _windows(seqs, feats, idx, window, rng):
-    """A batch of aligned windows: tokens [B, W], features [B, W, H] (right-padded) and lengths."""
-    B = len(idx)
-    W = min(window, max(len(seqs[i]) for i in idx))
-    toks = torch.zeros(B, W, dtype=torch.long)
-    f = torch.zeros(B, W, feats[idx[0]].shape[-1])
-    lens = torch.zeros(B, dtype=torch.long)
-    for r, i in enumerate(idx):
-        n = len(seqs[i])
-        start = rng.randrange(0, max(1, n - W + 1))
-        m = min(W, n - start)
-        toks[r, :m] = torch.tensor(seqs[i][start:start + m])
-        f[r, :m] = feats[i][start:start + m].float()
-        lens[r] = m
-    return toks, f, lens
 
 
 def head_losses(head: EagleHead, toks, f, lens, w_sub, unroll: int = 2):
@@ -77,7 +60,7 @@ def train_eagle(model: str, data: Path, out: Path, minutes: float, vocab_size: i
 
     def step_fn() -> tuple[torch.Tensor, dict[str, str]]:
         idx = rng.sample(train_idx, min(batch, len(train_idx)))
-        loss, accs = head_losses(head, *_windows(seqs, feats, idx, window, rng), w_sub)
+        loss, accs = head_losses(head, *windows(seqs, feats, idx, window, rng)[:3], w_sub)
         return loss, {"acc1": f"{accs[0]:.2f}", "acc2": f"{accs[1]:.2f}"}
 
     params = [p for p in head.parameters() if p.requires_grad]
@@ -88,7 +71,7 @@ def train_eagle(model: str, data: Path, out: Path, minutes: float, vocab_size: i
     with torch.no_grad():
         accs_all = []
         for i in range(0, len(eval_idx), batch):
-            toks, f, lens = _windows(seqs, feats, eval_idx[i:i + batch], window, random.Random(1))
+            toks, f, lens, _ = windows(seqs, feats, eval_idx[i:i + batch], window, random.Random(1))
             accs_all.append(head_losses(head, toks, f, lens, w_sub)[1])
     acc = [sum(a[k] for a in accs_all) / len(accs_all) for k in range(2)]
     report = {"target": name, "sequences": len(seqs), "tokens": sum(len(s) for s in seqs), "steps": steps,

@@ -25,7 +25,7 @@ from ..errors import SpecdecError
 from ..models.decoder import Transformer
 from ..models.eagle import read_weights
 from ..models.eagle3 import Eagle3Config, Eagle3Head
-from .features import begin, vocab_subset
+from .features import begin, vocab_subset, windows
 from .loop import Checkpoint, autocast, train_loop
 from .magpie import Row, read_shards
 
@@ -120,24 +120,6 @@ def ttt_losses(head: Eagle3Head, toks: Tensor, feats: Tensor, lens: Tensor, w_su
     return loss, accs
 
 
-def _windows(seqs: list[list[int]], feats: list[Tensor], idx: list[int], window: int,
-             rng: random.Random) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """tokens [B, W], features [B, W, F] (right-padded), lengths [B] and starts [B] of random windows."""
-    W = min(window, max(len(seqs[i]) for i in idx))
-    toks = torch.zeros(len(idx), W, dtype=torch.long)
-    f = torch.zeros(len(idx), W, feats[idx[0]].shape[-1], dtype=torch.bfloat16)
-    lens = torch.zeros(len(idx), dtype=torch.long)
-    starts = torch.zeros(len(idx), dtype=torch.long)
-    for r, i in enumerate(idx):
-        n = len(seqs[i])
-        a = rng.randrange(0, max(1, n - W + 1))
-        m = min(W, n - a)
-        toks[r, :m] = torch.tensor(seqs[i][a:a + m])
-        f[r, :m] = feats[i][a:a + m]
-        lens[r], starts[r] = m, a
-    return toks, f, lens, starts
-
-
 def answer_weight(rows: list[Row], idx: list[int], starts: Tensor, W: int, prompt_weight: float) -> Tensor:
     """Loss weight per draft position j of windows starting at `starts` [B] (W tokens each) -> [B, W - 1]:
     1 where the drafted token (window position j + 2) is an answer token, `prompt_weight` where it is part
@@ -157,7 +139,7 @@ def validate(head: Eagle3Head, seqs, feats, by_cat: dict[str, list[int]], window
     for cat, idx in sorted(by_cat.items()):
         accs = []
         for i in range(0, len(idx), batch):
-            toks, f, lens, _ = _windows(seqs, feats, idx[i:i + batch], window, random.Random(i))
+            toks, f, lens, _ = windows(seqs, feats, idx[i:i + batch], window, random.Random(i), torch.bfloat16)
             accs.append(ttt_losses(head, toks, f.float(), lens, w_sub, steps)[1])
         out[cat] = [round(sum(a[k] for a in accs) / len(accs), 4) for k in range(steps)]
     return out
@@ -351,7 +333,7 @@ def fit_eagle3(target: Transformer, name: str, rows: list[Row], out: Path, opts:
 
     def step_fn() -> tuple[Tensor, dict[str, str]]:
         idx = rng.sample(train_idx, min(opts.batch, len(train_idx)))
-        toks, f, lens, starts = _windows(seqs, feats, idx, opts.window, rng)
+        toks, f, lens, starts = windows(seqs, feats, idx, opts.window, rng, torch.bfloat16)
         weight = answer_weight(rows, idx, starts, toks.shape[1], opts.prompt_weight)
         loss, accs = ttt_losses(head, toks, f.float(), lens, w_sub, opts.steps, opts.target_temperature, weight)
         ckpt.tokens += int((lens - 1).clamp(min=0).sum())

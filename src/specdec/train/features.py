@@ -32,6 +32,26 @@ def extract(target: Transformer, seqs: list[list[int]], batch: int = 8, desc: st
     return out
 
 
+def windows(seqs: list[list[int]], feats: list[Tensor], idx: list[int], window: int, rng: random.Random,
+            dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Random aligned windows of the sequences `idx` names (one rng.randrange per sequence, in order): tokens
+    [B, W], their target features [B, W, F] in `dtype` (right-padded with zeros), lengths [B] and start
+    offsets [B]; W = min(window, the longest sequence)."""
+    W = min(window, max(len(seqs[i]) for i in idx))
+    toks = torch.zeros(len(idx), W, dtype=torch.long)
+    f = torch.zeros(len(idx), W, feats[idx[0]].shape[-1], dtype=dtype)
+    lens = torch.zeros(len(idx), dtype=torch.long)
+    starts = torch.zeros(len(idx), dtype=torch.long)
+    for r, i in enumerate(idx):
+        n = len(seqs[i])
+        a = rng.randrange(0, max(1, n - W + 1))
+        m = min(W, n - a)
+        toks[r, :m] = torch.tensor(seqs[i][a:a + m])
+        f[r, :m] = feats[i][a:a + m]
+        lens[r], starts[r] = m, a
+    return toks, f, lens, starts
+
+
 def begin(model: str, out: Path, overwrite: bool, seed: int) -> tuple[Transformer, str, random.Random]:
     """The common start of a training run: refuse to overwrite `out` (unless a checkpoint beside it says the run
     resumes: runs refresh `out` while they train), seed, load the target (dtype auto)."""
