@@ -113,7 +113,11 @@ def test_health_and_models(server, client):
     rt = health["runtime"]                                       # the machine, dtype and self-check are named
     assert rt["cpu"] and rt["dtype"] in ("float32", "bfloat16", "q4") and rt["self_check"]["passed"]
     assert [m.id for m in client.models.list().data] == [MODEL]
+    before = metric(server.metrics(), "specdec:requests_total", '{endpoint="/v1/models",status="200"}')
     assert client.models.retrieve(MODEL).id == MODEL
+    assert metric(server.metrics(), "specdec:requests_total", '{endpoint="/v1/models",status="200"}') == before + 1
+    head = requests.head(server.url + "/health", timeout=5)                 # monitors that probe with HEAD
+    assert head.status_code == 200 and not head.content
 
 
 def test_completion_greedy_equals_offline(gen, client):
@@ -172,6 +176,8 @@ def test_stop_and_seeded_sampling(gen, client):
     want = offline(gen, PROMPT, 16, chat=False, stop=["."])
     got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=".")
     assert got.choices[0].text == want.text and "." not in got.choices[0].text
+    plain = offline(gen, PROMPT, 16, chat=False, method="none", stop=["."])   # one token per step
+    assert got.usage.completion_tokens == len(want.tokens) == len(plain.tokens)   # not the step's later tokens
     sampled = offline(gen, PROMPT, 16, chat=False, temperature=0.9, top_p=0.95, seed=7)
     for _ in range(2):
         got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0.9, top_p=0.95,
@@ -279,6 +285,26 @@ def test_disconnect_mid_stream_frees_the_slot(single):
     assert metric(single.metrics(), "specdec:generation_tokens_total") < 200
 
 
+def test_a_non_streaming_client_that_goes_away_frees_the_slot(single):
+    """A running (not waiting) request whose client closes its connection is cancelled within about a second,
+    though its tokens keep coming: the disconnect is checked every POLL_SECONDS however busy the request is."""
+    before = single.metrics()
+    gone = metric(before, "specdec:requests_total", '{endpoint="/v1/completions",status="499"}')
+    tokens = metric(before, "specdec:generation_tokens_total")
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(single.url + "/v1/completions", timeout=1.0, json={
+            "prompt": "Count from one to one hundred: one, two,", "max_tokens": 200, "temperature": 0})
+    deadline = time.monotonic() + 20
+    while metric(single.metrics(), "specdec:num_requests_running") != 0:
+        assert time.monotonic() < deadline, "the departed client's request still holds its slot"
+        time.sleep(0.1)
+    text = single.metrics()
+    assert metric(text, "specdec:requests_total", '{endpoint="/v1/completions",status="499"}') == gone + 1
+    assert metric(text, "specdec:generation_tokens_total") - tokens < 200
+    got = single.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+    assert got.usage.completion_tokens == 4
+
+
 def test_a_full_engine_pool_answers_429_then_evicts_an_idle_engine(gen):
     """--max-engines 2: the default engine and one more. While a suffix stream keeps the second engine busy,
     a request naming yet another (method, K) gets a 429 naming the loaded engines and the flag; once the
@@ -295,6 +321,7 @@ def test_a_full_engine_pool_answers_429_then_evicts_an_idle_engine(gen):
             client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, extra_body=other)
         message = full.value.body["message"]
         assert full.value.status_code == 429 and "\n" not in message
+        assert full.value.body["code"] == "rate_limit_exceeded"
         assert "ngram with K=2" in message and "ngram K=4, suffix K=4" in message and "--max-engines" in message
         assert full.value.response.headers["retry-after"] == "1"
         got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
@@ -466,6 +493,15 @@ BAD = [  # (what, path, body, status, param)
      {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 99}, 400, "max_completion_tokens"),
     ("two unsupported fields", "/v1/completions", {"prompt": "hi", "zz": 1, "frobnicate": 2}, 400, "frobnicate"),
     ("unknown model and a bad field", "/v1/completions", {"model": "gpt-4", "prompt": 5}, 404, "model"),
+    # a lone surrogate ("\\ud800" is valid JSON, not Unicode): a 400, never a tokenizer's or encoder's 500
+    ("lone surrogate in content", "/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]},
+     400, None),
+    ("lone surrogate in a prompt", "/v1/completions", {"prompt": "hi \udc00"}, 400, None),
+    ("lone surrogate in a stop", "/v1/completions", {"prompt": "hi", "stop": ["a", "\ud800"]}, 400, None),
+    ("lone surrogate in the model", "/v1/completions", {"model": "\ud800", "prompt": "hi"}, 404, "model"),
+    ("lone surrogate in a field name", "/v1/completions", {"prompt": "hi", "\ud800": 1}, 400, None),
+    ("lone surrogate in a prediction", "/v1/completions",
+     {"prompt": "hi", "prediction": {"type": "content", "content": [{"type": "text", "text": "\ud800"}]}}, 400, None),
 ]
 
 
@@ -490,6 +526,10 @@ def test_wrong_types_name_the_field_and_what_it_must_be(server):
         assert post(server.url, body).json()["error"]["message"] == message
     chat = post(server.url, {"messages": [{"role": "user", "content": 5}]}, "/v1/chat/completions")
     assert chat.json()["error"]["message"] == "messages[0].content must be a string or a list of text parts, got 5"
+    odd = post(server.url, {"messages": [{"role": "user", "content": "a \ud800"}]}, "/v1/chat/completions")
+    assert odd.json()["error"]["message"] == "messages[0].content holds a lone surrogate (\\ud800-\\udfff): not valid Unicode"
+    role = post(server.url, {"messages": [{"role": "\ud800", "content": "hi"}]}, "/v1/chat/completions")
+    assert role.status_code == 400 and "messages[0].role holds a lone surrogate" in role.json()["error"]["message"]
 
 
 def test_null_means_absent(gen, client):

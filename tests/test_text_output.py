@@ -10,6 +10,7 @@ from specdec.detokenize import IncrementalDetokenizer
 from specdec.engine import Engine, Request
 from specdec.draft_length import make_policy
 from specdec.proposers.base import NoProposer
+from specdec.proposers.draft_model import DraftModelProposer
 from specdec.text_output import TextOutput, find_stop, stop_prefix_length
 
 from helpers import tiny_model
@@ -103,7 +104,7 @@ def feed_text(pieces_of_text: list[str], stops: tuple[str, ...]) -> tuple[list[s
     out = TextOutput(byte_decode, stops)
     emitted = []
     for i, piece in enumerate(pieces_of_text):
-        emitted.append(out.feed(list(piece.encode()), final=i == len(pieces_of_text) - 1))
+        emitted.append(out.feed(list(piece.encode()), final=i == len(pieces_of_text) - 1)[0])
         if out.stopped:
             break
     return emitted, out
@@ -136,9 +137,12 @@ class ByteTokenizerEngine:
     """An engine over a 256-token tiny model whose tokens are bytes."""
 
     @staticmethod
-    def run(prompt: list[int], stop: tuple[str, ...], max_new: int = 60) -> tuple[str, list[int], str]:
+    def run(prompt: list[int], stop: tuple[str, ...], max_new: int = 60, draft: bool = False,
+            ) -> tuple[str, list[int], str]:
+        """draft: speculate with the target itself as the draft (K = 4, every draft accepted)."""
         target = tiny_model(seed=3, vocab=256)
-        eng = Engine(target, NoProposer(), make_policy("fixed", 1), byte_decode, frozenset())
+        proposer = DraftModelProposer(target) if draft else NoProposer()
+        eng = Engine(target, proposer, make_policy("fixed", 4 if draft else 1), byte_decode, frozenset())
         eng.allocate(1, len(prompt) + max_new + 8)
         seq = eng.add(Request(prompt, max_new, stop=stop))
         pieces = []
@@ -155,3 +159,24 @@ def test_engine_text_equals_full_decode_and_cuts_at_a_stop_string():
     stop = next(text[i:i + 2] for i in range(5, len(text)) if "\ufffd" not in text[i:i + 2])
     cut, _, reason = ByteTokenizerEngine.run(prompt, (stop,))
     assert reason == "stop" and cut == text[:text.find(stop)]
+
+
+def test_feed_reports_the_token_that_completes_a_stop_string():
+    out = TextOutput(byte_decode, ("STOP",))
+    text, used = out.feed(list(b"Hi STOP and more"), final=False)
+    assert (text, used) == ("Hi ", 7) and out.stopped
+    out = TextOutput(byte_decode, ("STOP",))
+    assert out.feed(list(b"no stop here"), final=True) == ("no stop here", 12)
+
+
+def test_a_stop_string_ends_speculation_at_plain_decodings_token():
+    """Several tokens committed in one step: those after the stop string's last token are dropped, so the
+    tokens (and the completion count) equal plain decoding's."""
+    prompt = list(b"The engine")
+    text, tokens, _ = ByteTokenizerEngine.run(prompt, ())
+    for i in (5, 9, 14):
+        stop = next(text[j:j + 2] for j in range(i, len(text)) if "\ufffd" not in text[j:j + 2])
+        plain = ByteTokenizerEngine.run(prompt, (stop,))
+        spec = ByteTokenizerEngine.run(prompt, (stop,), draft=True)
+        assert spec == plain and plain[2] == "stop"
+        assert byte_decode(plain[1]).find(stop) == len(byte_decode(plain[1])) - len(stop)

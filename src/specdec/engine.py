@@ -393,13 +393,21 @@ class Engine:
 
     def _emit(self, s: SequenceState) -> str:
         """The text of the tokens committed since the last call (an EOS that ended `s` shows none); partial
-        characters and possible stop-string beginnings are held back until `s` ends."""
-        new = s.tokens[s.read:]
+        characters and possible stop-string beginnings are held back until `s` ends. A stop string ends `s`
+        at the token that completes it: tokens the same step committed after it are dropped (and not
+        counted), so the tokens and their count do not depend on how many tokens a step commits."""
+        start = s.read
+        new = s.tokens[start:]
         s.read = len(s.tokens)
         if new and new[-1] in self.eos_ids:
             new = new[:-1]
-        piece = s.output.feed(new, final=s.done)
+        piece, used = s.output.feed(new, final=s.done)
         if s.output.stopped:
             s.finish_reason = "stop"
+            cut = len(s.tokens) - (start + used)
+            if cut:
+                del s.tokens[start + used:]
+                s.counters.new_tokens -= cut
+                s.read = len(s.tokens)
         s.text += piece
         return piece

@@ -41,8 +41,21 @@ class TextOutput:
         self.held = ""                 # decoded, not emitted: it may begin a stop string
         self.stopped = False           # a stop string was found: the text ends before it
 
-    def feed(self, ids: list[int], final: bool) -> str:
-        """The text to emit for the new tokens `ids`; `final`: the sequence ends with them (nothing held)."""
+    def feed(self, ids: list[int], final: bool) -> tuple[str, int]:
+        """The text to emit for the new tokens `ids` (`final`: the sequence ends with them, nothing held) and
+        how many of them it used: all, or those up to the one whose text completes a stop string. Tokens are
+        read one at a time, so the output ends at the same token however many a step committed (plain
+        decoding commits one per step, speculation several)."""
+        pieces = []
+        for n, token in enumerate(ids, 1):
+            pieces.append(self._feed([token], final and n == len(ids)))
+            if self.stopped:
+                return "".join(pieces), n
+        if not ids:
+            pieces.append(self._feed([], final))
+        return "".join(pieces), len(ids)
+
+    def _feed(self, ids: list[int], final: bool) -> str:
         new = self.detokenizer.push(ids)
         if final:
             new += self.detokenizer.flush()

@@ -40,7 +40,7 @@ from .scheduler import (Done, EnginePool, Event, Failed, Job, QueueFull, Schedul
                         TextPiece)
 
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
-POLL_SECONDS = 0.5                      # how often a waiting non-streaming request checks for a disconnect
+POLL_SECONDS = 0.5                      # how often a non-streaming request checks for a disconnect
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ class ApiError(Exception):
 
 
 class ClientGone(Exception):
-    """The client disconnected while its request was waiting."""
+    """The client disconnected while its request waited or ran."""
 
 
 def error_type(status: int) -> str:
@@ -129,6 +129,10 @@ def error_type(status: int) -> str:
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error object; a message quoting a lone surrogate of the request shows it escaped (UTF-8 has none)."""
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    if code is None and status == 429:
+        code = "rate_limit_exceeded"
     return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
 
 
@@ -191,8 +195,6 @@ def speculation(value: Speculative | None, state: ServerState) -> SpecChoice:
     method = value.method or state.default.method
     if method == "none":
         return SpecChoice("none", 0)
-    if method == "draft" and "draft" not in state.drafts:
-        raise bad("this server has no draft model (start it with --draft-model)", "speculative")
     k = value.num_draft_tokens or state.default.num_draft_tokens or state.generator.num_draft_tokens
     if k > state.max_draft_tokens:
         raise bad(f"speculative.num_draft_tokens must be <= {state.max_draft_tokens}, got {k}", "speculative")
@@ -404,17 +406,29 @@ def sse(obj: dict | str) -> str:
 # ---- the app -------------------------------------------------------------------------------
 def endpoint_label(request: HttpRequest) -> str:
     path = request.url.path
+    if path.startswith("/v1/models/"):
+        return "/v1/models"
     return path if path in ENDPOINTS else "other"
 
 
-async def next_event(job: Job, request: HttpRequest) -> Event:
-    """The job's next event, watching for a client disconnect while waiting."""
-    while True:
-        try:
-            return await asyncio.wait_for(job.events.get(), POLL_SECONDS)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                raise ClientGone() from None
+class Watch:
+    """A request's client, checked for a disconnect at most every POLL_SECONDS while its job's events are
+    awaited, however often they come (a running request's tokens come faster than that)."""
+
+    def __init__(self, request: HttpRequest) -> None:
+        self.request, self.checked = request, time.monotonic()
+
+    async def next_event(self, job: Job) -> Event:
+        """The job's next event; ClientGone once the client has gone away."""
+        while True:
+            if time.monotonic() - self.checked >= POLL_SECONDS:
+                self.checked = time.monotonic()
+                if await self.request.is_disconnected():
+                    raise ClientGone()
+            try:
+                return await asyncio.wait_for(job.events.get(), POLL_SECONDS)
+            except asyncio.TimeoutError:
+                continue
 
 
 class Routes:
@@ -441,6 +455,11 @@ class Routes:
         except SpecdecError as e:
             raise bad(str(e)) from None
 
+    async def parsed(self, parse: Callable[[Any, ServerState], Parsed], body: CommonRequest) -> Parsed:
+        """`user_input` in a worker thread: tokenizing a long prompt (the tokenizer releases the GIL) does not
+        hold up the event loop, which sends the running streams' tokens."""
+        return await asyncio.to_thread(self.user_input, parse, body)
+
     def model_card(self) -> dict:
         return {"id": self.state.model_name, "object": "model", "created": self.state.created, "owned_by": "specdec"}
 
@@ -454,8 +473,9 @@ class Routes:
         except QueueFull as e:
             raise ApiError(429, str(e), None, "rate_limit_exceeded") from None
         out = Responder(chat, self.state.model_name, parsed.include_usage)
+        watch = Watch(request)
         try:
-            first = await next_event(job, request)
+            first = await watch.next_event(job)
             if isinstance(first, Failed):
                 raise ApiError(first.status, first.message)
             if parsed.stream:
@@ -463,7 +483,7 @@ class Routes:
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             event = first
             while not isinstance(event, Done):
-                event = await next_event(job, request)
+                event = await watch.next_event(job)
                 if isinstance(event, Failed):
                     raise ApiError(event.status, event.message)
         except ClientGone:
@@ -552,6 +572,7 @@ def add_routes(app: FastAPI, routes: Routes) -> None:
     """/health, /metrics, /v1/models, /v1/completions, /v1/chat/completions."""
     state = routes.state
 
+    @app.head("/health", include_in_schema=False)          # monitors that probe with HEAD
     @app.get("/health")
     async def health(request: HttpRequest) -> Response:
         if not state.scheduler.alive:
@@ -580,9 +601,9 @@ def add_routes(app: FastAPI, routes: Routes) -> None:
 
     @app.post("/v1/completions")
     async def completions(request: HttpRequest, body: CompletionRequest, tenant: str = Depends(authorized)) -> Response:
-        return await routes.run(request, routes.user_input(parse_completion, body), False, tenant)
+        return await routes.run(request, await routes.parsed(parse_completion, body), False, tenant)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: HttpRequest, body: ChatCompletionRequest,
                                tenant: str = Depends(authorized)) -> Response:
-        return await routes.run(request, routes.user_input(parse_chat, body), True, tenant)
+        return await routes.run(request, await routes.parsed(parse_chat, body), True, tenant)

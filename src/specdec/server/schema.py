@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Callable, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, GetPydanticSchema, ValidationInfo
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, GetPydanticSchema, ValidationInfo, model_validator
 from pydantic_core import PydanticCustomError
 
 from ..api import METHODS
@@ -20,6 +20,7 @@ from ..api import METHODS
 MAX_STOP = 4
 ROLES = ("system", "user", "assistant", "developer")
 UNSUPPORTED = "unsupported_parameter"       # the error type (and OpenAI error code) of a neutral-only field
+SURROGATE = "lone_surrogate"                # the error type of a string that is not valid Unicode
 
 
 def one_of(expected: str) -> GetPydanticSchema:
@@ -81,8 +82,30 @@ class Message(Body):
     content: Content
 
 
+def surrogate_paths(value: Any, path: str = "") -> list[str]:
+    """The paths of the strings in a JSON value (keys included) that hold a lone surrogate (U+D800-U+DFFF):
+    valid JSON (\\ud800), but not Unicode, so no tokenizer or UTF-8 encoder takes them."""
+    if isinstance(value, str):
+        return [path or "body"] if any("\ud800" <= c <= "\udfff" for c in value) else []
+    if isinstance(value, dict):
+        return [p for k, v in value.items()
+                for p in surrogate_paths(k, path or "body") + surrogate_paths(v, f"{path}.{k}" if path else str(k))]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in surrogate_paths(v, f"{path}[{i}]")]
+    return []
+
+
 class CommonRequest(Body):
     """The fields both endpoints share."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def valid_unicode(cls, data: Any) -> Any:
+        bad = surrogate_paths(data)
+        if bad:
+            raise PydanticCustomError(SURROGATE, "{path} holds a lone surrogate (\\ud800-\\udfff): not valid Unicode",
+                                      {"path": bad[0].encode("utf-8", "backslashreplace").decode()})
+        return data
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     stream: bool | None = None
@@ -135,6 +158,9 @@ def shown(value: Any, limit: int = 60) -> str:
     """A value as JSON, cut to `limit` characters (an error message stays one short line)."""
     try:
         text = json.dumps(value, ensure_ascii=False)
+        text.encode("utf-8")
+    except UnicodeEncodeError:                                  # a lone surrogate: escaped as JSON writes it
+        text = json.dumps(value)
     except (TypeError, ValueError):
         text = repr(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
@@ -152,6 +178,8 @@ def describe(error: dict) -> tuple[str, str | None, str | None]:
     """One pydantic error of a request body (loc starting with "body") -> (message, param, code)."""
     loc = tuple(error["loc"])[1:] if tuple(error["loc"])[:1] == ("body",) else tuple(error["loc"])
     kind, value, ctx = error["type"], error.get("input"), error.get("ctx") or {}
+    if kind == SURROGATE:
+        return error["msg"], None, None
     if kind == "json_invalid":
         return f"the request body is not valid JSON: {ctx.get('error', error['msg'])}", None, None
     if not loc or not isinstance(loc[0], str):
