@@ -13,11 +13,13 @@ import pytest
 
 import specdec
 from specdec.cli import build_parser, main
+from specdec.errors import SpecdecError
 
 # runs `main(argv)` in a fresh interpreter; prints its exit code and whether torch got imported
 RUNNER = """
 import json, sys
 from specdec.cli import build_parser, main
+from specdec.errors import SpecdecError
 try:
     code = main(json.loads(sys.argv[1]))
 except SystemExit as e:
@@ -178,13 +180,34 @@ def test_prompt_file_dash_reads_standard_input(monkeypatch):
     def fake_load(*args, **kw):
         raise Stop
 
-    monkeypatch.setattr(sys, "stdin", io.StringIO("a prompt from a pipe"))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("a prompt from a pipe".encode())))
     monkeypatch.setattr(cli, "read_text", lambda path, what, read=cli.read_text: seen.setdefault(what, read(path, what)))
     monkeypatch.setattr(specdec, "load", fake_load)
     with pytest.raises(Stop):
         main(["generate", "--prompt-file", "-"])
     assert seen == {"prompt": "a prompt from a pipe"}
     assert main(["generate", "--prompt-file", "-", "--prediction-file", "-"]) == 2
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Hello \xff world")))     # not UTF-8: one line
+    with pytest.raises(SpecdecError, match="the prompt on standard input is not UTF-8 text"):
+        cli.read_text("-", "prompt")
+
+
+def test_a_reader_that_closes_early_is_a_quiet_exit(monkeypatch, capsys):
+    import specdec.cli as cli
+
+    def closed(argv):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(cli, "run", closed)
+    assert main(["generate", "--prompt", "hi"]) == 141
+    assert capsys.readouterr().err == ""
+
+
+def test_unknown_flags_point_to_the_commands_help(capsys):
+    assert main(["generate", "--prompt", "hi", "--bogus"]) == 2
+    assert "unrecognized arguments: --bogus (see specdec generate --help)" in capsys.readouterr().err
+    assert main(["--bogus"]) == 2
+    assert "(see specdec --help)" in capsys.readouterr().err
 
 
 def test_exported_files_get_the_umask_mode(tmp_path):

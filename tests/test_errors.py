@@ -33,6 +33,15 @@ def test_corrupt_gguf(tmp_path):
         open_gguf(bad)
 
 
+def test_a_directory_or_another_file_is_no_gguf(tmp_path):
+    with pytest.raises(SpecdecError, match="is a directory, not a GGUF file"):
+        resolve(str(tmp_path))
+    text = tmp_path / "notes.gguf"
+    text.write_text("hello")
+    with pytest.raises(SpecdecError, match="not a GGUF file: .*notes.gguf .it does not begin with the GGUF magic"):
+        load_gguf(text, dtype=__import__("torch").float32)                 # refused before it is hashed
+
+
 def test_unsupported_architecture(tmp_path):
     import gguf
 
@@ -139,6 +148,32 @@ def test_bad_draft_settings():
     with pytest.raises(SpecdecError, match="need a draft model"):
         make_proposer("draft", target, None, None, "float32", "cpu")
     assert isinstance(make_proposer("draft", target, None, tiny_model(layers=1), "float32", "cpu"), DraftModelProposer)
+
+
+def test_text_that_is_no_unicode_and_a_bad_chat_setting():
+    gen = tiny_generator(tiny_model())
+    for kw, what in [(dict(prompt="1 2 \udcff"), "prompt"), (dict(prompt="1 2", stop=["\ud800"]), "stop string"),
+                     (dict(prompt="1 2", prediction="3 \ud800"), "prediction")]:
+        with pytest.raises(SpecdecError, match=f"the {what} is not valid UTF-8 text"):
+            gen.generate(max_new_tokens=2, **kw)
+    for chat in (None, "yes", 1):
+        with pytest.raises(SpecdecError, match='chat must be True, False or "auto"'):
+            gen.generate("1 2", max_new_tokens=2, chat=chat)
+
+
+def test_load_checks_types_before_loading():
+    with pytest.raises(SpecdecError, match='tree must be a TreeShape or "TOPKxBUDGET"'):
+        specdec.load("smollm2-135m", method="eagle", tree=5)
+    with pytest.raises(SpecdecError, match="draft_model must be a name, a path or a loaded model, got int"):
+        specdec.load("smollm2-135m", method="draft", draft_model=123)
+
+
+def test_export_into_an_unusable_directory_is_one_line(tmp_path):
+    from specdec.export import _write
+
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(SpecdecError, match="cannot use .* as the output directory"):
+        _write(tmp_path / "f", {}, {}, False)
 
 
 def test_load_rejects_unknown_method_before_loading():

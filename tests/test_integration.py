@@ -105,6 +105,8 @@ def test_gemma3_cached_greedy_equals_reference():
     ids = tok.encode("The three primary colors are", chat=False)
     gen = Generator(model, tok, NoProposer())
     assert gen.generate(ids, max_new_tokens=12).tokens == reference_greedy(model, ids, 12, tok.eos_ids)
+    text = gen.generate("The three primary colors are", max_new_tokens=4)        # chat "auto": no template here
+    assert text.tokens == gen.generate(ids, max_new_tokens=4).tokens and text.prompt_tokens == len(ids)
 
 
 def test_a_draft_with_another_tokenizer_is_lossless():

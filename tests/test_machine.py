@@ -180,8 +180,9 @@ def test_info_names_machine_dtype_and_self_check():
     out = _cli(["info", "--json"], {})
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
-    assert info["machine"]["cpu"] and info["self_check"]["passed"]
-    assert info["dtype"] == ("q4" if probe().int4_kernel else "bfloat16" if probe().native_bf16 else "float32")
+    rt = info["runtime"]                                   # the object `generate --json` and /health carry
+    assert info["machine"]["cpu"] and rt["self_check"]["passed"] and rt["cpu"]
+    assert rt["dtype"] == ("q4" if probe().int4_kernel else "bfloat16" if probe().native_bf16 else "float32")
 
 
 @pytest.mark.integration

@@ -6,7 +6,7 @@ import math
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence as Seq
+from typing import TYPE_CHECKING, Callable, Iterator, Literal, Sequence as Seq
 
 import torch
 
@@ -58,6 +58,16 @@ class Result:
     metrics: dict
     finish_reason: str              # "stop" (EOS or stop string) or "length"
     prompt_tokens: int
+
+
+def unicode_text(text: str, what: str) -> str:
+    """`text`, refused where it holds a lone surrogate (undecodable bytes of a command line, "\\ud800" of JSON):
+    no tokenizer takes it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise SpecdecError(f"the {what} is not valid UTF-8 text (it holds undecodable bytes or a lone surrogate)") from None
+    return text
 
 
 def parse_dtype(dtype: str) -> str:
@@ -189,7 +199,7 @@ class Generator:
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise SpecdecError("empty prompt")
-            return self.tokenizer.encode(prompt, chat)
+            return self.tokenizer.encode(unicode_text(prompt, "prompt"), chat)
         ids = list(prompt)
         if not ids:
             raise SpecdecError("empty prompt")
@@ -201,6 +211,7 @@ class Generator:
         """The token ids of a predicted output (checked: a string that fits the context)."""
         if not isinstance(prediction, str):
             raise SpecdecError(f"prediction must be a string (the expected output), got {type(prediction).__name__}")
+        unicode_text(prediction, "prediction")
         ids = tuple(self.tokenizer.backend.encode(prediction, add_special_tokens=False).ids) if prediction else ()
         if len(ids) > self.target.max_seq_len:
             raise SpecdecError(f"prediction of {len(ids)} tokens is longer than the context "
@@ -234,7 +245,7 @@ class Generator:
             raise SpecdecError(f"stop must be a string or a list of strings (() for none), got {type(stop).__name__}")
         if any(not isinstance(s, str) or not s for s in stop):
             raise SpecdecError("stop strings must be non-empty strings")
-        return tuple(stop)
+        return tuple(unicode_text(s, "stop string") for s in stop)
 
     def _requests(self, prompts: list[Prompt], max_new_tokens: int, params: list[SamplingParams],
                   stop: Seq[str], chat: bool, truncate: bool, predictions: list[str]) -> list[Request]:
@@ -268,8 +279,11 @@ class Generator:
         return eng
 
     def _run(self, prompts: list[Prompt], single: bool, max_new_tokens: int, params: list[SamplingParams],
-             stop: Seq[str], chat: bool, truncate: bool,
+             stop: Seq[str], chat: bool | Literal["auto"], truncate: bool,
              prediction: str | Seq[str]) -> Iterator[tuple[int, str, Engine, list]]:
+        if chat not in (True, False, "auto") or not isinstance(chat, (bool, str)):
+            raise SpecdecError(f'chat must be True, False or "auto", got {chat!r}')
+        chat = self.tokenizer.has_chat_template if chat == "auto" else chat
         reqs = self._requests(prompts, max_new_tokens, params, stop, chat, truncate,
                               self._predictions(prediction, len(prompts), single))
         slots = max(len(r.prompt) for r in reqs) + max_new_tokens + scratch_slots(self.num_draft_tokens)
@@ -284,18 +298,23 @@ class Generator:
     # ---- public -----------------------------------------------------------------------
     def generate(self, prompt: Prompt | list[Prompt], max_new_tokens: int = 128, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop: Seq[str] = (),
-                 chat: bool = True, truncate: bool = False, prediction: str | Seq[str] = "") -> Result | list[Result]:
+                 chat: bool | Literal["auto"] = "auto", truncate: bool = False,
+                 prediction: str | Seq[str] = "") -> Result | list[Result]:
         """One prompt (text or token ids) -> Result; a list of prompts -> list of Results.
 
         `stop`: a string or a list of strings (() for none; None is refused).
+        `chat`: wrap a text prompt in the model's chat template; "auto" (the default): where it has one.
         `prediction`: the output you expect (e.g. the text being edited), a string; for a list of prompts a
         list of strings, one per prompt. It is drafted from wherever it matches, for any method, `none`
         included; the output is still exactly the target's.
 
         A single prompt is sampled with `seed`; prompt i of a list with derive_seed(seed, i), so
         equal prompts in one list get different samples. The sampled output of a prompt depends on
-        its seed only: not on the rest of the batch, nor, for point-mass methods (all but `draft` and
-        `self`, which sample their drafts), on the draft length or policy: it equals method `none`'s."""
+        its seed only: not on the rest of the batch, nor, for methods that draft point masses, on the draft
+        length or policy: it equals method `none`'s. Methods that sample their drafts (`draft` and `self`, and
+        the EAGLE chains of eagle, eagle3 and hybrid at temperatures where `sample_drafts` is on) are exact in
+        distribution, but their output for a seed depends on the draft length: it repeats only with the `fixed`
+        draft policy (`auto` picks lengths from timings)."""
         prompts, single = self._prompts(prompt)
         params = SamplingParams(temperature, top_k, top_p, seed)
         per_prompt = [params] if single else [replace(params, seed=derive_seed(seed, i)) for i in range(len(prompts))]
@@ -306,7 +325,7 @@ class Generator:
         return results[0] if single else results
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-               top_k: int = 0, seed: int = 0, stop: Seq[str] = (), chat: bool = True,
+               top_k: int = 0, seed: int = 0, stop: Seq[str] = (), chat: bool | Literal["auto"] = "auto",
                truncate: bool = False, prediction: str = "") -> Iterator[str]:
         """Yield text pieces as tokens are committed. `last_result` holds the Result afterwards."""
         if not _one_prompt(prompt):
@@ -552,7 +571,7 @@ def shipped(model: str, kind: str) -> Path:
     name = SHIPPED.get((model, kind))
     if name is None or not (WEIGHTS_DIR / name).is_file():
         raise SpecdecError(f"no shipped {kind} weights for {model!r}; train them with `specdec train {kind} --model {model}` "
-                           f"and pass the file as draft_model=PATH (--draft-model)")
+                           f"and pass the file as draft_model=PATH (--draft-model; for export: --weights)")
     return WEIGHTS_DIR / name
 
 
@@ -616,6 +635,10 @@ def load(model: str | Path = DEFAULT_MODEL, method: str = names.AUTO_METHOD, dty
     if draft_model is not None and method in names.DRAFTLESS:
         raise SpecdecError(f"method {method!r} drafts from the context and takes no draft_model (--draft-model); "
                            "use method 'draft' for a draft model")
+    if not isinstance(draft_model, (str, Path, torch.nn.Module, type(None))):
+        raise SpecdecError(f"draft_model must be a name, a path or a loaded model, got {type(draft_model).__name__}")
+    if not isinstance(tree, (str, TreeShape)):
+        raise SpecdecError(f'tree must be a TreeShape or "TOPKxBUDGET" (e.g. "4x16"), got {type(tree).__name__}')
     make_policy(draft_policy, num_draft_tokens)
     tree = TreeShape.parse(tree) if isinstance(tree, str) else tree
     if tree != TreeShape() and method not in ("eagle", "eagle3"):
@@ -625,5 +648,6 @@ def load(model: str | Path = DEFAULT_MODEL, method: str = names.AUTO_METHOD, dty
     target, tok, name = load_model(str(model), dtype, device)
     if method == names.AUTO_METHOD:
         method = best_method(target)
-    proposer = make_proposer(method, target, tok, draft_model, dtype, device, tree, sample_drafts)
+    proposer = make_proposer(method, target, tok, str(draft_model) if isinstance(draft_model, Path) else draft_model,
+                             dtype, device, tree, sample_drafts)
     return Generator(target, tok, proposer, draft_policy, num_draft_tokens, name)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -127,7 +128,8 @@ def cmd_info(a: argparse.Namespace) -> int:
     cache = cache_dir()
     cache_mb = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file()) / 2**20 if cache.is_dir() else 0.0
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024              # Linux: KiB
-    info = {"model": name, "machine": m.as_dict(), **runtime_info(target),
+    rt = runtime_info(target)                              # the object `generate --json` and /health carry too
+    info = {"model": name, "machine": m.as_dict(), "runtime": rt,
             "load_seconds": round(load_s, 2), "cache": {"path": str(cache), "megabytes": round(cache_mb, 1)},
             "peak_rss_megabytes": round(peak_mb, 1)}
     if a.json:
@@ -136,14 +138,14 @@ def cmd_info(a: argparse.Namespace) -> int:
     feats = [f for f, on in (("AVX2", m.avx2), ("AVX-512", m.avx512), ("AVX-512-BF16", m.avx512_bf16),
                              ("AMX", m.amx), ("AVX-NE-CONVERT", m.avx_ne_convert)) if on]
     check = target.self_check
-    rows = [("cpu", f"{m.cpu} ({m.arch}, {m.threads} threads)"),
+    rows = [("cpu", f"{m.cpu} ({m.arch}, {m.threads} thread{'s' if m.threads != 1 else ''})"),
             ("instruction sets", ", ".join(feats) or "none of AVX2/AVX-512"),
             ("torch kernels", m.torch_capability + (f" (limited by SPECDEC_ISA={m.isa_limit})" if m.isa_limit else "")),
             ("oneDNN bfloat16", "yes" + (" (native)" if m.native_bf16 else " (emulated)") if m.onednn_bf16 else "no"),
             ("int4 kernel", "yes" if m.int4_kernel else "no"),
-            ("model", name), ("dtype", info["dtype"] + (f" (chosen by {a.dtype})" if a.dtype == "auto" else "")),
-            ("linear kernels", info["kernels"]), ("attention", info["attention"]),
-            ("layer loop", info["layers"]),
+            ("model", name), ("dtype", rt["dtype"] + (f" (chosen by {a.dtype})" if a.dtype == "auto" else "")),
+            ("linear kernels", rt["kernels"]), ("attention", rt["attention"]),
+            ("layer loop", rt["layers"]),
             ("self-check", check.summary()),
             ("load", f"{load_s:.2f} s (this start; the first on a machine converts weights and checks kernels)"),
             ("cache", f"{cache_mb:.0f} MB in {cache} ($SPECDEC_CACHE)"),
@@ -157,8 +159,13 @@ def cmd_info(a: argparse.Namespace) -> int:
 def read_text(path: str, what: str) -> str:
     """The text of file `path` ("-": standard input)."""
     if path == "-":
-        return sys.stdin.read()
+        try:
+            return sys.stdin.buffer.read().decode("utf-8")
+        except UnicodeDecodeError:
+            raise SpecdecError(f"the {what} on standard input is not UTF-8 text") from None
     f = Path(path)
+    if f.is_dir():
+        raise SpecdecError(f"{what} file is a directory: {f}")
     if not f.is_file():
         raise SpecdecError(f"{what} file not found: {f}")
     try:
@@ -224,6 +231,7 @@ class SpecdecParser(argparse.ArgumentParser):
     """specdec's parsers: a usage error is a SpecdecError (one line, exit 2, see main); `commands` names the
     top-level parser's subcommands."""
     commands: tuple[str, ...] = ()
+    subparsers: dict[str, "SpecdecParser"] = {}
 
     def error(self, message: str) -> None:          # argparse: print the usage, exit 2
         raise SpecdecError(f"{message} (see {self.prog} --help)")
@@ -253,7 +261,10 @@ def build_parser() -> SpecdecParser:
     g.add_argument("--top-p", type=number_in(0.0, 1.0, low_open=True), default=1.0,
                    help="nucleus sampling: keep the most likely tokens up to this probability mass, 1 = off")
     g.add_argument("--top-k", type=int_in(0), default=0, help="keep the K most likely tokens, 0 = off")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="sampling seed (temperature > 0): the same seed, the same text; for methods that sample "
+                        "their drafts (draft, self; eagle, eagle3, hybrid where --sample-drafts samples) only under "
+                        "--draft-policy fixed")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable) (default: none)")
     g.add_argument("--truncate", action="store_true", help="keep the end of a prompt that is too long for the context")
     g.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
@@ -276,6 +287,7 @@ def build_parser() -> SpecdecParser:
             continue
         mod.register(sub, fmt)
     ap.commands = tuple(sub.choices)
+    ap.subparsers = dict(sub.choices)
     return ap
 
 
@@ -302,7 +314,9 @@ def run(argv: list[str]) -> int:
         log.setLevel(logging.INFO)
     ap = build_parser()
     check_command(ap, argv)
-    a = ap.parse_args(argv)
+    a, extra = ap.parse_known_args(argv)
+    if extra:                                                # named by the command's parser: its --help lists them
+        ap.subparsers.get(a.command, ap).error(f"unrecognized arguments: {' '.join(extra)}")
     if a.command is None:
         ap.print_help(sys.stderr)
         return 2
@@ -310,7 +324,8 @@ def run(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The `specdec` entry point: bad input is one line and exit 2, Ctrl-C one line and exit 130."""
+    """The `specdec` entry point: bad input is one line and exit 2, Ctrl-C one line and exit 130, a reader that
+    closes the output early (`specdec generate ... | head`) a quiet exit 141 (as a process killed by SIGPIPE)."""
     try:
         return run(sys.argv[1:] if argv is None else argv)
     except SpecdecError as e:
@@ -319,6 +334,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("specdec: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # nothing left to flush at exit
+        except (OSError, ValueError):                                      # stdout is no file (captured)
+            pass
+        return 141
 
 
 if __name__ == "__main__":

@@ -31,7 +31,10 @@ MEDUSA_ARCH = "MedusaModel"
 def _write(out: Path, config: dict, tensors: dict[str, Tensor], overwrite: bool) -> Path:
     from safetensors.torch import save
 
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:                                # a file in the way, no permission, a missing mount...
+        raise SpecdecError(f"cannot use {out} as the output directory: {e.strerror or e}") from None
     for name in ("config.json", "model.safetensors"):
         if (out / name).exists() and not overwrite:
             raise SpecdecError(f"{out / name} exists; pass --overwrite to replace it")
@@ -44,8 +47,11 @@ def _write(out: Path, config: dict, tensors: dict[str, Tensor], overwrite: bool)
 def _write_whole(path: Path, data: bytes) -> None:
     """`data` to `path`, whole or not at all (a temporary file renamed), in the umask's usual mode (0644 typically)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise SpecdecError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 def eagle3_config(head: Eagle3Head, fmt: str, dtype: str = "bfloat16") -> dict:

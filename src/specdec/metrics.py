@@ -51,7 +51,7 @@ class Counters:
             "new_tokens": self.new_tokens,
             "target_forwards": self.target_forwards,
             "tau": self.new_tokens / self.target_forwards if self.target_forwards else 0.0,
-            "acceptance_rate": (self.accepted / self.drafted if self.drafted else 0.0) if speculative else None,
+            "acceptance_rate": self.accepted / self.drafted if speculative and self.drafted else None,  # 0/0: null
             "acceptance_per_position": [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)],
             "tokens_per_second": self.new_tokens / self.wall_seconds if self.wall_seconds > 0 else 0.0,
             "wall_seconds": self.wall_seconds,

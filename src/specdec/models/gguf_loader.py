@@ -32,13 +32,23 @@ class Weights:
     q8: dict[tuple[int, str], dict[str, torch.Tensor]]  # linears of 8-bit codes (`int4.Blocks8`) in `native.q8_rows_layout`
 
 
+def check_gguf(path: Path) -> None:
+    """A clear error where `path` is missing, a directory or not a GGUF file (its first 4 bytes are not the magic)."""
+    if path.is_dir():
+        raise SpecdecError(f"{path} is a directory, not a GGUF file")
+    if not path.is_file():
+        raise SpecdecError(f"GGUF file not found: {path}")
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise SpecdecError(f"not a GGUF file: {path} (it does not begin with the GGUF magic bytes)")
+
+
 def open_gguf(path: str | Path):
     """A `gguf.GGUFReader`, or a clear error for a missing or corrupt file."""
     import gguf
 
     p = Path(path)
-    if not p.is_file():
-        raise SpecdecError(f"GGUF file not found: {p}")
+    check_gguf(p)
     try:
         return gguf.GGUFReader(p)
     except Exception as e:  # the reader raises many kinds on garbage
@@ -105,8 +115,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype, device: str | torch.device =
     from . import weight_cache
 
     path = Path(path)
-    if not path.is_file():
-        raise SpecdecError(f"GGUF file not found: {path}")
+    check_gguf(path)                                  # before hashing it for the cache (a wrong file may be big)
     where = weight_cache.entry(path, dtype, int4) if use_cache else None
     weights = weight_cache.read(where) if where is not None else None
     if weights is None:

@@ -84,6 +84,8 @@ def resolve(name_or_path: str) -> tuple[str, Path]:
         return name_or_path, MODELS[name_or_path].locate()
     p = Path(name_or_path).expanduser()
     if p.suffix == ".gguf" or p.exists():
+        if p.is_dir():
+            raise SpecdecError(f"{p} is a directory, not a GGUF file")
         if not p.is_file():
             raise SpecdecError(f"GGUF file not found: {p}")
         return p.stem, p
