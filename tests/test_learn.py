@@ -188,6 +188,27 @@ def test_a_checkpoint_of_another_target_is_refused_at_start(target, head_file, t
         state_for(other, head_file, LearnConfig(enabled=True, checkpoint=str(head_file), train_dtype="float32"))
 
 
+def test_a_checkpoint_that_does_not_fit_or_cannot_be_written_is_refused_at_start(target, head_file, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    meta = safe_open(str(head_file), "pt").metadata()
+    sd = load_file(str(head_file))
+    misshapen = tmp_path / "misshapen.safetensors"
+    save_file({**sd, "fc.weight": sd["fc.weight"][:, :7].contiguous()}, str(misshapen), meta)
+    outside = tmp_path / "outside.safetensors"
+    save_file({**sd, "vocab_ids": sd["vocab_ids"] + 1000}, str(outside), meta)
+    (tmp_path / "a-file").write_text("x")
+    for path, message in [(misshapen, "does not fit an EAGLE-3 head: RuntimeError: .*size mismatch"),
+                          (outside, "vocabulary ids leave the target's vocabulary"),
+                          (tmp_path, "is a directory; give a file path"),
+                          (tmp_path / "a-file" / "head.safetensors", "cannot write the --learn-checkpoint")]:
+        with pytest.raises(SpecdecError, match=message):
+            state_for(target, head_file, LearnConfig(enabled=True, checkpoint=str(path), train_dtype="float32"))
+    with pytest.raises(SpecdecError, match="does not fit an EAGLE-3 head"):             # also as a --draft-model
+        Eagle3Head.load(misshapen, target)
+
+
 def test_the_buffer_keeps_the_most_recent_tokens():
     buf = TrafficBuffer(10)
     for n in (4, 4, 4):

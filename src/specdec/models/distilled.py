@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from ..cache import KVCache
 from ..errors import SpecdecError
 from .decoder import Transformer, materialize, linear
-from .eagle import read_weights, target_fingerprint, write_weights
+from .eagle import fitting, read_weights, target_fingerprint, write_weights
 
 
 class DistilledDraft(nn.Module):
@@ -110,9 +110,10 @@ class DistilledDraft(nn.Module):
     @staticmethod
     def load(path: Path, target: Transformer) -> "DistilledDraft":
         sd, meta = read_weights(path, "draft", target)
-        layers = [int(i) for i in meta["layers"].split(",")]
-        draft = DistilledDraft(target, sd.pop("vocab_ids").long(), layers)
-        missing, unexpected = draft.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
+        with fitting(path, "a distilled draft"):
+            layers = [int(i) for i in meta["layers"].split(",")]
+            draft = DistilledDraft(target, sd.pop("vocab_ids").long(), layers)
+            missing, unexpected = draft.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
         if unexpected or [m for m in missing if m not in ("vocab_ids", "core.embed")]:
             raise SpecdecError(f"{path} does not fit a distilled draft: missing {missing}, unexpected {unexpected}")
         return draft.prepare(target.dtype)

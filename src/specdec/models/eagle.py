@@ -8,6 +8,8 @@ into draft logits. Token embeddings and LM-head rows are the target's, frozen.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -100,8 +102,9 @@ class EagleHead(nn.Module):
     @staticmethod
     def load(path: Path, target: Transformer) -> "EagleHead":
         sd, meta = read_weights(path, "eagle", target)
-        head = EagleHead(target, sd.pop("vocab_ids").long(), int(meta["n_layers"]))
-        missing, unexpected = head.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
+        with fitting(path, "an EAGLE head"):
+            head = EagleHead(target, sd.pop("vocab_ids").long(), int(meta["n_layers"]))
+            missing, unexpected = head.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
         if unexpected or [m for m in missing if m != "vocab_ids" and not m.endswith("output")]:
             raise SpecdecError(f"{path} does not fit an EAGLE head: missing {missing}, unexpected {unexpected}")
         return head.prepare(target.dtype)
@@ -125,6 +128,8 @@ def read_weights(path: Path, kind: str, target: Transformer) -> tuple[dict[str, 
     from safetensors import safe_open
 
     p = Path(path)
+    if p.is_dir():
+        raise SpecdecError(f"{p} is a directory, not a weights file")
     if not p.is_file():
         raise SpecdecError(f"weights not found: {p}")
     try:
@@ -139,4 +144,20 @@ def read_weights(path: Path, kind: str, target: Transformer) -> tuple[dict[str, 
     if meta.get("target") != want:
         raise SpecdecError(f"{p} was trained for another target ({meta.get('target')}, "
                            f"this target is {want}); train one with `specdec train {kind}`")
+    ids = sd.get("vocab_ids")
+    if ids is not None and ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < target.vocab_size):
+        raise SpecdecError(f"{p}: its vocabulary ids leave the target's vocabulary of {target.vocab_size}")
     return sd, meta
+
+
+@contextmanager
+def fitting(source: Path | str, what: str) -> Iterator[None]:
+    """Building `what` from the tensors of `source`: shapes or a configuration that do not fit are one
+    SpecdecError line (not a RuntimeError from deep in torch)."""
+    try:
+        yield
+    except SpecdecError:
+        raise
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
+        last = (str(e).strip().splitlines() or [""])[-1].strip()[:200]
+        raise SpecdecError(f"{source} does not fit {what}: {type(e).__name__}: {last}") from None

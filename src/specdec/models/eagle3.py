@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from ..cache import KVCache
 from ..errors import SpecdecError
 from .decoder import Transformer, apply_rope, rope_tables
-from .eagle import read_weights, target_fingerprint, write_weights
+from .eagle import fitting, read_weights, target_fingerprint, write_weights
 from . import native
 from .kernels import Kernel, fastest, linear, pack, packed_linear_available
 
@@ -232,15 +232,17 @@ class Eagle3Head(nn.Module):
     @staticmethod
     def load(path: Path, target: Transformer) -> "Eagle3Head":
         sd, meta = read_weights(path, "eagle3", target)
-        raw = json.loads(meta["config"])
-        cfg = Eagle3Config(**{**raw, "aux_layers": tuple(raw["aux_layers"])})
+        with fitting(path, "an EAGLE-3 head"):
+            raw = json.loads(meta["config"])
+            cfg = Eagle3Config(**{**raw, "aux_layers": tuple(raw["aux_layers"])})
         return Eagle3Head.from_state(target, cfg, sd, str(path))
 
     @staticmethod
     def from_state(target: Transformer, cfg: Eagle3Config, sd: dict[str, Tensor], source: str) -> "Eagle3Head":
         """A ready head from tensors in our names (vocab_ids among them)."""
-        head = Eagle3Head(target, cfg, sd.pop("vocab_ids").long())
-        missing, unexpected = head.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
+        with fitting(source, "an EAGLE-3 head"):
+            head = Eagle3Head(target, cfg, sd.pop("vocab_ids").long())
+            missing, unexpected = head.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
         if unexpected or [m for m in missing if m != "vocab_ids"]:
             raise SpecdecError(f"{source} does not fit an EAGLE-3 head: missing {missing}, unexpected {unexpected}")
         return head.prepare(target.dtype)

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from ..cache import KVCache
 from ..errors import SpecdecError
 from .decoder import Transformer, truncated
-from .eagle import read_weights, target_fingerprint, write_weights
+from .eagle import fitting, read_weights, target_fingerprint, write_weights
 from .kernels import linear, pack, packed_linear_available
 
 
@@ -112,8 +112,8 @@ class EarlyExitDraft(nn.Module):
         sd, meta = read_weights(path, "exit", target)
         if set(sd) != {"scale", "proj", "vocab_ids"}:
             raise SpecdecError(f"{path} does not hold an early exit (tensors {sorted(sd)})")
-        d = EarlyExitDraft(target, int(meta["n_layers"]), sd["vocab_ids"].long())
-        with torch.no_grad():
+        with fitting(path, "an early exit"), torch.no_grad():
+            d = EarlyExitDraft(target, int(meta["n_layers"]), sd["vocab_ids"].long())
             d.scale.copy_(sd["scale"].float())
             d.proj.copy_(sd["proj"].float())
         return d.prepare(target.dtype)

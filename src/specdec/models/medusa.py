@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from ..errors import SpecdecError
 from .decoder import Transformer
-from .eagle import read_weights, target_fingerprint, write_weights
+from .eagle import fitting, read_weights, target_fingerprint, write_weights
 
 
 class MedusaHeads(nn.Module):
@@ -59,8 +59,8 @@ class MedusaHeads(nn.Module):
         sd, _ = read_weights(path, "medusa", target)
         if set(sd) != {"w", "b", "vocab_ids"}:
             raise SpecdecError(f"{path} does not hold Medusa heads (tensors {sorted(sd)})")
-        heads = MedusaHeads(target, sd["vocab_ids"].long(), sd["w"].shape[0])
-        with torch.no_grad():
+        with fitting(path, "Medusa heads"), torch.no_grad():
+            heads = MedusaHeads(target, sd["vocab_ids"].long(), sd["w"].shape[0])
             heads.w.copy_(sd["w"].float())
             heads.b.copy_(sd["b"].float())
         return heads.prepare(target.dtype)
