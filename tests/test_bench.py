@@ -207,6 +207,8 @@ def test_cli_exit_status_follows_equality(fake_cli, tmp_path):
     (["--model", "llama-70b"], "known models: smollm2-135m, gemma3-270m"),
     (["--repeats", "0"], "--repeats must be >= 1"),
     (["--temperature", "0.5", "--peers", "transformers"], "greedy only"),
+    (["--temperature", "inf"], "--temperature must be a finite number >= 0"),
+    (["--out", "/proc/nope"], "cannot write --out /proc/nope"),
 ])
 def test_bad_input_lists_valid_names(monkeypatch, capsys, args, listed):
     import specdec.cli_bench as cli_bench
@@ -234,6 +236,12 @@ def test_method_specs():
         ("eagle", "eagle", TreeShape(1, 16), ""), ("eagle:4x16@auto", "eagle", TreeShape(4, 16), "auto")]
     with pytest.raises(SpecdecError, match="TOPKxBUDGET"):
         runner.parse_methods("eagle:wide", None)
+    with pytest.raises(SpecdecError, match="TOPKxBUDGET"):
+        runner.parse_methods("eagle:4x", None)
+    with pytest.raises(SpecdecError, match="'ngram' drafts from the context and takes no draft"):
+        runner.parse_methods("ngram=self:4", None)
+    with pytest.raises(SpecdecError, match="gives an empty draft"):
+        runner.parse_methods("eagle3=", None)
     specs = runner.parse_methods("eagle3,eagle3@sample=on,eagle3@sample=off,eagle@auto@sample=on,hybrid@auto", None)
     assert [(s.label, s.method, s.policy, s.sample_drafts) for s in specs[1:]] == [
         ("eagle3", "eagle3", "", "auto"), ("eagle3@sample=on", "eagle3", "", "on"),

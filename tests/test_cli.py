@@ -203,6 +203,20 @@ def test_a_reader_that_closes_early_is_a_quiet_exit(monkeypatch, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_an_interrupted_training_run_says_where_its_state_is_in_one_line(monkeypatch, capsys):
+    import specdec.cli as cli
+    from specdec.errors import Interrupted
+
+    def stopped(argv):
+        raise Interrupted("state saved in out.ckpt; run the same command again to resume")
+
+    monkeypatch.setattr(cli, "run", stopped)
+    assert main(["train", "eagle3", "--out", "out.safetensors"]) == 130
+    captured = capsys.readouterr()
+    assert captured.err == "specdec: interrupted: state saved in out.ckpt; run the same command again to resume\n"
+    assert captured.out == ""
+
+
 def test_unknown_flags_point_to_the_commands_help(capsys):
     assert main(["generate", "--prompt", "hi", "--bogus"]) == 2
     assert "unrecognized arguments: --bogus (see specdec generate --help)" in capsys.readouterr().err

@@ -201,8 +201,9 @@ def test_a_checkpoint_that_does_not_fit_or_cannot_be_written_is_refused_at_start
     (tmp_path / "a-file").write_text("x")
     for path, message in [(misshapen, "does not fit an EAGLE-3 head: RuntimeError: .*size mismatch"),
                           (outside, "vocabulary ids leave the target's vocabulary"),
-                          (tmp_path, "is a directory; give a file path"),
-                          (tmp_path / "a-file" / "head.safetensors", "cannot write the --learn-checkpoint")]:
+                          (tmp_path, "--learn-checkpoint .* is a directory; give a file path"),
+                          (tmp_path / "a-file" / "head.safetensors",
+                           "the folder of --learn-checkpoint .* is a file, not a directory")]:
         with pytest.raises(SpecdecError, match=message):
             state_for(target, head_file, LearnConfig(enabled=True, checkpoint=str(path), train_dtype="float32"))
     with pytest.raises(SpecdecError, match="does not fit an EAGLE-3 head"):             # also as a --draft-model

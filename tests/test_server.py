@@ -322,7 +322,8 @@ def test_a_full_engine_pool_answers_429_then_evicts_an_idle_engine(gen):
         message = full.value.body["message"]
         assert full.value.status_code == 429 and "\n" not in message
         assert full.value.body["code"] == "rate_limit_exceeded"
-        assert "ngram with K=2" in message and "ngram K=4, suffix K=4" in message and "--max-engines" in message
+        assert "ngram with K=2" in message and "the default ngram K=4 and busy ones" in message
+        assert "(suffix K=4)" in message and "--max-engines 2" in message
         assert full.value.response.headers["retry-after"] == "1"
         got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
                                         extra_body={"speculative": {"method": "none"}})   # the default engine serves

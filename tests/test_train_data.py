@@ -37,6 +37,12 @@ def test_leak_check_catches_a_benchmark_prompt():
     (["train", "data", "--batch", "0"], "--batch must be > 0"),
     (["train", "eagle3", "--out", "x.safetensors", "--target-temperature", "0"], "--target-temperature must be > 0"),
     (["train", "eagle3", "--out", "x.safetensors", "--prompt-weight", "-1"], "--prompt-weight must be >= 0"),
+    (["train", "eagle3", "--out", "x.safetensors", "--mlp-width", "-5"], "--mlp-width must be >= 0"),
+    (["train", "eagle3", "--out", "x.safetensors", "--threads", "-2"], "--threads must be >= 0"),
+    (["train", "eagle3", "--out", "/proc/nope/x.safetensors"], "cannot write the folder of --out"),
+    (["train", "eagle", "--out", "/"], "--out / is a directory; give a file path"),
+    (["train", "eagle3", "--out", "x.safetensors", "--features", "/proc/nope"], "cannot write --features"),
+    (["train", "data", "--out", "/proc/nope"], "cannot write --out"),
 ])
 def test_train_cli_errors(argv, msg, capsys):
     assert main(argv) == 2
@@ -69,3 +75,35 @@ def test_training_windows_are_aligned_slices_of_tokens_and_features():
         assert not f[r, m:].any() and not toks[r, m:].any()
     again = windows(seqs, feats, [0, 1], 8, random.Random(5))                # the same rng: the same windows
     assert torch.equal(again[0], toks) and again[1].dtype == torch.float32 and torch.equal(again[1], f.float())
+
+
+def test_a_held_out_split_leaves_rows_to_train_on():
+    from specdec.errors import SpecdecError
+    from specdec.train.features import split_heldout
+
+    train, held = split_heldout(200)
+    assert held == list(range(10)) and train == list(range(10, 200))
+    with pytest.raises(SpecdecError, match="8 rows leave none to train on after the 8 held out"):
+        split_heldout(8)
+
+
+def test_exits_already_written_are_kept_on_a_re_run_and_refused_when_all_are(tmp_path, monkeypatch):
+    """train exit with several layer counts: the overwrite check looks at the files it writes (OUT-N), a re-run
+    keeps those already written and trains the others, and a re-run of a finished run is refused."""
+    import specdec.train.exit as ex
+    from specdec.errors import SpecdecError
+
+    out = tmp_path / "x.safetensors"
+    paths = ex.exit_paths(out, [6, 12])
+    assert paths == {6: tmp_path / "x-6.safetensors", 12: tmp_path / "x-12.safetensors"}
+    started = []
+    monkeypatch.setattr(ex, "begin", lambda *a: started.append(a) or (_ for _ in ()).throw(RuntimeError("stop")))
+    paths[6].write_bytes(b"done")
+    with pytest.raises(RuntimeError, match="stop"):                         # one left to train: the run goes on
+        ex.train_exit("smollm2-135m", tmp_path, out, 1.0, [6, 12], 8192, 8, 1e-3, 64, overwrite=False)
+    paths[12].write_bytes(b"done")
+    with pytest.raises(SpecdecError, match="x-6.safetensors, .*x-12.safetensors exist; pass --overwrite"):
+        ex.train_exit("smollm2-135m", tmp_path, out, 1.0, [6, 12], 8192, 8, 1e-3, 64, overwrite=False)
+    with pytest.raises(SpecdecError, match="names a layer count twice"):
+        ex.train_exit("smollm2-135m", tmp_path, out, 1.0, [6, 6], 8192, 8, 1e-3, 64, overwrite=True)
+    assert len(started) == 1

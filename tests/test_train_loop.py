@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from specdec.cli import main
+from specdec.errors import SpecdecError
 from specdec.models.medusa import MedusaHeads
 from specdec.train.loop import Checkpoint, train_loop
 
@@ -55,6 +56,15 @@ def test_interrupted_run_saves_and_resumes(tmp_path):
     assert opt2.state_dict()["state"][0]["step"] == 5         # Adam moments came back too
     ck.done()
     assert not out.with_suffix(".ckpt").exists()
+
+
+def test_a_checkpoint_of_other_settings_is_a_one_line_error(tmp_path):
+    out = tmp_path / "toy.safetensors"
+    m, opt = _toy()
+    Checkpoint(out, m, opt).save(3, 1.0)
+    other = torch.nn.Linear(5, 2)                                           # e.g. another --heads
+    with pytest.raises(SpecdecError, match="toy.ckpt holds a run this command cannot resume .*delete it"):
+        Checkpoint(out, other, torch.optim.AdamW(other.parameters())).resume()
 
 
 def test_sigterm_stops_a_run_like_ctrl_c_and_keeps_its_state(tmp_path):

@@ -331,8 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     except SpecdecError as e:
         print(f"specdec: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("specdec: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:                 # errors.Interrupted says more, e.g. where a run's state went
+        print(f"specdec: interrupted{': ' + str(e) if str(e) else ''}", file=sys.stderr)
         return 130
     except BrokenPipeError:
         try:

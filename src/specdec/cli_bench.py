@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import sys
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from .bench.suites import CATEGORIES, SUITES, Prompt, load_suite
 from .errors import SpecdecError
+from .files import writable_dir
 from .models.registry import DEFAULT_MODEL, MODELS, resolve
 from .names import BENCH_FALLBACK_DRAFT, MAX_DRAFT_TOKENS, METHODS, PEERS, POLICIES
 
@@ -101,8 +103,8 @@ def _check_numbers(a: argparse.Namespace) -> None:
         raise SpecdecError(f"--repeats must be >= 1, got {a.repeats}")
     if a.limit is not None and a.limit < 1:
         raise SpecdecError(f"--limit must be >= 1, got {a.limit}")
-    if not a.temperature >= 0:
-        raise SpecdecError(f"--temperature must be >= 0, got {a.temperature}")
+    if not 0 <= a.temperature < math.inf:
+        raise SpecdecError(f"--temperature must be a finite number >= 0, got {a.temperature}")
     make_policy(a.draft_policy, a.num_draft_tokens)
 
 
@@ -162,6 +164,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from .bench.peers import build_peers, parse_peers
 
     _check_numbers(a)
+    out = Path(a.out) if a.out else default_out(a.suite)
+    writable_dir(out, "--out")                                     # before the run, not after it
     categories = parse_categories(a.categories)
     runner.parse_methods(a.methods, a.draft_model)                  # fail fast, before any loading
     auto = default_peers() if a.temperature == 0 else ""          # peers run greedy only
@@ -191,7 +195,6 @@ def cmd_bench(a: argparse.Namespace) -> int:
               "peer_notes": notes}
     results = runner.benchmark([*systems, *peers], prompts, tokenizer, config, runner.machine_info(runtime["dtype"]),
                                command_line(a), a.repeats, a.temperature, a.seed, a.progress)
-    out = Path(a.out) if a.out else default_out(a.suite)
     paths = report.write_report(results, out)
     print(report.summary_table(results))
     print(f"report: {', '.join(str(p) for p in paths)}", file=sys.stderr)

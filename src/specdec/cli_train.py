@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from .errors import SpecdecError
+from .files import writable_dir, writable_file
 from .models.registry import DEFAULT_MODEL, MODELS
 
 
@@ -14,8 +15,9 @@ def _check_target(model: str) -> None:
         raise SpecdecError(f"unknown target {model!r} for training; known models: {', '.join(MODELS)}")
 
 
-def _check_numbers(a: argparse.Namespace) -> None:
-    """Sizes and budgets must be positive (max_rows 0 = all)."""
+def _check_args(a: argparse.Namespace) -> None:
+    """Before any work: sizes and budgets positive (max_rows, threads, mlp_width: 0 = the default), the paths
+    the command writes writable."""
     for name in ("minutes", "vocab_size", "window", "batch", "lr", "max_seq", "heads", "max_prompts",
                  "max_new_tokens", "shards", "rows", "steps", "report_minutes", "target_temperature"):
         value = getattr(a, name, 1)
@@ -25,8 +27,13 @@ def _check_numbers(a: argparse.Namespace) -> None:
         raise SpecdecError(f"--greedy-fraction must be in [0, 1], got {a.greedy_fraction}")
     if not getattr(a, "prompt_weight", 0) >= 0:
         raise SpecdecError(f"--prompt-weight must be >= 0, got {a.prompt_weight}")
-    if getattr(a, "max_rows", 0) < 0:
-        raise SpecdecError(f"--max-rows must be >= 0 (0 = all), got {a.max_rows}")
+    for name in ("max_rows", "threads", "mlp_width"):
+        if getattr(a, name, 0) < 0:
+            raise SpecdecError(f"--{name.replace('_', '-')} must be >= 0 (0 = the default), got {getattr(a, name)}")
+    if getattr(a, "out", None) and Path(a.out).suffix == ".safetensors":     # the trained file: writable, first
+        writable_file(Path(a.out), "--out")
+    if getattr(a, "features", None):
+        writable_dir(Path(a.features), "--features")
 
 
 def _train_dtype(a: argparse.Namespace):
@@ -56,9 +63,10 @@ def cmd_data(a: argparse.Namespace) -> int:
     from .train.data import generate_data
 
     _check_target(a.model)
-    _check_numbers(a)
-    out = generate_data(a.model, Path(a.out or f"runs/data/{a.model}"), a.max_prompts, a.max_new_tokens, a.batch,
-                        a.greedy_fraction, a.seed)
+    _check_args(a)
+    out = Path(a.out or f"runs/data/{a.model}")
+    writable_dir(out, "--out")
+    out = generate_data(a.model, out, a.max_prompts, a.max_new_tokens, a.batch, a.greedy_fraction, a.seed)
     print(f"data in {out}")
     return 0
 
@@ -67,8 +75,9 @@ def cmd_magpie(a: argparse.Namespace) -> int:
     from .train.magpie import generate_magpie, summary
 
     _check_target(a.model)
-    _check_numbers(a)
+    _check_args(a)
     out = magpie_dir(a.out, a.model)
+    writable_dir(out, "--out")
     generate_magpie(a.model, out, a.shards, a.rows, a.batch, a.seed, a.threads)
     print(json.dumps(summary(out), indent=2))
     return 0
@@ -78,7 +87,7 @@ def cmd_eagle(a: argparse.Namespace) -> int:
     from .train.eagle import train_eagle
 
     _check_target(a.model)
-    _check_numbers(a)
+    _check_args(a)
     report = train_eagle(a.model, Path(a.data or f"runs/data/{a.model}"), Path(a.out), a.minutes, a.vocab_size,
                          a.window, a.batch, a.lr, a.max_seq, a.overwrite, a.max_rows, train_dtype=_train_dtype(a))
     print(json.dumps(report, indent=2))
@@ -89,7 +98,7 @@ def cmd_eagle3(a: argparse.Namespace) -> int:
     from .train.eagle3 import Eagle3Options, train_eagle3
 
     _check_target(a.model)
-    _check_numbers(a)
+    _check_args(a)
     _threads(a)
     if a.init and not Path(a.init).is_file():
         raise SpecdecError(f"--init: no such head file: {a.init}")
@@ -107,13 +116,14 @@ def cmd_exit(a: argparse.Namespace) -> int:
     from .train.exit import train_exit
 
     _check_target(a.model)
-    _check_numbers(a)
+    _check_args(a)
     try:
         layers = [int(x) for x in a.layers.split(",")]
     except ValueError:
         raise SpecdecError(f"--layers takes comma-separated layer counts, got {a.layers!r}") from None
     report = train_exit(a.model, magpie_dir(a.data, a.model), Path(a.out), a.minutes, layers, a.vocab_size,
-                        a.batch, a.lr, a.max_seq, a.overwrite, a.max_rows, train_dtype=_train_dtype(a))
+                        a.batch, a.lr, a.max_seq, a.overwrite, a.max_rows, train_dtype=_train_dtype(a),
+                        features=a.features or "")
     print(json.dumps(report, indent=2))
     return 0
 
@@ -122,7 +132,7 @@ def cmd_medusa(a: argparse.Namespace) -> int:
     from .train.medusa import train_medusa
 
     _check_target(a.model)
-    _check_numbers(a)
+    _check_args(a)
     report = train_medusa(a.model, Path(a.data or f"runs/data/{a.model}"), Path(a.out), a.minutes, a.vocab_size,
                           a.heads, a.window, a.batch, a.lr, a.max_seq, a.max_rows, a.overwrite,
                           train_dtype=_train_dtype(a))
@@ -134,7 +144,7 @@ def cmd_draft(a: argparse.Namespace) -> int:
     from .train.draft import train_draft
 
     _check_target(a.model)
-    _check_numbers(a)
+    _check_args(a)
     try:
         layers = [int(x) for x in a.layers.split(",")]
     except ValueError:
@@ -246,7 +256,10 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     x.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (cosine to 10%%)")
     x.add_argument("--max-seq", type=int, default=640, help="keep the first N tokens of each conversation")
     x.add_argument("--max-rows", type=int, default=0, help="use at most N conversations (0 = all)")
-    x.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    x.add_argument("--overwrite", action="store_true", help="replace existing output files (without it, a re-run "
+                                                              "keeps the exits already written and trains the rest)")
+    x.add_argument("--features", default=None, help="feature cache directory (default: the data directory); "
+                                                    "about 1 MB per conversation and layer count")
     _dtype_option(x)
     x.set_defaults(func=cmd_exit)
 

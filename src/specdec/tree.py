@@ -38,8 +38,8 @@ class TreeShape:
     @staticmethod
     def parse(text: str) -> "TreeShape":
         """"TOPKxBUDGET", e.g. "4x16"; "1" (or "1xN") is a chain."""
-        topk, _, budget = text.strip().lower().partition("x")
-        if not topk.isdigit() or (budget and not budget.isdigit()):
+        topk, x, budget = text.strip().lower().partition("x")
+        if not topk.isdigit() or (x and not budget.isdigit()):
             raise SpecdecError(f"a tree shape is TOPKxBUDGET (e.g. 4x16) or 1 for a chain, got {text!r}")
         return TreeShape(int(topk), int(budget) if budget else max(16, int(topk)))
 

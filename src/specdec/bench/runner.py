@@ -41,7 +41,7 @@ from typing import Protocol
 import torch
 
 from ..api import METHODS, Generator, make_proposer, sample_drafts_from
-from ..names import DEFAULT_SAMPLE_DRAFTS, SAMPLE_DRAFTS
+from ..names import DEFAULT_SAMPLE_DRAFTS, DRAFTLESS, SAMPLE_DRAFTS
 from ..engine import Request, scratch_slots
 from ..errors import SpecdecError
 from ..machine import cpu_model
@@ -102,8 +102,12 @@ def parse_methods(specs: str | Sequence[str], draft_model: str | None) -> list[M
     out: list[MethodSpec] = []
     for item in items:
         body, *settings = item.split("@")
-        method, _, draft = body.partition("=")
+        method, given, draft = body.partition("=")
         method, _, shape = method.partition(":")
+        if given and not draft:
+            raise SpecdecError(f"{item!r} gives an empty draft; write NAME=DRAFT (e.g. draft=self:8) or NAME")
+        if draft and method in DRAFTLESS:
+            raise SpecdecError(f"method {method!r} drafts from the context and takes no draft ({item!r})")
         tree = TreeShape.parse(shape) if shape else TreeShape()
         if shape and method not in ("eagle", "eagle3"):
             raise SpecdecError(f"a tree shape ({item!r}) applies to eagle and eagle3 only")

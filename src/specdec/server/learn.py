@@ -38,6 +38,7 @@ from torch import Tensor
 
 from ..api import DraftSource
 from ..errors import SpecdecError
+from ..files import writable_file
 from ..models.decoder import Transformer
 from ..models.eagle3 import Eagle3Head
 from ..proposers.base import ActiveBatch, Proposer
@@ -89,20 +90,6 @@ class LearnConfig:
         from ..models.registry import cache_dir
 
         return Path(self.checkpoint) if self.checkpoint else cache_dir() / "learn" / f"{model}-eagle3.safetensors"
-
-
-def writable(path: Path) -> None:
-    """A clear error where the checkpoint `path` cannot be written (a directory, a file in its parent's place,
-    no permission), found at start rather than when the learnt head is saved."""
-    if path.is_dir():
-        raise SpecdecError(f"--learn-checkpoint {path} is a directory; give a file path")
-    probe = path.with_name(f".{path.name}.probe")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise SpecdecError(f"cannot write the --learn-checkpoint {path}: {e.strerror or e}") from None
 
 
 # ---- collecting --------------------------------------------------------------------------
@@ -357,7 +344,7 @@ class OnlineLearner:
     def __init__(self, config: LearnConfig, target: Transformer, model: str, registry: CollectorRegistry) -> None:
         self.config, self.target = config, target
         self.path = config.checkpoint_path(model)
-        writable(self.path)                                  # learning that cannot be kept: refused at start
+        writable_file(self.path, "--learn-checkpoint")     # learning that cannot be kept: refused at start
         if self.path.exists():
             Eagle3Head.load(self.path, target)               # another target's or a misshapen file: refused at start
         self.metrics = LearnMetrics(registry)

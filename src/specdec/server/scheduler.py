@@ -270,10 +270,11 @@ class EnginePool:
             ask = "none" if self.default.method == "none" else f"{self.default.method} or none"
             return (f"{asked} is not available: this server runs only its default method {self.default.method} "
                     f"(--max-engines 1); ask for {ask}, or start the server with a larger --max-engines")
-        loaded = ", ".join(f"{k.method} K={k.num_draft_tokens}" for k in self.engines)
-        return (f"{asked} needs an engine of its own and all {len(self.engines)} loaded engines are busy "
-                f"({loaded}; --max-engines {self.max_engines}): retry later, ask for a loaded method, or start "
-                f"the server with a larger --max-engines")
+        busy = ", ".join(f"{k.method} K={k.num_draft_tokens}" for k in self.engines if k != self.default)
+        return (f"{asked} needs an engine of its own: {len(self.engines)} are loaded (--max-engines "
+                f"{self.max_engines}), the default {self.default.method} K={self.default.num_draft_tokens} and busy "
+                f"ones that cannot be dropped yet ({busy}): retry later, ask for a loaded method, or start the server "
+                f"with a larger --max-engines")
 
     def key_of(self, eng: Engine) -> SpecChoice:
         """The (method, K) an engine of this pool serves."""

@@ -147,12 +147,14 @@ def generate_data(model: str, out: Path, max_prompts: int, max_new_tokens: int, 
     rng = random.Random(seed)
     for si, shard in enumerate(shards):
         path = out / f"shard-{si:04d}.jsonl"
-        if path.exists():
-            bar.update(len(shard))
-            continue
-        rows = []
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+        if [r["prompt"] for r in rows] != shard[:len(rows)]:
+            raise SpecdecError(f"{path} holds other prompts than --seed {seed} gives; use its seed or another --out")
+        bar.update(min(len(rows), len(shard)))
+        if len(rows) >= len(shard):
+            continue                                         # whole (a larger --max-prompts completes a partial one)
         t0 = time.perf_counter()
-        for i in range(0, len(shard), batch):
+        for i in range(len(rows), len(shard), batch):
             chunk = shard[i:i + batch]
             temp = 0.0 if rng.random() < greedy_fraction else 0.8
             ids = [gen.tokenizer.encode(p, chat=True)[-768:] for p in chunk]
@@ -164,7 +166,7 @@ def generate_data(model: str, out: Path, max_prompts: int, max_new_tokens: int, 
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
         tmp.rename(path)                                     # a shard is either whole or absent
-        n_new = sum(len(r["tokens"]) - r["prompt_len"] for r in rows)
+        n_new = sum(len(r["tokens"]) - r["prompt_len"] for r in rows)                 # (earlier rows included)
         bar.set_postfix(tokens_per_s=f"{n_new / (time.perf_counter() - t0):.0f}")
     bar.close()
     return out

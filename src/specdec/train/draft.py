@@ -15,7 +15,7 @@ import torch
 
 from ..errors import SpecdecError
 from ..models.distilled import DistilledDraft
-from .features import begin, training_set, vocab_subset, windows
+from .features import begin, split_heldout, training_set, vocab_subset, windows
 from .loop import Checkpoint, train_loop
 
 
@@ -43,14 +43,13 @@ def train_draft(model: str, data: Path, out: Path, minutes: float, layers: list[
     if not layers or bad:
         raise SpecdecError(f"--layers must name target layers in 0..{target.config.n_layers - 1}, got {layers}")
     seqs, feats = training_set(target, data, max_rows, max_seq, rng)
-    n_eval = max(8, len(seqs) // 20)
+    train_idx, eval_idx = split_heldout(len(seqs))
     ids = vocab_subset(seqs, vocab_size, target.vocab_size)
     draft = DistilledDraft(target, ids, layers)
     draft.train()
     w_sub = (target.output if target.output.numel() else target.embed)[ids].float().detach()
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    train_idx, eval_idx = list(range(n_eval, len(seqs))), list(range(n_eval))
 
     def step_fn() -> tuple[torch.Tensor, dict[str, str]]:
         idx = rng.sample(train_idx, min(batch, len(train_idx)))

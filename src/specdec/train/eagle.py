@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models.eagle import EagleHead
-from .features import begin, training_set, vocab_subset, windows
+from .features import begin, split_heldout, training_set, vocab_subset, windows
 from .loop import Checkpoint, train_loop
 
 
@@ -51,12 +51,11 @@ def train_eagle(model: str, data: Path, out: Path, minutes: float, vocab_size: i
                 train_dtype: torch.dtype = torch.float32) -> dict:
     target, name, rng = begin(model, out, overwrite, seed)
     seqs, feats = training_set(target, data, max_rows, max_seq, rng)
-    n_eval = max(8, len(seqs) // 20)
+    train_idx, eval_idx = split_heldout(len(seqs))
     ids = vocab_subset(seqs, vocab_size, target.vocab_size)
     head = EagleHead(target, ids)
     head.train()
     w_sub = head.lm_weight().float().detach()
-    train_idx, eval_idx = list(range(n_eval, len(seqs))), list(range(n_eval))
 
     def step_fn() -> tuple[torch.Tensor, dict[str, str]]:
         idx = rng.sample(train_idx, min(batch, len(train_idx)))

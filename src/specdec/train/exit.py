@@ -14,10 +14,11 @@ import torch
 from torch import Tensor
 
 from ..errors import SpecdecError
+from ..files import writable_dir
 from ..models.decoder import Transformer, rms_norm
 from ..models.early_exit import EarlyExitDraft
 from .eagle3 import extract_aux
-from .features import begin, vocab_subset
+from .features import begin, check_output, vocab_subset
 from .loop import Checkpoint, train_loop
 from .magpie import read_shards
 
@@ -33,11 +34,26 @@ def exit_losses(draft: EarlyExitDraft, feats: Tensor, w_sub: Tensor) -> tuple[Te
     return -(p * logq).sum(-1).mean(), float((logq.argmax(-1) == p.argmax(-1)).float().mean())
 
 
+def exit_paths(out: Path, layers: list[int]) -> dict[int, Path]:
+    """Where each exit is written: `out` for one N, OUT-N.safetensors for several."""
+    return {n: out if len(layers) == 1 else out.with_name(f"{out.stem}-{n}{out.suffix}") for n in layers}
+
+
 def train_exit(model: str, data: Path, out: Path, minutes: float, layers: list[int], vocab_size: int, batch: int,
                lr: float, max_seq: int, overwrite: bool, max_rows: int = 0, seed: int = 0,
-               train_dtype: torch.dtype = torch.float32) -> dict:
-    """One exit per N in `layers` (features extracted once for all), each trained for `minutes`; written
-    to `out` (one N) or OUT-N.safetensors (several). -> the reports by N."""
+               train_dtype: torch.dtype = torch.float32, features: Path | str = "") -> dict:
+    """One exit per N in `layers` (features extracted once for all, cached in `features`, default beside the
+    data), each trained for `minutes`; written to `out` (one N) or OUT-N.safetensors (several). Without
+    `overwrite` an exit already written (no checkpoint beside it) is kept: a re-run of an interrupted run
+    trains only the others; where every one is written, the run is refused. -> the reports by N."""
+    if len(set(layers)) != len(layers):
+        raise SpecdecError(f"--layers names a layer count twice: {layers}")
+    paths = exit_paths(out, layers)
+    for path in paths.values():
+        check_output(path, overwrite=True)                     # writable; existing ones are decided below
+    done = [] if overwrite else [n for n, p in paths.items() if p.exists() and not p.with_suffix(".ckpt").exists()]
+    if done and len(done) == len(layers):
+        raise SpecdecError(f"{', '.join(str(paths[n]) for n in done)} exist; pass --overwrite to replace them")
     target, name, rng = begin(model, out, overwrite, seed)
     if not isinstance(target, Transformer):
         raise SpecdecError("exit training needs a lean GGUF target")
@@ -50,7 +66,9 @@ def train_exit(model: str, data: Path, out: Path, minutes: float, layers: list[i
     rows = rows[:max_rows] if max_rows > 0 else rows
     seqs = [r.tokens[:max_seq] for r in rows]
     ids = vocab_subset(seqs, min(vocab_size, target.vocab_size), target.vocab_size)
-    cache_file = data / f"features-exit{'-'.join(map(str, layers))}-{len(seqs)}-{max_seq}.pt"
+    cache_dir = Path(features or data)
+    writable_dir(cache_dir, "--features")
+    cache_file = cache_dir / f"features-exit{'-'.join(map(str, layers))}-{len(seqs)}-{max_seq}.pt"
     if cache_file.exists():
         feats = torch.load(cache_file, weights_only=True)
     else:
@@ -59,10 +77,12 @@ def train_exit(model: str, data: Path, out: Path, minutes: float, layers: list[i
     H = target.config.dim
     reports = {}
     for j, n in enumerate(layers):
+        if n in done:
+            print(f"kept {paths[n]} (written by an earlier run; --overwrite retrains it)")
+            continue
         cols = torch.cat([torch.arange(H), torch.arange(H * (1 + j), H * (2 + j))])      # final, layer n's output
-        path = out if len(layers) == 1 else out.with_name(f"{out.stem}-{n}{out.suffix}")
-        reports[n] = _train_one(target, name, n, ids, rows, [f[:, cols] for f in feats], path, minutes, batch, lr, rng,
-                               train_dtype)
+        reports[n] = _train_one(target, name, n, ids, rows, [f[:, cols] for f in feats], paths[n], minutes, batch,
+                               lr, rng, train_dtype)
     return reports
 
 

@@ -52,14 +52,36 @@ def windows(seqs: list[list[int]], feats: list[Tensor], idx: list[int], window: 
     return toks, f, lens, starts
 
 
+def check_output(out: Path, overwrite: bool) -> None:
+    """Before any work: `out` must be a writable file path, and not an existing file unless --overwrite (or its
+    checkpoint beside it says the run resumes)."""
+    from ..errors import SpecdecError
+    from ..files import writable_file
+
+    writable_file(out, "--out")
+    if out.exists() and not overwrite and not out.with_suffix(".ckpt").exists():
+        raise SpecdecError(f"{out} exists; pass --overwrite to replace it")
+
+
+def split_heldout(n: int, what: str = "rows") -> tuple[list[int], list[int]]:
+    """(training, held-out) indices of n shuffled rows: max(8, n / 20) held out; a clear error where none is left
+    to train on."""
+    from ..errors import SpecdecError
+
+    n_eval = max(8, n // 20)
+    if n <= n_eval:
+        raise SpecdecError(f"{n} {what} leave none to train on after the {n_eval} held out for validation; give "
+                           f"more data (a larger --max-rows, or more rows in --data)")
+    return list(range(n_eval, n)), list(range(n_eval))
+
+
 def begin(model: str, out: Path, overwrite: bool, seed: int) -> tuple[Transformer, str, random.Random]:
     """The common start of a training run: refuse to overwrite `out` (unless a checkpoint beside it says the run
     resumes: runs refresh `out` while they train), seed, load the target (dtype auto)."""
     from ..api import load_model
     from ..errors import SpecdecError
 
-    if out.exists() and not overwrite and not out.with_suffix(".ckpt").exists():
-        raise SpecdecError(f"{out} exists; pass --overwrite to replace it")
+    check_output(out, overwrite)
     torch.manual_seed(seed)
     target, _, name = load_model(model, "auto")
     return target, name, random.Random(seed)

@@ -11,6 +11,8 @@ from typing import Callable, ContextManager
 import torch
 from tqdm import tqdm
 
+from ..errors import Interrupted, SpecdecError
+
 FIRST_REPORT_STEPS = 10.0         # a report's cost is guessed at this many steps until one has been timed
 
 
@@ -32,9 +34,14 @@ class Checkpoint:
         """Load the state if a checkpoint exists. -> (step, seconds already spent); (0, 0.0) for a fresh run."""
         if not self.path.exists():
             return 0, 0.0
-        state = torch.load(self.path, weights_only=True)
-        self.module.load_state_dict(state["module"])
-        self.opt.load_state_dict(state["opt"])
+        try:
+            state = torch.load(self.path, weights_only=True)
+            self.module.load_state_dict(state["module"])
+            self.opt.load_state_dict(state["opt"])
+        except (RuntimeError, ValueError, KeyError, OSError) as e:
+            last = (str(e).strip().splitlines() or [""])[-1].strip()[:160]
+            raise SpecdecError(f"{self.path} holds a run this command cannot resume (other settings? {last}); rerun "
+                               "with the settings it was started with, or delete it to start over") from None
         self.tokens = int(state.get("tokens", 0))
         self.setup = float(state.get("setup", 0.0))
         print(f"resumed from {self.path} at step {state['step']} ({state['seconds'] / 60:.1f} min spent)")
@@ -135,8 +142,7 @@ def train_loop(desc: str, params: list[torch.nn.Parameter], opt: torch.optim.Opt
     except KeyboardInterrupt:
         ckpt.save(step, time.time() - t0)
         bar.close()
-        print(f"\ninterrupted: state saved in {ckpt.path}; run the same command again to resume")
-        raise
+        raise Interrupted(f"state saved in {ckpt.path}; run the same command again to resume") from None
     finally:
         on_term()
     bar.close()

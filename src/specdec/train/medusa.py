@@ -6,8 +6,9 @@ from pathlib import Path
 
 import torch
 
+from ..errors import SpecdecError
 from ..models.medusa import MedusaHeads
-from .features import begin, training_set, vocab_subset
+from .features import begin, split_heldout, training_set, vocab_subset
 from .loop import Checkpoint, train_loop
 
 
@@ -33,8 +34,11 @@ def train_medusa(model: str, data: Path, out: Path, minutes: float, vocab_size: 
     seqs, feats = training_set(target, data, max_rows, max_seq, rng)        # the same order as train eagle
     heads = MedusaHeads(target, vocab_subset(seqs, vocab_size, target.vocab_size), n_heads)
     w_sub = heads.lm_weight().float().detach()
-    n_eval = max(8, len(seqs) // 20)
-    usable = [i for i in range(n_eval, len(seqs)) if len(seqs[i]) > window // 2]
+    train_idx, eval_idx = split_heldout(len(seqs))
+    usable = [i for i in train_idx if len(seqs[i]) > window // 2]
+    if not usable or not [i for i in eval_idx if len(seqs[i]) > n_heads + 2]:
+        raise SpecdecError(f"no rows long enough to train (> {window // 2} tokens) or validate (> {n_heads + 2}) on; "
+                           "give more data")
 
     def step_fn() -> tuple[torch.Tensor, dict[str, str]]:
         idx = rng.sample(usable, min(batch, len(usable)))
@@ -49,7 +53,7 @@ def train_medusa(model: str, data: Path, out: Path, minutes: float, vocab_size: 
     ckpt = Checkpoint(out, heads, opt)
     steps, spent_min = train_loop("train medusa", params, opt, lr, minutes, ckpt, step_fn, dtype=train_dtype)
     with torch.no_grad():
-        ev = [medusa_loss(heads, feats[i].float()[None], w_sub)[1] for i in range(n_eval) if len(seqs[i]) > n_heads + 2]
+        ev = [medusa_loss(heads, feats[i].float()[None], w_sub)[1] for i in eval_idx if len(seqs[i]) > n_heads + 2]
     acc = [sum(e[k] for e in ev) / len(ev) for k in range(n_heads)]
     report = {"target": name, "sequences": len(seqs), "tokens": sum(len(s) for s in seqs),
               "steps": steps, "minutes": spent_min,
