@@ -229,3 +229,15 @@ def test_cli_help_shows_defaults(capsys):
     out = capsys.readouterr().out
     for flag in ("--model", "--method", "--max-new-tokens", "--temperature", "--dtype", "--json", "default: smollm2-135m"):
         assert flag in out
+
+
+def test_export_checks_what_needs_no_model_before_loading_one(tmp_path, monkeypatch, capsys):
+    import specdec.cli_export as cli_export
+
+    monkeypatch.setattr(cli_export, "_target", lambda model: pytest.fail("the model was loaded"))
+    assert main(["export", "medusa", str(tmp_path / "m"), "--format", "sglang"]) == 2
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "config.json").write_text("{}")
+    assert main(["export", "eagle3", str(tmp_path / "e")]) == 2
+    err = capsys.readouterr().err
+    assert "Medusa heads export to vllm only" in err and "config.json exists; pass --overwrite" in err

@@ -21,8 +21,11 @@ def _target(model: str):
 
 def cmd_export(a: argparse.Namespace) -> int:
     from .api import shipped
-    from .export import export_eagle3, export_medusa
+    from .export import check_out, export_eagle3, export_medusa
 
+    if a.kind == "medusa" and a.format != "vllm":               # what needs no model is checked before loading one
+        raise SpecdecError(f"Medusa heads export to vllm only, not {a.format!r}")
+    check_out(Path(a.out_dir), a.overwrite)
     target = _target(a.model)
     weights = Path(a.weights) if a.weights else shipped(target.config.name, a.kind)
     if a.kind == "eagle3":

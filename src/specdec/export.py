@@ -28,9 +28,8 @@ EAGLE3_ARCH = "LlamaForCausalLMEagle3"
 MEDUSA_ARCH = "MedusaModel"
 
 
-def _write(out: Path, config: dict, tensors: dict[str, Tensor], overwrite: bool) -> Path:
-    from safetensors.torch import save
-
+def check_out(out: Path, overwrite: bool) -> None:
+    """`out` can take an export: a directory that can be created, holding no export unless `overwrite`."""
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:                                # a file in the way, no permission, a missing mount...
@@ -38,6 +37,12 @@ def _write(out: Path, config: dict, tensors: dict[str, Tensor], overwrite: bool)
     for name in ("config.json", "model.safetensors"):
         if (out / name).exists() and not overwrite:
             raise SpecdecError(f"{out / name} exists; pass --overwrite to replace it")
+
+
+def _write(out: Path, config: dict, tensors: dict[str, Tensor], overwrite: bool) -> Path:
+    from safetensors.torch import save
+
+    check_out(out, overwrite)
     _write_whole(out / "model.safetensors", save({k: v.contiguous() for k, v in tensors.items()},
                                                  metadata={"format": "pt"}))
     _write_whole(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
