@@ -29,10 +29,18 @@ from specdec.engine import Engine
 from specdec.sampling import to_probs
 from specdec.tree import PAD
 
-STEPS: list[tuple[float, float, float]] = []   # per first draft: (p(argmax q), sum(min(p, q)), coupled)
+STEPS: list[tuple[float, ...]] = []   # per first draft: p(argmax q), sum(min(p, q)), Gumbel- and uniform-coupled
 _verify = Engine._verify
 COUPLED = {"draws": 0}
 NOISE = torch.Generator().manual_seed(0)
+
+
+def same_uniform(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """[B]: P(inverse-CDF samples of p and q from one shared uniform agree), exactly: the overlap of each token's
+    cumulative interval under p and under q (vocabulary order), summed."""
+    P, Q = p.cumsum(-1) / p.sum(-1, keepdim=True), q.cumsum(-1) / q.sum(-1, keepdim=True)
+    lo = torch.maximum(P - p / p.sum(-1, keepdim=True), Q - q / q.sum(-1, keepdim=True))
+    return (torch.minimum(P, Q) - lo).clamp_min(0).sum(-1)
 
 
 def coupled(p: torch.Tensor, q: torch.Tensor, draws: int) -> torch.Tensor:
@@ -54,7 +62,9 @@ def _recording_verify(self, batch, draft, pending, scored):
         point = p.gather(-1, q.argmax(-1, keepdim=True))[:, 0]
         sampled = torch.minimum(p, q).sum(-1)
         both = coupled(p.float(), q.float(), COUPLED["draws"])
-        STEPS.extend((float(point[i]), float(sampled[i]), float(both[i])) for i in rows.nonzero().flatten().tolist())
+        one_u = same_uniform(p.double(), q.double())
+        STEPS.extend((float(point[i]), float(sampled[i]), float(both[i]), float(one_u[i]))
+                     for i in rows.nonzero().flatten().tolist())
     return _verify(self, batch, draft, pending, scored)
 
 
@@ -78,7 +88,7 @@ def main() -> None:
     proposer = make_proposer(a.method, target, tok, None, "auto", "cpu", sample_drafts="on")
     system = runner.MethodSystem(a.method, Generator(target, tok, proposer, "fixed", 4, name))
     print(f"{name}, {a.method} chain, {len(prompts)} prompts, seed {a.seed}: expected first-draft acceptance")
-    print("temperature  first drafts  point mass  sampled  steps where sampled is higher  coupled")
+    print("temperature  first drafts  point mass  sampled  steps where sampled is higher  coupled  one uniform")
     figures = {}
     for t in (float(x) for x in a.temperatures.split(",")):
         STEPS.clear()
@@ -86,12 +96,13 @@ def main() -> None:
         n = len(STEPS)
         point, sampled = sum(s[0] for s in STEPS) / n, sum(s[1] for s in STEPS) / n
         higher = sum(s[1] > s[0] for s in STEPS) / n
-        both = sum(s[2] for s in STEPS) / n
-        figures[t] = {"first_drafts": n, "point_mass": point, "sampled": sampled, "sampled_higher": higher}
+        both, one_u = sum(s[2] for s in STEPS) / n, sum(s[3] for s in STEPS) / n
+        figures[t] = {"first_drafts": n, "point_mass": point, "sampled": sampled, "sampled_higher": higher,
+                      "one_uniform": one_u}
         if a.coupled:
             figures[t]["coupled"] = both
         print(f"{t:11.2f}  {n:12d}  {point:10.3f}  {sampled:7.3f}  {higher:29.2f}  "
-              + (f"{both:7.3f}" if a.coupled else "      -"), flush=True)
+              + (f"{both:7.3f}" if a.coupled else "      -") + f"  {one_u:11.3f}", flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"model": name, "method": a.method, "prompts": len(prompts), "seed": a.seed,
