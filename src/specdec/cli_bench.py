@@ -183,12 +183,14 @@ def cmd_bench(a: argparse.Namespace) -> int:
     systems: list = runner.build_systems(target, tokenizer, specs, a.dtype, a.device, a.num_draft_tokens,
                                          a.draft_policy, name)
     peer_draft = next((s.draft for s in specs if s.method == "draft"), draft)
+    ran_draft = any(s.method in ("draft", "staged") for s in specs) or "transformers" in peer_names
+    shown_draft = peer_draft if ran_draft else None                # a report names a draft only where one ran
     peers, notes = (build_peers(peer_names, resolve(a.model)[1], peer_draft, a.num_draft_tokens,
                                   tokenizer.eos_ids, _pad_id(tokenizer))
                     if peer_names else ([], []))
     runtime = runtime_info(target)
     config = {"model": name, "dtype": runtime["dtype"], "runtime": runtime, "device": a.device, "suite": a.suite, "limit": a.limit,
-              "num_draft_tokens": a.num_draft_tokens, "draft_policy": a.draft_policy, "draft_model": shown(peer_draft),
+              "num_draft_tokens": a.num_draft_tokens, "draft_policy": a.draft_policy, "draft_model": shown(shown_draft),
               "method_specs": [{"label": s.label, "method": s.method, "draft": shown(s.draft),
                                 "policy": s.policy or a.draft_policy, "tree": str(s.tree),
                                 "sample_drafts": s.sample_drafts} for s in specs],

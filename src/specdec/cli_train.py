@@ -36,6 +36,13 @@ def _check_args(a: argparse.Namespace) -> None:
         writable_dir(Path(a.features), "--features")
 
 
+def _refuse_overwrite(a: argparse.Namespace) -> None:
+    """An existing --out without --overwrite (and no checkpoint to resume) is refused before any work."""
+    from .train.features import check_output
+
+    check_output(Path(a.out), a.overwrite)
+
+
 def _train_dtype(a: argparse.Namespace):
     """The resolved --train-dtype (auto measures this machine once, see train/precision.py)."""
     from .train.precision import train_dtype
@@ -88,6 +95,7 @@ def cmd_eagle(a: argparse.Namespace) -> int:
 
     _check_target(a.model)
     _check_args(a)
+    _refuse_overwrite(a)
     report = train_eagle(a.model, Path(a.data or f"runs/data/{a.model}"), Path(a.out), a.minutes, a.vocab_size,
                          a.window, a.batch, a.lr, a.max_seq, a.overwrite, a.max_rows, train_dtype=_train_dtype(a))
     print(json.dumps(report, indent=2))
@@ -99,6 +107,7 @@ def cmd_eagle3(a: argparse.Namespace) -> int:
 
     _check_target(a.model)
     _check_args(a)
+    _refuse_overwrite(a)
     _threads(a)
     if a.init and not Path(a.init).is_file():
         raise SpecdecError(f"--init: no such head file: {a.init}")
@@ -133,6 +142,7 @@ def cmd_medusa(a: argparse.Namespace) -> int:
 
     _check_target(a.model)
     _check_args(a)
+    _refuse_overwrite(a)
     report = train_medusa(a.model, Path(a.data or f"runs/data/{a.model}"), Path(a.out), a.minutes, a.vocab_size,
                           a.heads, a.window, a.batch, a.lr, a.max_seq, a.max_rows, a.overwrite,
                           train_dtype=_train_dtype(a))
@@ -145,6 +155,7 @@ def cmd_draft(a: argparse.Namespace) -> int:
 
     _check_target(a.model)
     _check_args(a)
+    _refuse_overwrite(a)
     try:
         layers = [int(x) for x in a.layers.split(",")]
     except ValueError:

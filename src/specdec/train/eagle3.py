@@ -323,6 +323,9 @@ def fit_eagle3(target: Transformer, name: str, rows: list[Row], out: Path, opts:
     val_by_cat = _validation_by_category(rows)
     if not train_idx:
         raise SpecdecError("no training rows (every row read is a validation row); add data or raise --max-rows")
+    if not val_by_cat:
+        print("note: no validation rows among those read (validation is the rows every shard marks held out); "
+              "agreement is not measured: raise --max-rows for it")
     w = target.output if target.output.numel() else target.embed
     w_sub = w[ids].float().detach()
     head.train()
