@@ -153,8 +153,8 @@ def generate_data(model: str, out: Path, max_prompts: int, max_new_tokens: int, 
         bar.update(min(len(rows), len(shard)))
         if len(rows) >= len(shard):
             continue                                         # whole (a larger --max-prompts completes a partial one)
-        t0 = time.perf_counter()
-        for i in range(len(rows), len(shard), batch):
+        t0, earlier = time.perf_counter(), len(rows)
+        for i in range(earlier, len(shard), batch):
             chunk = shard[i:i + batch]
             temp = 0.0 if rng.random() < greedy_fraction else 0.8
             ids = [gen.tokenizer.encode(p, chat=True)[-768:] for p in chunk]
@@ -166,7 +166,7 @@ def generate_data(model: str, out: Path, max_prompts: int, max_new_tokens: int, 
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
         tmp.rename(path)                                     # a shard is either whole or absent
-        n_new = sum(len(r["tokens"]) - r["prompt_len"] for r in rows)                 # (earlier rows included)
+        n_new = sum(len(r["tokens"]) - r["prompt_len"] for r in rows[earlier:])
         bar.set_postfix(tokens_per_s=f"{n_new / (time.perf_counter() - t0):.0f}")
     bar.close()
     return out
