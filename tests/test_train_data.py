@@ -107,3 +107,18 @@ def test_exits_already_written_are_kept_on_a_re_run_and_refused_when_all_are(tmp
     with pytest.raises(SpecdecError, match="names a layer count twice"):
         ex.train_exit("smollm2-135m", tmp_path, out, 1.0, [6, 6], 8192, 8, 1e-3, 64, overwrite=True)
     assert len(started) == 1
+
+
+@pytest.mark.integration
+def test_a_larger_max_prompts_completes_a_partial_shard(tmp_path):
+    import json
+
+    from specdec.train.data import generate_data
+
+    generate_data("smollm2-135m", tmp_path, 2, 2, 2, 1.0, 0)
+    shard = tmp_path / "shard-0000.jsonl"
+    first = shard.read_text().splitlines()
+    generate_data("smollm2-135m", tmp_path, 3, 2, 2, 1.0, 0)
+    rows = shard.read_text().splitlines()
+    assert len(first) == 2 and len(rows) == 3 and rows[:2] == first          # completed, what was there kept
+    assert [json.loads(r)["prompt"] for r in rows] == training_prompts(0)[:3]
