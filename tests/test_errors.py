@@ -241,3 +241,26 @@ def test_export_checks_what_needs_no_model_before_loading_one(tmp_path, monkeypa
     assert main(["export", "eagle3", str(tmp_path / "e")]) == 2
     err = capsys.readouterr().err
     assert "Medusa heads export to vllm only" in err and "config.json exists; pass --overwrite" in err
+
+
+def test_a_method_without_weights_for_the_target_is_refused_before_loading_and_by_the_server():
+    from types import SimpleNamespace
+
+    from specdec.server.app import ApiError, speculation
+    from specdec.server.schema import Speculative
+    from specdec.server.scheduler import SpecChoice
+
+    for method, message in [("eagle", r"no shipped eagle weights for 'gemma3-270m'; train them \(`specdec train eagle "
+                                      r"--model gemma3-270m --out FILE.safetensors`\)"),
+                            ("self", r"train exit --model gemma3-270m --out FILE.safetensors --layers N"),
+                            ("staged", r"need a draft model for 'gemma3-270m'.*specdec train draft --model gemma3-270m")]:
+        with pytest.raises(SpecdecError, match=message):
+            specdec.load("gemma3-270m", method=method)        # before loading: nothing to load for it
+    state = SimpleNamespace(model_name="gemma3-270m", pool=SimpleNamespace(drafts={}), default=SpecChoice("suffix", 4),
+                            max_draft_tokens=16, generator=SimpleNamespace(num_draft_tokens=4))
+    with pytest.raises(ApiError) as e:
+        speculation(Speculative(method="eagle3"), state)
+    assert e.value.status == 400 and e.value.param == "speculative" and "no draft weights for gemma3-270m" in e.value.message
+    state.pool.drafts["eagle3"] = "head.safetensors"                # --draft-model given to the server
+    assert speculation(Speculative(method="eagle3"), state) == SpecChoice("eagle3", 4)
+    assert speculation(Speculative(method="suffix"), state) == SpecChoice("suffix", 4)

@@ -16,7 +16,7 @@ from . import names
 from .errors import SpecdecError
 from .models.base import CausalLM
 from .models.gguf_loader import load_gguf
-from .models.registry import DEFAULT_MODEL, resolve
+from .models.registry import DEFAULT_MODEL, MODELS, resolve
 from .models.tokenizer import Tokenizer
 from .prefix_cache import PrefixCache
 from .proposers.base import NoProposer, Proposer
@@ -460,13 +460,18 @@ def _lookahead_proposer(x: ProposerInputs) -> Proposer:
     return LookaheadProposer(LookaheadShape.parse(x.source) if x.source else LookaheadShape())
 
 
+def no_draft_for(model: str) -> SpecdecError:
+    return SpecdecError(f"methods 'draft' and 'staged' need a draft model for {model!r}: --draft-model "
+                        "NAME|PATH.gguf|self:N (draft_model=...; staged: one with the target's tokenizer), or train "
+                        f"one (`specdec train draft --model {model} --out FILE.safetensors`)")
+
+
 def load_draft(x: ProposerInputs) -> CausalLM:
     """The draft model `x.source` names (or is), or the distilled draft shipped for the target."""
     source = x.source
     if source is None:
         if getattr(x.target, "config", None) is None or (x.target.config.name, "draft") not in SHIPPED:
-            raise SpecdecError("methods 'draft' and 'staged' need a draft model for this target: draft_model=NAME|PATH|"
-                               "self:N (--draft-model), or train one with `specdec train draft`")
+            raise no_draft_for(getattr(getattr(x.target, "config", None), "name", "MODEL"))
         source = str(shipped(x.target.config.name, "draft"))
     if not isinstance(source, str):
         return source                                         # a loaded model
@@ -566,13 +571,23 @@ def eagle3_proposer(target: CausalLM, head: DraftSource, tree: TreeShape, sample
 hybrid_head = eagle3_proposer
 
 
+WEIGHTS_OF = {"draft": "draft", "staged": "draft", "self": "exit", "eagle": "eagle", "eagle3": "eagle3",
+              "hybrid": "eagle3", "medusa": "medusa"}      # method -> the kind of shipped weights it drafts with
+
+
+def has_shipped(model: str, kind: str) -> bool:
+    name = SHIPPED.get((model, kind))
+    return name is not None and (WEIGHTS_DIR / name).is_file()
+
+
 def shipped(model: str, kind: str) -> Path:
     """The weights we ship for (model, kind), or a clear error naming the training command."""
-    name = SHIPPED.get((model, kind))
-    if name is None or not (WEIGHTS_DIR / name).is_file():
-        raise SpecdecError(f"no shipped {kind} weights for {model!r}; train them with `specdec train {kind} --model {model}` "
-                           f"and pass the file as draft_model=PATH (--draft-model; for export: --weights)")
-    return WEIGHTS_DIR / name
+    if not has_shipped(model, kind):
+        layers = " --layers N" if kind == "exit" else ""
+        raise SpecdecError(f"no shipped {kind} weights for {model!r}; train them (`specdec train {kind} --model {model} "
+                           f"--out FILE.safetensors{layers}`) and draft with the file (--draft-model FILE, "
+                           "draft_model=FILE)")
+    return WEIGHTS_DIR / SHIPPED[(model, kind)]
 
 
 def early_exit_draft(target: CausalLM, spec: str) -> CausalLM:
@@ -645,6 +660,11 @@ def load(model: str | Path = DEFAULT_MODEL, method: str = names.AUTO_METHOD, dty
         raise SpecdecError(f"a draft tree shape ({tree}) applies to methods 'eagle' and 'eagle3' only, not {method!r}")
     if method != names.AUTO_METHOD:
         sample_drafts_from(sample_drafts, method, tree)      # a setting that does not apply fails before loading
+    if draft_model is None and str(model) in MODELS and not has_shipped(str(model), WEIGHTS_OF.get(method, "draft")):
+        if method in ("draft", "staged"):                    # weights it lacks: refused before loading too
+            raise no_draft_for(str(model))
+        if method in WEIGHTS_OF:
+            shipped(str(model), WEIGHTS_OF[method])
     target, tok, name = load_model(str(model), dtype, device)
     if method == names.AUTO_METHOD:
         method = best_method(target)

@@ -25,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..api import DraftSource, Generator, runtime_info
+from ..api import WEIGHTS_OF, DraftSource, Generator, has_shipped, runtime_info
 from ..draft_length import MAX_DRAFT_TOKENS
 from ..engine import Request
 from ..errors import SpecdecError
@@ -195,6 +195,10 @@ def speculation(value: Speculative | None, state: ServerState) -> SpecChoice:
     method = value.method or state.default.method
     if method == "none":
         return SpecChoice("none", 0)
+    if method in WEIGHTS_OF and not state.pool.drafts.get(method) and not has_shipped(state.model_name,
+                                                                                       WEIGHTS_OF[method]):
+        raise bad(f"method {method!r} has no draft weights for {state.model_name} on this server; ask for another "
+                  "method (e.g. suffix), or start the server with --draft-model for it", "speculative")
     k = value.num_draft_tokens or state.default.num_draft_tokens or state.generator.num_draft_tokens
     if k > state.max_draft_tokens:
         raise bad(f"speculative.num_draft_tokens must be <= {state.max_draft_tokens}, got {k}", "speculative")
