@@ -136,3 +136,10 @@ def test_cancelling_a_half_prefilled_prompt_frees_its_row():
         assert not eng.busy and eng.free == [0]
         out, _ = run(eng, [prompt(200, 8)])
     assert len(out[0]) == NEW
+
+
+def test_a_disabled_prefix_cache_looks_nothing_up_and_counts_nothing():
+    off = PrefixCache(0)
+    assert off.lookup(list(range(3 * PREFILL_PIECE))) == [] and off.queried_tokens == 0 and off.hit_tokens == 0
+    on = PrefixCache(1 << 20)
+    assert on.lookup(list(range(3 * PREFILL_PIECE))) == [] and on.queried_tokens == 3 * PREFILL_PIECE

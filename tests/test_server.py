@@ -645,6 +645,9 @@ def test_a_chats_next_turn_reuses_its_prefix_exactly(gen, server, client):
     hits = metric(server.metrics(), "specdec:prefix_cache_hits_total")
     got = client.chat.completions.create(model=MODEL, messages=turn2, max_tokens=12, temperature=0)
     assert metric(server.metrics(), "specdec:prefix_cache_hits_total") - hits == 128
+    held = server.metrics()                                   # what it holds, within its bound
+    assert 0 < metric(held, "specdec:prefix_cache_bytes") <= server.state.pool.prefix_cache.capacity_bytes
+    assert metric(held, "specdec:prefix_cache_pieces") >= 1
     want = gen.generate(ids, max_new_tokens=12)
     assert got.choices[0].message.content == want.text
 

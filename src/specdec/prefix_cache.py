@@ -60,9 +60,11 @@ class PrefixCache:
 
     def lookup(self, tokens: list[int], features: tuple[int, ...] = ()) -> list[Piece]:
         """The cached pieces that start `tokens` (prefilled returning `features`), in order (stops at the first miss)."""
+        if not self.enabled:
+            return []                                            # nothing looked up, nothing counted
         self.queried_tokens += len(tokens)
         found = []
-        for key in piece_keys(tokens, features) if self.enabled else []:
+        for key in piece_keys(tokens, features):
             piece = self.pieces.get(key)
             if piece is None:
                 break

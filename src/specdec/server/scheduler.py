@@ -33,7 +33,7 @@ from typing import Callable, Iterator
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..api import DraftSource, Generator, make_proposer, serve_sample_drafts
 from ..names import DEFAULT_SAMPLE_DRAFTS
@@ -137,11 +137,15 @@ class PrefixCacheCollector:
     def __init__(self, cache: PrefixCache) -> None:
         self.cache = cache
 
-    def collect(self) -> Iterator[CounterMetricFamily]:
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         yield CounterMetricFamily("specdec:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                   value=self.cache.queried_tokens)
         yield CounterMetricFamily("specdec:prefix_cache_hits", "Prompt tokens served from the prefix cache",
                                   value=self.cache.hit_tokens)
+        yield GaugeMetricFamily("specdec:prefix_cache_bytes", "Bytes the prefix cache holds (its bound: "
+                                "--prefix-cache-mb)", value=self.cache.nbytes)
+        yield GaugeMetricFamily("specdec:prefix_cache_pieces", "Prefill pieces the prefix cache holds",
+                                value=len(self.cache.pieces))
 
 
 class ServerMetrics:
