@@ -18,7 +18,7 @@ from specdec.proposers.eagle import EagleProposer
 from specdec.reference import reference_greedy
 from specdec.sampling import SamplingParams
 from specdec.server import ServeConfig, ServerState
-from specdec.server.learn import AcceptanceStats, LearnConfig, TrafficBuffer
+from specdec.server.learn import AcceptanceStats, LearnConfig, TrafficBuffer, earlier_report
 from specdec.server.scheduler import Done, Job, SpecChoice
 
 PROMPTS = [[5, 17, 3, 44, 90, 12, 7], [61, 33, 2, 80, 15, 9, 9, 4, 71], [3, 5, 7, 9, 11], [42, 1, 42, 1, 42, 8]]
@@ -175,11 +175,14 @@ def test_the_learnt_head_is_kept_and_drafted_with_after_a_restart(target, head_f
     weights = [k for k in learnt if k != "vocab_ids"]
     assert all(torch.equal(loaded[k].to(torch.bfloat16), learnt[k]) for k in weights)
     assert any(not torch.equal(loaded[k], shipped[k]) for k in weights)
+    assert earlier_report(path)["learnt_updates"] == first.learner.updates
     again.scheduler.start()
     try:
         assert serve(again, requests(GREEDY)) == [reference_greedy(target, p, NEW) for p in PROMPTS]
+        wait_for(lambda: again.learner.updates >= 1)
     finally:
         again.scheduler.stop()
+    assert earlier_report(path)["learnt_updates"] == first.learner.updates + again.learner.updates   # across restarts
 
 
 def test_a_checkpoint_of_another_target_is_refused_at_start(target, head_file, tmp_path):

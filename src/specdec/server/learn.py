@@ -337,6 +337,18 @@ class HeadTrainer:
         tmp.replace(path)
 
 
+def earlier_report(path: Path) -> dict[str, int]:
+    """The learning totals a checkpoint's report holds (counted across restarts); none where it has no report."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        try:
+            report = json.loads((f.metadata() or {}).get("report", "{}"))
+        except ValueError:
+            return {}
+    return {k: int(report[k]) for k in ("learnt_updates", "learnt_tokens") if isinstance(report.get(k), int)}
+
+
 class OnlineLearner:
     """Collects the traffic of the methods drafting with the EAGLE-3 head (eagle3, hybrid) and distils it into
     the live heads, on the worker thread only."""
@@ -345,8 +357,10 @@ class OnlineLearner:
         self.config, self.target = config, target
         self.path = config.checkpoint_path(model)
         writable_file(self.path, "--learn-checkpoint")     # learning that cannot be kept: refused at start
+        self.earlier = {"learnt_updates": 0, "learnt_tokens": 0}   # what the checkpoint's earlier runs learnt
         if self.path.exists():
             Eagle3Head.load(self.path, target)               # another target's or a misshapen file: refused at start
+            self.earlier.update(earlier_report(self.path))
         self.metrics = LearnMetrics(registry)
         self.buffer = TrafficBuffer(config.buffer_tokens)
         self.stats = {m: AcceptanceStats(config.recent_requests) for m in LEARNED_METHODS}   # per method
@@ -426,7 +440,8 @@ class OnlineLearner:
         """Write the learnt head to the checkpoint file."""
         if self.trainer is None:
             return
-        self.trainer.save(self.path, {"learnt_updates": self.updates, "learnt_tokens": self.tokens_learnt})
+        self.trainer.save(self.path, {"learnt_updates": self.earlier["learnt_updates"] + self.updates,
+                                      "learnt_tokens": self.earlier["learnt_tokens"] + self.tokens_learnt})
         self.saved_updates = self.updates
         self.last_save = time.monotonic()
 
