@@ -496,13 +496,14 @@ BAD = [  # (what, path, body, status, param)
     ("unknown model and a bad field", "/v1/completions", {"model": "gpt-4", "prompt": 5}, 404, "model"),
     # a lone surrogate ("\\ud800" is valid JSON, not Unicode): a 400, never a tokenizer's or encoder's 500
     ("lone surrogate in content", "/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]},
-     400, None),
-    ("lone surrogate in a prompt", "/v1/completions", {"prompt": "hi \udc00"}, 400, None),
-    ("lone surrogate in a stop", "/v1/completions", {"prompt": "hi", "stop": ["a", "\ud800"]}, 400, None),
+     400, "messages"),
+    ("lone surrogate in a prompt", "/v1/completions", {"prompt": "hi \udc00"}, 400, "prompt"),
+    ("lone surrogate in a stop", "/v1/completions", {"prompt": "hi", "stop": ["a", "\ud800"]}, 400, "stop"),
     ("lone surrogate in the model", "/v1/completions", {"model": "\ud800", "prompt": "hi"}, 404, "model"),
     ("lone surrogate in a field name", "/v1/completions", {"prompt": "hi", "\ud800": 1}, 400, None),
     ("lone surrogate in a prediction", "/v1/completions",
-     {"prompt": "hi", "prediction": {"type": "content", "content": [{"type": "text", "text": "\ud800"}]}}, 400, None),
+     {"prompt": "hi", "prediction": {"type": "content", "content": [{"type": "text", "text": "\ud800"}]}}, 400,
+     "prediction"),
 ]
 
 

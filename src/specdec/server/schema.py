@@ -10,6 +10,7 @@ checked after validation, in app.py.
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Callable, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, GetPydanticSchema, ValidationInfo, model_validator
@@ -178,8 +179,9 @@ def describe(error: dict) -> tuple[str, str | None, str | None]:
     """One pydantic error of a request body (loc starting with "body") -> (message, param, code)."""
     loc = tuple(error["loc"])[1:] if tuple(error["loc"])[:1] == ("body",) else tuple(error["loc"])
     kind, value, ctx = error["type"], error.get("input"), error.get("ctx") or {}
-    if kind == SURROGATE:
-        return error["msg"], None, None
+    if kind == SURROGATE:                                  # its path names the field: messages[0].content -> messages
+        field = re.match(r"[A-Za-z_]+", ctx.get("path", ""))
+        return error["msg"], field.group(0) if field and ctx["path"] != "body" else None, None
     if kind == "json_invalid":
         return f"the request body is not valid JSON: {ctx.get('error', error['msg'])}", None, None
     if not loc or not isinstance(loc[0], str):
