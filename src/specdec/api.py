@@ -580,13 +580,17 @@ def has_shipped(model: str, kind: str) -> bool:
     return name is not None and (WEIGHTS_DIR / name).is_file()
 
 
+def missing(model: str, kind: str) -> str:
+    """Why (model, kind) has no weights, and the training command that makes them."""
+    layers = " --layers N" if kind == "exit" else ""
+    return (f"no shipped {kind} weights for {model!r}; train them (`specdec train {kind} --model {model} "
+            f"--out FILE.safetensors{layers}`) and draft with the file (--draft-model FILE, draft_model=FILE)")
+
+
 def shipped(model: str, kind: str) -> Path:
     """The weights we ship for (model, kind), or a clear error naming the training command."""
     if not has_shipped(model, kind):
-        layers = " --layers N" if kind == "exit" else ""
-        raise SpecdecError(f"no shipped {kind} weights for {model!r}; train them (`specdec train {kind} --model {model} "
-                           f"--out FILE.safetensors{layers}`) and draft with the file (--draft-model FILE, "
-                           "draft_model=FILE)")
+        raise SpecdecError(missing(model, kind))
     return WEIGHTS_DIR / SHIPPED[(model, kind)]
 
 
@@ -660,11 +664,9 @@ def load(model: str | Path = DEFAULT_MODEL, method: str = names.AUTO_METHOD, dty
         raise SpecdecError(f"a draft tree shape ({tree}) applies to methods 'eagle' and 'eagle3' only, not {method!r}")
     if method != names.AUTO_METHOD:
         sample_drafts_from(sample_drafts, method, tree)      # a setting that does not apply fails before loading
-    if draft_model is None and str(model) in MODELS and not has_shipped(str(model), WEIGHTS_OF.get(method, "draft")):
-        if method in ("draft", "staged"):                    # weights it lacks: refused before loading too
-            raise no_draft_for(str(model))
-        if method in WEIGHTS_OF:
-            shipped(str(model), WEIGHTS_OF[method])
+    kind = WEIGHTS_OF.get(method, "")                       # shipped weights it lacks: refused before loading too
+    if draft_model is None and kind and str(model) in MODELS and not has_shipped(str(model), kind):
+        raise no_draft_for(str(model)) if kind == "draft" else SpecdecError(missing(str(model), kind))
     target, tok, name = load_model(str(model), dtype, device)
     if method == names.AUTO_METHOD:
         method = best_method(target)
