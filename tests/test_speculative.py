@@ -276,3 +276,34 @@ def test_greedy_verification_from_logits_is_sampling_the_one_hot_for_any_uniform
         assert torch.equal(fast.path, slow.path) and torch.equal(fast.target_tokens, slow.target_tokens)
     assert torch.equal(sample(to_probs(logits, greedy), torch.full((6, 5), 0.999)), y)
     assert int(fast.num_accepted.sum()) > 0
+
+
+def test_one_generator_used_from_several_threads_takes_turns():
+    """The proposer keeps per-generation state (a draft model's cache rows): concurrent calls must not share it.
+    Threads take turns, each output equal to its sequential one; a second generation inside a running stream of
+    the same thread is refused (it would deadlock or share the state)."""
+    import threading
+
+    from specdec.errors import SpecdecError
+
+    target = tiny_model(seed=10)
+    gen = tiny_generator(target, DraftModelProposer(tiny_model(seed=12, layers=1)), "fixed", 3)
+    prompts = [p for p in PROMPTS[:4]]
+    want = [gen.generate(p, max_new_tokens=40).tokens for p in prompts]
+    got: list = [None] * len(prompts)
+
+    def run(i: int) -> None:
+        got[i] = gen.generate(prompts[i], max_new_tokens=40).tokens
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == want
+    stream = gen.stream(prompts[0], max_new_tokens=40)
+    next(stream)
+    with pytest.raises(SpecdecError, match="already generating in this thread"):
+        gen.generate(prompts[1], max_new_tokens=4)
+    stream.close()
+    assert gen.generate(prompts[1], max_new_tokens=40).tokens == want[1]                  # the turn is free again

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -169,7 +170,9 @@ def runtime_info(target: CausalLM) -> dict:
 
 
 class Generator:
-    """A target model, a proposer and a draft-length policy, ready to generate."""
+    """A target model, a proposer and a draft-length policy, ready to generate. It runs one generation at a time
+    (its proposer keeps per-generation state): calls from several threads take turns; for concurrent requests,
+    batch them in one call or serve them (`specdec serve` batches across requests)."""
 
     def __init__(self, target: CausalLM, tokenizer: Tokenizer, proposer: Proposer, policy_name: str = "fixed",
                  num_draft_tokens: int = 4, name: str = "model") -> None:
@@ -177,6 +180,8 @@ class Generator:
         self.target, self.tokenizer, self.proposer = target, tokenizer, proposer
         self.policy_name, self.num_draft_tokens, self.name = policy_name, num_draft_tokens, name
         self.method = proposer.name
+        self._turn = threading.Lock()          # one generation at a time: the proposer's state is per generator
+        self._running_in = 0                   # the thread id of the generation running (0: none)
 
     # ---- input handling -------------------------------------------------------------
     @staticmethod
@@ -287,13 +292,21 @@ class Generator:
         reqs = self._requests(prompts, max_new_tokens, params, stop, chat, truncate,
                               self._predictions(prediction, len(prompts), single))
         slots = max(len(r.prompt) for r in reqs) + max_new_tokens + scratch_slots(self.num_draft_tokens)
-        eng = self.engine(len(reqs), slots)
-        seqs = [eng.add(r) for r in reqs]
-        index = {id(s): i for i, s in enumerate(seqs)}
-        with torch.inference_mode():
-            while eng.busy:
-                for seq, piece in eng.step():
-                    yield index[id(seq)], piece, eng, seqs
+        if self._running_in == threading.get_ident():
+            raise SpecdecError("this generator is already generating in this thread (a stream not yet finished or "
+                               "closed): finish it first, or load another generator")
+        with self._turn:                       # calls from other threads wait for their turn
+            self._running_in = threading.get_ident()
+            try:
+                eng = self.engine(len(reqs), slots)
+                seqs = [eng.add(r) for r in reqs]
+                index = {id(s): i for i, s in enumerate(seqs)}
+                with torch.inference_mode():
+                    while eng.busy:
+                        for seq, piece in eng.step():
+                            yield index[id(seq)], piece, eng, seqs
+            finally:
+                self._running_in = 0
 
     # ---- public -----------------------------------------------------------------------
     def generate(self, prompt: Prompt | list[Prompt], max_new_tokens: int = 128, temperature: float = 0.0,
