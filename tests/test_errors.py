@@ -42,6 +42,14 @@ def test_a_directory_or_another_file_is_no_gguf(tmp_path):
         load_gguf(text, dtype=__import__("torch").float32)                 # refused before it is hashed
 
 
+def test_a_file_that_is_no_gguf_is_one_line_before_any_loading_note(tmp_path, capsys):
+    text = tmp_path / "notes.gguf"
+    text.write_text("hello")
+    assert main(["generate", "--prompt", "hi", "--model", str(text)]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"specdec: error: not a GGUF file: {text} (it does not begin "
+                                                    "with the GGUF magic bytes)"]
+
+
 def test_unsupported_architecture(tmp_path):
     import gguf
 

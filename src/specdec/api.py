@@ -16,7 +16,7 @@ from .engine import Engine, Request, scratch_slots
 from . import names
 from .errors import SpecdecError
 from .models.base import CausalLM
-from .models.gguf_loader import load_gguf
+from .models.gguf_loader import check_gguf, load_gguf
 from .models.registry import DEFAULT_MODEL, MODELS, resolve
 from .models.tokenizer import Tokenizer
 from .prefix_cache import PrefixCache
@@ -128,6 +128,7 @@ def load_model(name_or_path: str, dtype: str = "auto", device: str = "cpu") -> t
     dev = parse_device(device)
     dt, int4 = choose_dtype(parse_dtype(dtype), dev)
     name, path = resolve(name_or_path)
+    check_gguf(Path(path))                                   # a wrong file: its error alone, before the note
     logging.getLogger("specdec").info("loading %s (%s) and checking its kernels ...", name,
                                       "q4" if int4 else str(dt).removeprefix("torch."))
     model = load_gguf(path, dt, dev, name=name, int4=int4)
