@@ -234,29 +234,22 @@ def test_method_specs():
     specs = runner.parse_methods("eagle,eagle:4x16@auto", None)
     assert [(s.label, s.method, s.tree, s.policy) for s in specs[1:]] == [
         ("eagle", "eagle", TreeShape(1, 16), ""), ("eagle:4x16@auto", "eagle", TreeShape(4, 16), "auto")]
-    with pytest.raises(SpecdecError, match="TOPKxBUDGET"):
-        runner.parse_methods("eagle:wide", None)
-    with pytest.raises(SpecdecError, match="TOPKxBUDGET"):
-        runner.parse_methods("eagle:4x", None)
-    with pytest.raises(SpecdecError, match="'ngram' drafts from the context and takes no draft"):
-        runner.parse_methods("ngram=self:4", None)
-    with pytest.raises(SpecdecError, match="gives an empty draft"):
-        runner.parse_methods("eagle3=", None)
     specs = runner.parse_methods("eagle3,eagle3@sample=on,eagle3@sample=off,eagle@auto@sample=on,hybrid@auto", None)
     assert [(s.label, s.method, s.policy, s.sample_drafts) for s in specs[1:]] == [
         ("eagle3", "eagle3", "", "auto"), ("eagle3@sample=on", "eagle3", "", "on"),
         ("eagle3@sample=off", "eagle3", "", "off"), ("eagle@auto@sample=on", "eagle", "auto", "on"),
         ("hybrid@auto", "hybrid", "auto", "auto")]
-    with pytest.raises(SpecdecError, match="applies to the EAGLE chains of eagle, eagle3 and hybrid.*not 'ngram'"):
-        runner.parse_methods("ngram@sample=on", None)
-    with pytest.raises(SpecdecError, match="with a tree"):
-        runner.parse_methods("eagle:4x16@sample=on", None)
-    with pytest.raises(SpecdecError, match="unknown setting 'sample=yes'.*sample=auto|on|off"):
-        runner.parse_methods("eagle3@sample=yes", None)
-    with pytest.raises(SpecdecError, match="sets its draft sampling twice"):
-        runner.parse_methods("eagle3@sample=on@sample=off", None)
-    with pytest.raises(SpecdecError, match="sets its draft policy twice"):
-        runner.parse_methods("eagle3@auto@fixed", None)
+    for spec, message in [
+            ("eagle:wide", "TOPKxBUDGET"), ("eagle:4x", "TOPKxBUDGET"),
+            ("ngram=self:4", "'ngram' drafts from the context and takes no draft"),
+            ("eagle3=", "gives an empty draft"),
+            ("ngram@sample=on", "applies to the EAGLE chains of eagle, eagle3 and hybrid.*not 'ngram'"),
+            ("eagle:4x16@sample=on", "with a tree"),
+            ("eagle3@sample=yes", "unknown setting 'sample=yes'.*sample=auto|on|off"),
+            ("eagle3@sample=on@sample=off", "sets its draft sampling twice"),
+            ("eagle3@auto@fixed", "sets its draft policy twice")]:
+        with pytest.raises(SpecdecError, match=message):
+            runner.parse_methods(spec, None)
     assert parse_peers("") == [] and parse_peers("transformers") == ["transformers"]
 
 

@@ -63,14 +63,14 @@ def check_output(out: Path, overwrite: bool) -> None:
         raise SpecdecError(f"{out} exists; pass --overwrite to replace it")
 
 
-def split_heldout(n: int, what: str = "rows") -> tuple[list[int], list[int]]:
+def split_heldout(n: int) -> tuple[list[int], list[int]]:
     """(training, held-out) indices of n shuffled rows: max(8, n / 20) held out; a clear error where none is left
     to train on."""
     from ..errors import SpecdecError
 
     n_eval = max(8, n // 20)
     if n <= n_eval:
-        raise SpecdecError(f"{n} {what} leave none to train on after the {n_eval} held out for validation; give "
+        raise SpecdecError(f"{n} rows leave none to train on after the {n_eval} held out for validation; give "
                            f"more data (a larger --max-rows, or more rows in --data)")
     return list(range(n_eval, n)), list(range(n_eval))
 
