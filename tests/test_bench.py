@@ -324,7 +324,8 @@ def test_loop_peer_times_the_loop_and_runs_greedy_only():
 
 
 class ScaledPeer(FakePeer):
-    """A yardstick peer giving our plain decoding's tokens (one changed when ``wrong``) in ``scale`` x its time."""
+    """A yardstick peer giving our plain decoding's tokens (one changed when ``wrong``) in ``scale`` x 10 ms per
+    token (a fixed time: the test checks the report, not this machine's speed)."""
 
     yardstick = True
 
@@ -336,7 +337,7 @@ class ScaledPeer(FakePeer):
         out = super().generate(ids, max_new_tokens, params)
         if self.wrong and len(ids) > 15:                                      # the mt_bench prompt's second turn
             out.tokens[0] += 1
-        return runner.Generation(out.tokens, out.seconds * self.scale, None)
+        return runner.Generation(out.tokens, 0.01 * self.scale * len(out.tokens), None)
 
 
 def test_report_compares_every_method_with_the_fastest_yardstick(target, tmp_path):
@@ -353,7 +354,7 @@ def test_report_compares_every_method_with_the_fastest_yardstick(target, tmp_pat
     section = text.split("## Speedup over `plain-fast`")[1].split("\n## ")[0]
     none_row = next(line for line in section.splitlines() if line.startswith("| `none` |"))
     ratio = results["summary"]["peers"]["plain-fast"]["overall"]["speedup_of"]["none"]
-    assert 0.3 < ratio < 0.8 and none_row.endswith(f"{ratio:.2f}× |")
+    assert ratio > 0 and none_row.endswith(f"{ratio:.2f}× |")
     assert bench(target, found, repeats=1)["summary"]["yardstick"] == {}
 
 

@@ -25,6 +25,9 @@ def test_transform_greedy_and_edge_cases():
     assert torch.equal(greedy.argmax(-1), logits.argmax(-1)) and torch.all(greedy.max(-1).values == 1)
     assert torch.equal(to_probs(logits, bs(0.8, k=1, n=3)), greedy)            # top_k=1 == greedy
     assert torch.equal(to_probs(logits, bs(1.3, p=1e-6, n=3)), greedy)         # tiny top_p == greedy
+    assert torch.equal(to_probs(logits, bs(1.3, p=1e-300, n=3)), greedy)       # 0 in float32: the top token stays
+    for t in (1e-20, 1e-38, 1e-44):                  # the quotient would overflow: the limit, no NaN
+        assert torch.equal(to_probs(logits * 50, bs(t, n=3)), greedy)
     p = to_probs(logits, bs(1.0, k=7, n=3))
     assert torch.all((p > 0).sum(-1) == 7)
     torch.testing.assert_close(p.sum(-1), torch.ones(3, 2))

@@ -141,7 +141,7 @@ def test_completion_token_ids_prompt(gen, client):
 def test_completion_stream(gen, client):
     want = offline(gen, PROMPT, 16, chat=False)
     chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+                                            stream_options={"include_usage": True, "include_obfuscation": False}))
     assert all(c.object == "text_completion" for c in chunks)
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == want.text and len([c for c in chunks if c.choices and c.choices[0].text]) > 3
@@ -436,6 +436,13 @@ BAD = [  # (what, path, body, status, param)
     ("over-long chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
     ("unsupported field", "/v1/completions", {"prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
     ("unsupported value", "/v1/completions", {"prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    ("logprobs 0 (OpenAI: the sampled tokens' logprobs)", "/v1/completions", {"prompt": "hi", "logprobs": 0}, 400,
+     "logprobs"),
+    ("a value nested 600 deep", "/v1/completions", {"prompt": "hi", "x": json.loads("[" * 600 + "]" * 600)}, 400, "x"),
+    ("logit_bias nested 600 deep", "/v1/completions", {"prompt": "hi", "logit_bias": json.loads('{"a":' * 600 + "1"
+                                                                                                 + "}" * 600)}, 400,
+     "logit_bias"),
+    ("not UTF-8", "/v1/completions", b'{"prompt": "hi \xff"}', 400, None),
     ("n > 1", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
     ("missing prompt", "/v1/completions", {"max_tokens": 2}, 400, "prompt"),
     ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "prompt"),

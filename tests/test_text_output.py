@@ -180,3 +180,24 @@ def test_a_stop_string_ends_speculation_at_plain_decodings_token():
         spec = ByteTokenizerEngine.run(prompt, (stop,), draft=True)
         assert spec == plain and plain[2] == "stop"
         assert byte_decode(plain[1]).find(stop) == len(byte_decode(plain[1])) - len(stop)
+
+
+def test_counters_keep_only_the_drafts_of_tokens_the_output_keeps():
+    """A stop string inside a step that accepted every draft: the dropped tokens take their accepted drafts
+    with them, so accepted drafts never outnumber the tokens returned (each forward adds at most one)."""
+    prompt = list(b"The engine")
+    text, _, _ = ByteTokenizerEngine.run(prompt, ())
+    for i in (3, 5, 9, 14):
+        stop = next(text[j:j + 2] for j in range(i, len(text)) if "\ufffd" not in text[j:j + 2])
+        target = tiny_model(seed=3, vocab=256)
+        eng = Engine(target, DraftModelProposer(target), make_policy("fixed", 4), byte_decode, frozenset())
+        eng.allocate(1, len(prompt) + 68)
+        seq = eng.add(Request(prompt, 60, stop=(stop,)))
+        with torch.inference_mode():
+            while eng.busy:
+                eng.step()
+        c = seq.counters
+        assert seq.finish_reason == "stop" and c.new_tokens == len(seq.generated)
+        assert c.accepted < c.new_tokens and c.new_tokens - c.accepted <= c.target_forwards
+        assert sum(c.accepted_at) == c.accepted and sum(c.drafted_at) == c.drafted
+        assert c.accepted == c.drafted                 # every draft kept was accepted (the draft is the target)

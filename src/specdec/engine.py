@@ -365,9 +365,7 @@ class Engine:
         offered = draft.offered()                                                          # [B]
         predicted = (draft.predicted & (offered > 0)).tolist()
         for s, valid, n, pred in zip(seqs, offered.tolist(), verdict.num_new.tolist(), predicted):
-            s.counters.record_step(valid, n - 1, n)
-            if pred:
-                s.counters.record_prediction(valid, n - 1)
+            s.counters.record_step(valid, n - 1, n, pred)
             s.counters.draft_seconds += draft_s
             s.counters.target_seconds += target_s
         if not any(predicted):        # the policy learns the method's drafts, not the predictions'
@@ -380,7 +378,7 @@ class Engine:
         prompt = len(s.request.prompt)
         for i in range(max(first_new, prompt), len(s.tokens)):
             if s.tokens[i] in self.eos_ids:
-                s.counters.new_tokens -= len(s.tokens) - (i + 1)
+                s.counters.drop_last(len(s.tokens) - (i + 1))
                 del s.tokens[i + 1:]
                 s.finish_reason = "stop"
                 return
@@ -388,7 +386,7 @@ class Engine:
         if extra >= 0:
             if extra:
                 del s.tokens[-extra:]
-                s.counters.new_tokens -= extra
+                s.counters.drop_last(extra)
             s.finish_reason = "length"
 
     def _emit(self, s: SequenceState) -> str:
@@ -407,7 +405,7 @@ class Engine:
             cut = len(s.tokens) - (start + used)
             if cut:
                 del s.tokens[start + used:]
-                s.counters.new_tokens -= cut
+                s.counters.drop_last(cut)
                 s.read = len(s.tokens)
         s.text += piece
         return piece

@@ -17,20 +17,40 @@ class Counters:
     wall_seconds: float = 0.0
     accepted_prediction: int = 0                       # drafts taken from the request's prediction: accepted
     rejected_prediction: int = 0                       # ... and rejected
+    last: tuple[int, int, int, bool] = (0, 0, 0, False)   # the last step's (valid, accepted, committed, predicted)
 
-    def record_step(self, valid: int, accepted: int, committed: int) -> None:
-        """One target forward that proposed `valid` drafts, accepted `accepted`, committed `committed` tokens."""
+    def record_step(self, valid: int, accepted: int, committed: int, predicted: bool = False) -> None:
+        """One target forward that proposed `valid` drafts (from the request's prediction if `predicted`),
+        accepted `accepted`, committed `committed` tokens."""
+        self._count(valid, accepted, committed, predicted, 1)
         self.target_forwards += 1
-        self.new_tokens += committed
-        self.drafted += valid
-        self.accepted += accepted
+        self.last = (valid, accepted, committed, predicted)
+
+    def drop_last(self, n: int) -> None:
+        """The last step's final `n` committed tokens are dropped (they followed the end of the output: an
+        EOS, max_new_tokens, a stop string): the counters keep its drafts up to the tokens that stay, so
+        accepted drafts never outnumber the tokens a user gets."""
+        valid, accepted, committed, predicted = self.last
+        n = min(n, committed)
+        kept = committed - n
+        self._count(valid, accepted, committed, predicted, -1)
+        self.last = (min(valid, kept), min(accepted, kept), kept, predicted)
+        self._count(*self.last, 1)
+
+    def _count(self, valid: int, accepted: int, committed: int, predicted: bool, sign: int) -> None:
+        self.new_tokens += sign * committed
+        self.drafted += sign * valid
+        self.accepted += sign * accepted
+        if predicted:
+            self.accepted_prediction += sign * accepted
+            self.rejected_prediction += sign * (valid - accepted)
         while len(self.drafted_at) < valid:
             self.drafted_at.append(0)
             self.accepted_at.append(0)
         for i in range(valid):
-            self.drafted_at[i] += 1
+            self.drafted_at[i] += sign
             if i < accepted:
-                self.accepted_at[i] += 1
+                self.accepted_at[i] += sign
 
     def merge(self, other: "Counters") -> None:
         for name in ("new_tokens", "target_forwards", "drafted", "accepted",
@@ -39,11 +59,6 @@ class Counters:
         n = max(len(self.drafted_at), len(other.drafted_at))
         self.drafted_at = [a + b for a, b in zip(self.drafted_at + [0] * n, other.drafted_at + [0] * n)][:n]
         self.accepted_at = [a + b for a, b in zip(self.accepted_at + [0] * n, other.accepted_at + [0] * n)][:n]
-
-    def record_prediction(self, valid: int, accepted: int) -> None:
-        """Of this step's `valid` drafts (all from the request's prediction), `accepted` were accepted."""
-        self.accepted_prediction += accepted
-        self.rejected_prediction += valid - accepted
 
     def as_dict(self, speculative: bool) -> dict:
         """The public metrics object (keys fixed by the CLI's --json contract)."""

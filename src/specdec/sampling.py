@@ -45,6 +45,9 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+MIN_TEMPERATURE = 1e-30   # smaller positive temperatures compute as this one (the same distribution in float32)
+
+
 @dataclass(frozen=True)
 class BatchSampling:
     """Per-sequence sampling parameters as tensors, so one transform serves a mixed batch."""
@@ -79,7 +82,9 @@ def to_probs(logits: Tensor, s: BatchSampling) -> Tensor:
     greedy = s.temperature <= 0                                                 # [B]
     if bool(greedy.all()):
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    temp = torch.where(greedy, torch.ones_like(s.temperature), s.temperature)
+    # below MIN_TEMPERATURE the quotient would overflow float32 (inf - inf = NaN in the softmax); the clamp
+    # changes no distribution: logits that differ at all are already a factor e^(1e23) apart there
+    temp = torch.where(greedy, torch.ones_like(s.temperature), s.temperature.clamp(min=MIN_TEMPERATURE))
     x = logits / temp[:, None, None]
     if bool((s.top_k > 0).any()):
         k = torch.where(s.top_k > 0, s.top_k.clamp(max=V), torch.full_like(s.top_k, V))   # [B]
@@ -91,7 +96,8 @@ def to_probs(logits: Tensor, s: BatchSampling) -> Tensor:
     if bool(nucleus.any()):
         sp, si = probs.sort(dim=-1, descending=True, stable=True)
         before = sp.cumsum(-1) - sp                                             # mass strictly before each token
-        drop = before >= s.top_p[:, None, None]                                 # top-1 always kept
+        drop = before >= s.top_p[:, None, None]
+        drop[..., 0] = False                          # the most likely token stays (top_p may round to 0 in float32)
         sp = sp.masked_fill(drop, 0.0)
         cut = torch.zeros_like(probs).scatter_(-1, si, sp)
         cut = cut / cut.sum(-1, keepdim=True)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import secrets
 from pathlib import Path
 
 from ..errors import SpecdecError
@@ -32,6 +34,9 @@ class Tokenizer:
         ids = {vocab[special["eos_token"]]} if special.get("eos_token") in vocab else set()
         ids |= {vocab[t] for t in END_OF_TURN if t in vocab}
         self.eos_ids = frozenset(ids)
+        self._control = sorted((t.content for t in backend.get_added_tokens_decoder().values() if t.special and t.content),
+                               key=len, reverse=True)                           # control tokens' texts, longest first
+        self._literal = None                       # a copy that encodes control tokens' texts as plain text
         self.has_chat_template = bool(chat_template)
         self._template = None
         if chat_template:
@@ -76,7 +81,31 @@ class Tokenizer:
         return self._ids(text, True)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
-        return self._ids(self.render_chat(messages), False)
+        """The rendered chat's token ids. Message text is plain text, as OpenAI's API treats it: a control
+        token's text typed in it (`<|im_end|>`, `<|im_start|>system`) is encoded as ordinary text, never as the
+        control token, so no message can open or close turns of its own; the template's own control tokens
+        stay (a raw prompt, `encode(text, chat=False)`, keeps them too)."""
+        found = [t for t in self._control if any(t in m["content"] for m in messages if isinstance(m.get("content"), str))]
+        if not found:
+            return self._ids(self.render_chat(messages), False)
+        mark = f"\x00{secrets.token_hex(8)}:"                      # stands for a control text inside a message
+        pattern = re.compile("|".join(re.escape(t) for t in found))
+        marked = [{**m, "content": pattern.sub(lambda x: f"{mark}{found.index(x.group(0))}\x00", m["content"])}
+                  if isinstance(m.get("content"), str) else m for m in messages]
+        pieces = re.split(re.escape(mark) + r"(\d+)\x00", self.render_chat(marked))   # text, index, text, ...
+        if self._literal is None:
+            from tokenizers import Tokenizer as Backend
+
+            literal = Backend.from_str(self.backend.to_str())
+            literal.encode_special_tokens = True
+            self._literal = literal                 # set whole: another thread may encode meanwhile
+        ids = []
+        for i, piece in enumerate(pieces):
+            if i % 2:
+                ids += self._literal.encode_batch([found[int(piece)]], add_special_tokens=False)[0].ids
+            elif piece:
+                ids += self._ids(piece, False)
+        return ids
 
     def _ids(self, text: str, special: bool) -> list[int]:
         """`text`'s token ids, through `encode_batch`: it releases the GIL while it runs (`encode` holds it: a

@@ -565,7 +565,11 @@ def add_error_handlers(app: FastAPI, routes: Routes) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: HttpRequest, e: StarletteHTTPException) -> JSONResponse:
         code = "not_found" if e.status_code == 404 else None
-        return routes.error_response(request, e.status_code, str(e.detail), None, code)
+        detail = str(e.detail)
+        if e.status_code == 400 and detail == "There was an error parsing the body":      # FastAPI's words
+            detail = ("the request body could not be parsed: send one JSON object as UTF-8 text, uncompressed "
+                      "(no Content-Encoding), nested less than 1000 levels deep")
+        return routes.error_response(request, e.status_code, detail, None, code)
 
     @app.exception_handler(Exception)
     async def internal_error(request: HttpRequest, e: Exception) -> JSONResponse:

@@ -70,6 +70,7 @@ class Prediction(Body):
 
 class StreamOptions(Body):
     include_usage: bool | None = None
+    include_obfuscation: Annotated[bool, neutral(False)] | None = None
 
 
 class Speculative(Body):
@@ -83,17 +84,23 @@ class Message(Body):
     content: Content
 
 
-def surrogate_paths(value: Any, path: str = "") -> list[str]:
+def surrogate_paths(value: Any) -> list[str]:
     """The paths of the strings in a JSON value (keys included) that hold a lone surrogate (U+D800-U+DFFF):
-    valid JSON (\\ud800), but not Unicode, so no tokenizer or UTF-8 encoder takes them."""
-    if isinstance(value, str):
-        return [path or "body"] if any("\ud800" <= c <= "\udfff" for c in value) else []
-    if isinstance(value, dict):
-        return [p for k, v in value.items()
-                for p in surrogate_paths(k, path or "body") + surrogate_paths(v, f"{path}.{k}" if path else str(k))]
-    if isinstance(value, list):
-        return [p for i, v in enumerate(value) for p in surrogate_paths(v, f"{path}[{i}]")]
-    return []
+    valid JSON (\\ud800), but not Unicode, so no tokenizer or UTF-8 encoder takes them. Walked with a stack
+    of its own, so a deeply nested body costs no recursion."""
+    found, todo = [], [(value, "")]
+    while todo:
+        item, path = todo.pop()
+        if isinstance(item, str):
+            if any("\ud800" <= c <= "\udfff" for c in item):
+                found.append(path or "body")
+        elif isinstance(item, dict):
+            for k, v in reversed(list(item.items())):
+                todo.append((v, f"{path}.{k}" if path else str(k)))
+                todo.append((k, path or "body"))
+        elif isinstance(item, list):
+            todo.extend((v, f"{path}[{i}]") for i, v in reversed(list(enumerate(item))))
+    return found
 
 
 class CommonRequest(Body):
@@ -128,7 +135,7 @@ class CommonRequest(Body):
 class CompletionRequest(CommonRequest):
     """POST /v1/completions."""
     prompt: Prompt
-    logprobs: Annotated[bool | int, neutral(0, False)] | None = None
+    logprobs: Annotated[bool | int, neutral(False)] | None = None
     echo: Annotated[bool, neutral(False)] | None = None
     best_of: Annotated[int, neutral(1)] | None = None
     suffix: Annotated[str, neutral("")] | None = None
