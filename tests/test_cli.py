@@ -6,7 +6,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -72,14 +71,20 @@ def test_mistyped_command_suggests_the_closest():
                    "choose one of: generate, info, bench, serve, train, export")
 
 
-def test_help_is_fast():
-    """`specdec --help` imports nothing heavy: well under half a second (Python's own start included)."""
-    runs = []
-    for _ in range(3):
-        start = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "specdec.cli", "--help"], capture_output=True, timeout=60, check=True)
-        runs.append(time.perf_counter() - start)
-    assert min(runs) < 0.5, runs
+def test_help_imports_nothing_heavy():
+    """`specdec --help` (and a bare `specdec`) import neither torch nor numpy nor transformers: what makes a
+    call take seconds (checked by the modules loaded, not by a time on a shared machine)."""
+    probe = ("import sys, contextlib, io\n"
+             "from specdec.cli import main\n"
+             "for args in (['--help'], []):\n"
+             "    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+             "        try:\n"
+             "            main(args)\n"
+             "        except SystemExit:\n"
+             "            pass\n"
+             "print(sorted(m for m in ('torch', 'numpy', 'transformers', 'tokenizers') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_keyboard_interrupt_is_one_line_exit_130(monkeypatch, capsys):
