@@ -49,6 +49,8 @@ class TinyTokenizer:
         self.eos_ids = frozenset() if eos is None else frozenset({eos})
         self.has_chat_template = False
         self.vocab = {str(i): i for i in range(vocab_size)}
+        self.bos_id = -1
+        self.byte_ids: frozenset[int] = frozenset()
 
     def encode(self, text: str, chat: bool) -> list[int]:
         return [int(t) % self.vocab_size for t in text.split()]

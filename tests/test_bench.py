@@ -28,6 +28,8 @@ class ChatTokenizer:
         self.vocab_size = vocab_size
         self.eos_ids: frozenset[int] = frozenset()
         self.vocab = {str(i): i for i in range(vocab_size)}
+        self.bos_id = -1
+        self.byte_ids: frozenset[int] = frozenset()
 
     def encode(self, text: str, chat: bool) -> list[int]:
         ids = [int(t) % self.vocab_size for t in text.split()]

@@ -197,6 +197,17 @@ def test_prompt_file_dash_reads_standard_input(monkeypatch):
         cli.read_text("-", "prompt")
 
 
+def test_a_file_and_a_pipe_give_the_text_as_written(monkeypatch, tmp_path):
+    import io
+
+    import specdec.cli as cli
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"one\r\ntwo\rthree")))
+    crlf = tmp_path / "crlf.txt"
+    crlf.write_bytes(b"one\r\ntwo\rthree")
+    assert cli.read_text(str(crlf), "prompt") == cli.read_text("-", "prompt") == "one\r\ntwo\rthree"
+
+
 def test_a_reader_that_closes_early_is_a_quiet_exit(monkeypatch, capsys):
     import specdec.cli as cli
 
@@ -309,3 +320,27 @@ def test_training_data_defaults_to_the_shipped_shards_from_any_directory(monkeyp
     assert main(["train", "magpie", "--out", "shards"]) == 0
     assert seen[0].is_absolute() and seen[0].resolve() == seen[2].resolve() == shipped
     assert seen[1] == Path("mine") and seen[3] == Path("shards")
+
+
+def test_text_a_terminal_cannot_encode_is_replaced_not_a_traceback(monkeypatch):
+    import io
+    from types import SimpleNamespace
+
+    import specdec.cli as cli
+
+    metrics = {"new_tokens": 2, "wall_seconds": 0.1, "tokens_per_second": 20.0, "target_forwards": 2, "tau": 1.0,
+               "acceptance_rate": None}
+
+    class Gen:
+        method, tokenizer = "none", SimpleNamespace(has_chat_template=False)
+        last_result = SimpleNamespace(metrics=metrics)
+
+        def stream(self, prompt, **kw):
+            yield from ("Tokyo: ", "東京")
+
+    out = io.TextIOWrapper(io.BytesIO(), encoding="latin-1")
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(specdec, "load", lambda *a, **kw: Gen())
+    assert main(["generate", "--prompt", "Hi"]) == 0
+    out.flush()
+    assert out.buffer.getvalue() == b"Tokyo: ??\n"

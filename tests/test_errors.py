@@ -88,9 +88,11 @@ def test_bad_generation_arguments(kw, msg):
 
 def test_empty_prompts():
     gen = tiny_generator(tiny_model())
-    for bad in ("", "   ", [], [[]]):
+    for bad in ("", [], [[]], " \n"):                  # (the tiny tokenizer spells white space as no tokens)
         with pytest.raises(SpecdecError, match="empty prompt"):
             gen.generate(bad)
+    gen.tokenizer.encode = lambda text, chat: [3] * len(text)      # a real one spells it as tokens: a prompt
+    assert len(gen.generate(" \n", max_new_tokens=2).tokens) == 2
     with pytest.raises(SpecdecError, match=r"token ids must be integers in \[0, 97\)"):
         gen.generate([1, 500])
 
@@ -137,7 +139,11 @@ def test_prompt_longer_than_context_errors_unless_truncation_asked():
     with pytest.raises(SpecdecError, match="longer than"):
         gen.generate(long, max_new_tokens=8)
     res = gen.generate(long, max_new_tokens=8, truncate=True)
-    assert len(res.tokens) == 8 and res.prompt_tokens < len(long)
+    assert len(res.tokens) == 8 and res.prompt_tokens == 256 - 8 - 1
+    gen.tokenizer.bos_id = 7                             # a model with a BOS keeps it in front of the kept tail
+    with_bos = gen.generate([7] + long, max_new_tokens=8, truncate=True)
+    assert with_bos.tokens == gen.generate([7] + long[len(long) - 246:], max_new_tokens=8).tokens
+    assert with_bos.tokens != res.tokens and with_bos.prompt_tokens == 247
 
 
 def test_bad_draft_settings():

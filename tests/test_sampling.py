@@ -28,6 +28,9 @@ def test_transform_greedy_and_edge_cases():
     assert torch.equal(to_probs(logits, bs(1.3, p=1e-300, n=3)), greedy)       # 0 in float32: the top token stays
     for t in (1e-20, 1e-38, 1e-44):                  # the quotient would overflow: the limit, no NaN
         assert torch.equal(to_probs(logits * 50, bs(t, n=3)), greedy)
+    for t in (1e30, 1e39, 1e300):                    # inf in float32: still uniform over the top k, not over all
+        flat = to_probs(logits, bs(t, k=5, n=3))
+        assert torch.all((flat > 0).sum(-1) == 5) and torch.allclose(flat.max(-1).values, torch.tensor(0.2))
     p = to_probs(logits, bs(1.0, k=7, n=3))
     assert torch.all((p > 0).sum(-1) == 7)
     torch.testing.assert_close(p.sum(-1), torch.ones(3, 2))

@@ -74,6 +74,64 @@ def test_left_context_dependent_decoder_stream_equals_full_decode(seed):
     assert streamed(sentencepiece_decode, chunks(ids, seed, 3))[0] == sentencepiece_decode(ids)
 
 
+WORDS = {256: "▁the", 257: "▁cat", 258: "s", 259: "▁é"}
+
+
+def byte_fallback_decode(ids: list[int]) -> str:
+    """A sentencepiece vocabulary with byte-fallback tokens 0-255, decoded as tokenizers' ByteFallback decoder
+    does: a run of byte tokens is one UTF-8 string, or, if not valid as a whole, one U+FFFD per byte."""
+    out, run = [], []
+    for t in ids + [-1]:
+        if 0 <= t < 256:
+            run.append(t)
+            continue
+        if run:
+            try:
+                out.append(bytes(run).decode("utf-8"))
+            except UnicodeDecodeError:
+                out.append("\ufffd" * len(run))
+            run = []
+        out.append(WORDS.get(t, ""))
+    return "".join(out).replace("▁", " ")
+
+
+def test_a_byte_run_that_turns_invalid_is_shown_as_one_decode_shows_it():
+    """ "é" as two byte tokens, then a character cut short, then a word: one decode turns all three bytes into
+    U+FFFD; the stream may not show "é" before it knows."""
+    ids = [0xC3, 0xA9, 0xE3, 257]
+    for seed in range(3):
+        det = IncrementalDetokenizer(byte_fallback_decode, frozenset(range(256)))
+        pieces = [det.push(step) for step in chunks(ids, seed, 2)] + [det.flush()]
+        assert "".join(pieces) == byte_fallback_decode(ids) == "\ufffd" * 3 + " cat"
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_byte_fallback_stream_equals_full_decode(seed):
+    r = random.Random(seed)
+    pool = list("héllo あ🙂".encode()) + [0xE3, 0x81, 0xFF, 0x80] + list(WORDS)
+    ids = [r.choice(pool) for _ in range(r.randint(1, 30))]
+    det = IncrementalDetokenizer(byte_fallback_decode, frozenset(range(256)))
+    pieces = [det.push(step) for step in chunks(ids, seed, 4)] + [det.flush()]
+    assert "".join(pieces) == byte_fallback_decode(ids)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("most", [1, 3])
+def test_gemma_byte_tokens_stream_equals_full_decode(most):
+    from specdec.models.registry import resolve
+    from specdec.models.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(resolve("gemma3-270m")[1])
+    assert len(tok.byte_ids) == 256
+    r = random.Random(most)
+    pool = sorted(tok.byte_ids) + tok.encode(" a cat sat on the mat, 東京", chat=False)[1:]
+    for seed in range(200):
+        ids = [r.choice(pool) for _ in range(r.randint(1, 12))]
+        det = IncrementalDetokenizer(tok.decode, tok.byte_ids)
+        pieces = [det.push(step) for step in chunks(ids, seed, most)] + [det.flush()]
+        assert "".join(pieces) == tok.decode(ids), ids
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("most", [1, 3, 6])
 def test_real_tokenizer_stream_equals_full_decode(most):

@@ -59,3 +59,36 @@ def test_control_tokens_typed_in_a_message_are_plain_text(pair):
     assert sum(i in control for i in ids) == sum(i in control for i in honest)
     assert lean.decode(ids) == lean.render_chat(chat)
     assert sum(i in control for i in lean.encode(forged, chat=False)) == 2
+
+
+TEMPLATE_FEATURES = {   # what real GGUF chat templates use beyond plain jinja
+    "strftime_now": "{{ bos_token }}{% if strftime_now is defined %}Today: {{ strftime_now('%d %b %Y') }}\n{% endif %}"
+                    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}",
+    "generation": "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}"
+                  "{% endgeneration %}{% else %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endif %}{% endfor %}"
+                  "{% if add_generation_prompt %}assistant: {% endif %}",
+    "tojson options": "{{ messages | tojson(separators=(',', ':'), sort_keys=true) }}",
+    "namespace and dict": "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}"
+                          "{{ dict(a=ns.n)['a'] }}",
+}
+
+
+@pytest.mark.parametrize("name", TEMPLATE_FEATURES)
+def test_chat_template_features_render_as_transformers_renders_them(pair, name):
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    lean, _ = pair
+    template, special = TEMPLATE_FEATURES[name], {"bos_token": "<s>", "eos_token": "</s>"}
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]
+    ours = Tokenizer(lean.backend, template, special).render_chat(chat)
+    want = render_jinja_template([chat], chat_template=template, add_generation_prompt=True, **special)[0][0]
+    assert ours == want
+
+
+def test_a_template_that_does_not_compile_is_a_clear_error(pair):
+    from specdec.errors import SpecdecError
+
+    lean, _ = pair
+    with pytest.raises(SpecdecError, match="chat template does not compile"):
+        Tokenizer(lean.backend, "{% for m in messages %}{{ m }", {})

@@ -203,9 +203,12 @@ class Generator:
 
     def _encode(self, prompt: Prompt, chat: bool) -> list[int]:
         if isinstance(prompt, str):
-            if not prompt.strip():
+            if not prompt:                             # white space is text (the server takes it too)
                 raise SpecdecError("empty prompt")
-            return self.tokenizer.encode(unicode_text(prompt, "prompt"), chat)
+            ids = self.tokenizer.encode(unicode_text(prompt, "prompt"), chat)
+            if not ids:
+                raise SpecdecError("empty prompt: the text encodes to no tokens")
+            return ids
         ids = list(prompt)
         if not ids:
             raise SpecdecError("empty prompt")
@@ -270,7 +273,8 @@ class Generator:
                     raise SpecdecError(f"prompt of {len(ids)} tokens is longer than the {limit} the context window "
                                        f"({self.target.max_seq_len}) allows with max_new_tokens={max_new_tokens}; "
                                        "shorten it or ask for truncation (truncate=True / --truncate)")
-                ids = ids[-limit:]
+                keep = 1 if ids[0] == self.tokenizer.bos_id else 0     # the BOS a model needs stays in front
+                ids = ids[:keep] + ids[len(ids) - limit + keep:]
             reqs.append(Request(ids, max_new_tokens, sampling, stop, prediction=self.prediction_ids(pred)))
         return reqs
 
@@ -280,7 +284,7 @@ class Generator:
         prefix cache given: a disabled one of the engine's own)."""
         policy = make_policy(self.policy_name, self.num_draft_tokens) if self.method != "none" else make_policy("fixed", 1)
         eng = Engine(self.target, self.proposer, policy, self.tokenizer.decode, self.tokenizer.eos_ids,
-                     prefix_cache, prefill_budget)
+                     prefix_cache, prefill_budget, self.tokenizer.byte_ids)
         eng.allocate(rows, min(slots, self.target.max_seq_len))
         return eng
 
@@ -328,7 +332,8 @@ class Generator:
         length or policy: it equals method `none`'s. Methods that sample their drafts (`draft` and `self`, and
         the EAGLE chains of eagle, eagle3 and hybrid at temperatures where `sample_drafts` is on) are exact in
         distribution, but their output for a seed depends on the draft length: it repeats only with the `fixed`
-        draft policy (`auto` picks lengths from timings)."""
+        draft policy (`auto` picks lengths from timings), and near the end of the model's context a batch
+        drafts at most what its fullest row has room for."""
         prompts, single = self._prompts(prompt)
         params = SamplingParams(temperature, top_k, top_p, seed)
         per_prompt = [params] if single else [replace(params, seed=derive_seed(seed, i)) for i in range(len(prompts))]

@@ -169,7 +169,7 @@ def read_text(path: str, what: str) -> str:
     if not f.is_file():
         raise SpecdecError(f"{what} file not found: {f}")
     try:
-        return f.read_text(encoding="utf-8")
+        return f.read_bytes().decode("utf-8")      # as written: "\r\n" stays (read_text would make it "\n")
     except UnicodeDecodeError:
         raise SpecdecError(f"{what} file is not UTF-8 text: {f}") from None
 
@@ -197,6 +197,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
                           "finish_reason": res.finish_reason, "prompt_tokens": res.prompt_tokens,
                           "runtime": runtime_info(gen.target)}))
         return 0
+    if hasattr(sys.stdout, "reconfigure"):           # a terminal that cannot show a character shows "?"
+        sys.stdout.reconfigure(errors="replace")
     for piece in gen.stream(prompt, **kw):
         sys.stdout.write(piece)
         sys.stdout.flush()

@@ -7,6 +7,12 @@ the previous emission. A tokenizer whose pieces depend on their left context (a 
 dropped at the start, say) gives both decodes the same start, so the difference is exact. Text
 ending in U+FFFD (bytes of a character still incomplete) is held back until the character
 completes; `flush` gives whatever is left as a full decode shows it.
+
+Byte-fallback tokens (`<0xE3>`, sentencepiece vocabularies such as Gemma's) break "decode(window + new)
+starts with decode(window)": the decoder spells a run of them as one UTF-8 string and, if the run is not
+valid UTF-8 as a whole, every byte of it as U+FFFD, characters already valid included. So the text of a
+trailing run of byte tokens is held back until a token that is not a byte token ends the run (or `flush`):
+the run is then decoded whole, as one decode of everything decodes it.
 """
 from __future__ import annotations
 
@@ -18,8 +24,9 @@ REPLACEMENT = "\ufffd"      # what a decoder shows for the bytes of an incomplet
 class IncrementalDetokenizer:
     """Decodes tokens as they arrive; the concatenated output equals one decode of all of them."""
 
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
-        self.decode = decode
+    def __init__(self, decode: Callable[[list[int]], str], byte_ids: frozenset[int] = frozenset()) -> None:
+        """byte_ids: the tokenizer's byte-fallback tokens (see the module's docstring)."""
+        self.decode, self.byte_ids = decode, byte_ids
         self.ids: list[int] = []
         self.prefix_offset = 0          # the window: ids[prefix_offset:read_offset], emitted already
         self.read_offset = 0            # ids from here on are (partly) new
@@ -36,16 +43,19 @@ class IncrementalDetokenizer:
         return self._advance(hold_partial=False)
 
     def _advance(self, hold_partial: bool) -> str:
-        if self.read_offset == len(self.ids):
+        upto = len(self.ids)
+        while hold_partial and upto > self.read_offset and self.ids[upto - 1] in self.byte_ids:
+            upto -= 1                   # a run of byte tokens still open: its text may yet change
+        if self.read_offset == upto:
             return ""
         window = self.decode(self.ids[self.prefix_offset:self.read_offset])
-        text = self.decode(self.ids[self.prefix_offset:])
+        text = self.decode(self.ids[self.prefix_offset:upto])
         start = len(window) + self.shown
         end = len(text.rstrip(REPLACEMENT)) if hold_partial else len(text)
         if end <= start:
             return ""                   # nothing visible yet, or only bytes of an incomplete character
         if end == len(text):            # everything decoded: the new tokens become the window
-            self.prefix_offset, self.read_offset, self.shown = self.read_offset, len(self.ids), 0
+            self.prefix_offset, self.read_offset, self.shown = self.read_offset, upto, 0
         else:                           # text before an incomplete character: shown, the window stays
             self.shown = end - len(window)
         return text[start:end]

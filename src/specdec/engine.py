@@ -94,15 +94,17 @@ class Scored:
 class Engine:
     def __init__(self, target: CausalLM, proposer: Proposer, policy: DraftPolicy,
                  decode: Callable[[list[int]], str], eos_ids: frozenset[int],
-                 prefix_cache: PrefixCache | None = None, prefill_budget: int = 512) -> None:
+                 prefix_cache: PrefixCache | None = None, prefill_budget: int = 512,
+                 byte_ids: frozenset[int] = frozenset()) -> None:
         """prefix_cache: shared by the engines of one target (capacity 0: off; not given: a disabled one of
-        this engine's own); prefill_budget: prompt tokens prefilled per step (at least one piece)."""
+        this engine's own); prefill_budget: prompt tokens prefilled per step (at least one piece); byte_ids:
+        the tokenizer's byte-fallback tokens (their text waits for the end of their run, detokenize.py)."""
         if prefill_budget < 1:
             raise ValueError("prefill_budget must be >= 1 token")
         self.target, self.proposer, self.policy = target, proposer, policy
         self.features = proposer.feature_layers                               # what the target's forwards return
         self.predictions = Predictions()                                       # requests' predicted outputs draft too
-        self.decode, self.eos_ids = decode, eos_ids
+        self.decode, self.eos_ids, self.byte_ids = decode, eos_ids, byte_ids
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(0)
         self.prefill_budget = prefill_budget
         self.active: list[SequenceState] = []
@@ -134,7 +136,7 @@ class Engine:
         # the lowest free row: active rows stay one contiguous block of the cache as long as they can, so
         # the decoder reads their keys in place instead of gathering them (see KVCache.read)
         row = heapq.heappop(self.free)
-        seq = SequenceState(request, row, TextOutput(self.decode, request.stop), list(request.prompt),
+        seq = SequenceState(request, row, TextOutput(self.decode, request.stop, self.byte_ids), list(request.prompt),
                             read=len(request.prompt), started=time.perf_counter())
         rows = torch.tensor([row], device=self.target.device)
         self.cache.truncate(rows, torch.zeros_like(rows))

@@ -46,6 +46,7 @@ class SamplingParams:
 
 
 MIN_TEMPERATURE = 1e-30   # smaller positive temperatures compute as this one (the same distribution in float32)
+MAX_TEMPERATURE = 1e30    # and larger ones as this (uniform over what top-k / top-p keep; float32 ends at 3.4e38)
 
 
 @dataclass(frozen=True)
@@ -82,9 +83,11 @@ def to_probs(logits: Tensor, s: BatchSampling) -> Tensor:
     greedy = s.temperature <= 0                                                 # [B]
     if bool(greedy.all()):
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    # below MIN_TEMPERATURE the quotient would overflow float32 (inf - inf = NaN in the softmax); the clamp
-    # changes no distribution: logits that differ at all are already a factor e^(1e23) apart there
-    temp = torch.where(greedy, torch.ones_like(s.temperature), s.temperature.clamp(min=MIN_TEMPERATURE))
+    # below MIN_TEMPERATURE the quotient would overflow float32 (inf - inf = NaN in the softmax), above
+    # MAX_TEMPERATURE the temperature itself (every logit 0: top-k would keep all); the clamps change no
+    # distribution: logits that differ at all are e^(1e23) apart at the one, within 1e-29 of equal at the other
+    temp = torch.where(greedy, torch.ones_like(s.temperature),
+                       s.temperature.clamp(min=MIN_TEMPERATURE, max=MAX_TEMPERATURE))
     x = logits / temp[:, None, None]
     if bool((s.top_k > 0).any()):
         k = torch.where(s.top_k > 0, s.top_k.clamp(max=V), torch.full_like(s.top_k, V))   # [B]

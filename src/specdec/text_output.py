@@ -35,8 +35,9 @@ def stop_prefix_length(text: str, stops: tuple[str, ...]) -> int:
 class TextOutput:
     """The text of one sequence's new tokens, piece by piece, up to its first stop string."""
 
-    def __init__(self, decode: Callable[[list[int]], str], stops: tuple[str, ...]) -> None:
-        self.detokenizer = IncrementalDetokenizer(decode)
+    def __init__(self, decode: Callable[[list[int]], str], stops: tuple[str, ...],
+                 byte_ids: frozenset[int] = frozenset()) -> None:
+        self.detokenizer = IncrementalDetokenizer(decode, byte_ids)
         self.stops = stops
         self.held = ""                 # decoded, not emitted: it may begin a stop string
         self.stopped = False           # a stop string was found: the text ends before it

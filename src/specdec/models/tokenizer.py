@@ -3,7 +3,7 @@
 The GGUF's vocabulary is converted once by transformers and saved as `tokenizer.json` plus the chat
 template under the cache directory; every later load reads that with `tokenizers` and renders the
 template with jinja2 as transformers does (sandboxed, trim_blocks, lstrip_blocks, the special tokens
-as variables), without importing transformers (seconds of start-up).
+as variables, its `tojson`, `strftime_now` and `{% generation %}`), without importing transformers (seconds of start-up).
 `tests/test_tokenizer.py` checks encode, decode and chat against transformers' own tokenizer.
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ import hashlib
 import json
 import re
 import secrets
+from datetime import datetime
 from pathlib import Path
 
 from ..errors import SpecdecError
@@ -25,6 +26,27 @@ def _raise(message: str) -> None:
     raise SpecdecError(f"chat template: {message}")
 
 
+def _tojson(x, ensure_ascii: bool = False, indent: int | None = None, separators: tuple[str, str] | None = None,
+            sort_keys: bool = False) -> str:
+    """transformers' `tojson` filter for templates (no HTML escaping; its options)."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _generation_tag():
+    """`{% generation %}...{% endgeneration %}` (templates that mark the assistant's text for training, as
+    transformers parses them): rendered as its body."""
+    import jinja2.ext
+
+    class Generation(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    return Generation
+
+
 class Tokenizer:
     def __init__(self, backend, chat_template: str, special: dict[str, str]) -> None:
         """backend: a `tokenizers.Tokenizer`; chat_template: jinja source ("" if none); special: the
@@ -34,6 +56,10 @@ class Tokenizer:
         ids = {vocab[special["eos_token"]]} if special.get("eos_token") in vocab else set()
         ids |= {vocab[t] for t in END_OF_TURN if t in vocab}
         self.eos_ids = frozenset(ids)
+        self.bos_id = vocab.get(special.get("bos_token", ""), -1)    # -1: the model has none
+        # byte-fallback tokens (`<0xE3>`): the decoder spells a run of them as one UTF-8 string, so their text
+        # may change with the tokens after them (detokenize.py holds it back until the run ends)
+        self.byte_ids = frozenset(i for t, i in vocab.items() if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", t))
         self._control = sorted((t.content for t in backend.get_added_tokens_decoder().values() if t.special and t.content),
                                key=len, reverse=True)                           # control tokens' texts, longest first
         self._literal = None                       # a copy that encodes control tokens' texts as plain text
@@ -44,10 +70,14 @@ class Tokenizer:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=[jinja2.ext.loopcontrols])
-            env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+                                                extensions=[jinja2.ext.loopcontrols, _generation_tag()])
+            env.filters["tojson"] = _tojson
             env.globals["raise_exception"] = _raise
-            self._template = env.from_string(chat_template)
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            try:
+                self._template = env.from_string(chat_template)
+            except jinja2.TemplateError as e:
+                raise SpecdecError(f"the model's chat template does not compile: {type(e).__name__}: {e}") from None
 
     @staticmethod
     def from_gguf(path: Path) -> "Tokenizer":
