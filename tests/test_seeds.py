@@ -97,6 +97,20 @@ def test_draft_model_with_a_confidence_cutoff_samples_the_same_alone_and_batched
     assert alone == batched == other
 
 
+def test_a_batch_mate_near_the_end_of_the_context_does_not_change_a_sampled_draft_row():
+    """Drafts sampled by a draft model, fixed K = 7: a batch-mate whose prompt leaves it less cache room than
+    7 drafts (the context is 256 tokens) is stepped apart, so the other row drafts and samples as beside a short
+    one."""
+    target = tiny_model(seed=20, vocab=V, std=0.5)
+    row, short_mate, long_mate = [3, 5, 7], [1, 2, 4], [i % V for i in range(256 - 24 - 1)]
+    for seed in range(12):
+        outs = []
+        for mate in (short_mate, long_mate):
+            gen = tiny_generator(target, DraftModelProposer(close_draft()), "fixed", 7)
+            outs.append(gen.generate([row, mate], max_new_tokens=24, temperature=1.0, seed=seed)[0].tokens)
+        assert outs[0] == outs[1], seed
+
+
 def test_each_prompt_of_a_list_gets_its_own_seed():
     target = tiny_model(seed=7)
     gen = tiny_generator(target, NgramProposer(1, 3), "fixed", 3)

@@ -332,8 +332,7 @@ class Generator:
         length or policy: it equals method `none`'s. Methods that sample their drafts (`draft` and `self`, and
         the EAGLE chains of eagle, eagle3 and hybrid at temperatures where `sample_drafts` is on) are exact in
         distribution, but their output for a seed depends on the draft length: it repeats only with the `fixed`
-        draft policy (`auto` picks lengths from timings), and near the end of the model's context a batch
-        drafts at most what its fullest row has room for."""
+        draft policy (`auto` picks lengths from timings)."""
         prompts, single = self._prompts(prompt)
         params = SamplingParams(temperature, top_k, top_p, seed)
         per_prompt = [params] if single else [replace(params, seed=derive_seed(seed, i)) for i in range(len(prompts))]

@@ -183,7 +183,10 @@ class Engine:
                 self.active.sort(key=lambda s: s.row)                          # rows in order: contiguous if dense
             self.prefilled_last = True
         elif self.active:
-            self._speculate(self.active)
+            k = self.policy.choose(len(self.active), max(s.request.max_new_tokens - s.num_generated
+                                                         for s in self.active))
+            for group in self._room_groups(self.active, k):
+                self._speculate(group, k)
             self.prefilled_last = False
         else:
             return []
@@ -277,12 +280,23 @@ class Engine:
             s.counters.target_seconds += dt
             self._check_end(s, len(s.tokens) - 1)
 
-    def _speculate(self, seqs: list[SequenceState]) -> None:
-        """One step of the active batch: propose -> score -> verify -> commit."""
+    def _room_groups(self, seqs: list[SequenceState], k: int) -> list[list[SequenceState]]:
+        """The batch, or, where some rows lack the cache room for k drafts (near the end of the model's context),
+        the others and then each of those alone: a step drafts at most what its fullest row has room for, so a
+        row's drafts (and, where they are sampled, its tokens for a seed) never depend on a batch-mate's room.
+        Such a row's own remaining tokens always fit its room, so alone it drafts all it can use."""
+        tight = [s for s in seqs if self.slots - len(s.tokens) - 1 < k]
+        if not tight or len(seqs) == 1:
+            return [seqs]
+        roomy = [s for s in seqs if self.slots - len(s.tokens) - 1 >= k]
+        return ([roomy] if roomy else []) + [[s] for s in tight]
+
+    def _speculate(self, seqs: list[SequenceState], k: int) -> None:
+        """One step of the active batch: propose (at most k drafts) -> score -> verify -> commit."""
         batch = self._batch(seqs)
         pending = torch.tensor([s.tokens[-1] for s in seqs], device=self.target.device)   # [B] not yet scored
         t0 = time.perf_counter()
-        draft = self._propose(seqs, batch)
+        draft = self._propose(seqs, batch, k)
         t1 = time.perf_counter()
         scored = self._score(batch, draft, pending)
         verdict = self._verify(batch, draft, pending, scored)
@@ -298,14 +312,13 @@ class Engine:
             if not s.done:
                 assert int(self.cache.lengths[s.row]) == len(s.tokens) - 1, "target cache out of step with tokens"
 
-    def _propose(self, seqs: list[SequenceState], batch: ActiveBatch) -> Draft:
-        """The batch drafts as many tokens as the policy asks (rows with a prediction: from it); each row keeps
+    def _propose(self, seqs: list[SequenceState], batch: ActiveBatch, k: int) -> Draft:
+        """The batch drafts k tokens, as the policy asked (rows with a prediction: from it); each row keeps
         one fewer than its remaining tokens (none if it does not speculate), and no step drafts more nodes
         than the cache has room for or than a forward scores exactly (MAX_TREE_BUDGET)."""
         B, dev = len(seqs), self.target.device
         room = min(self.slots - len(s.tokens) - 1 for s in seqs)                  # scratch past the pending token
-        remaining = max(s.request.max_new_tokens - s.num_generated for s in seqs)
-        k = max(0, min(self.policy.choose(B, remaining), room))
+        k = max(0, min(k, room))
         conts = self.predictions.continuations([s.row for s in seqs], min(PREDICTION_DRAFT_TOKENS, room))
         draft = self.proposer.propose(batch, k) if k and not all(conts) else Draft.empty(B, dev)
         draft = with_predictions(draft, conts)
