@@ -140,7 +140,8 @@ def cmd_info(a: argparse.Namespace) -> int:
     check = target.self_check
     rows = [("cpu", f"{m.cpu} ({m.arch}, {m.threads} thread{'s' if m.threads != 1 else ''})"),
             ("instruction sets", ", ".join(feats) or "none of AVX2/AVX-512"),
-            ("torch kernels", m.torch_capability + (f" (limited by SPECDEC_ISA={m.isa_limit})" if m.isa_limit else "")),
+            ("torch kernels", m.torch_capability + (f" (limited by SPECDEC_ISA={m.isa_limit})" if m.isa_limit else "")
+             + (f"; kernel family {m.kernel_family}" if m.kernel_family != m.torch_capability else "")),
             ("oneDNN bfloat16", "yes" + (" (native)" if m.native_bf16 else " (emulated)") if m.onednn_bf16 else "no"),
             ("int4 kernel", "yes" if m.int4_kernel else "no"),
             ("model", name), ("dtype", rt["dtype"] + (f" (chosen by {a.dtype})" if a.dtype == "auto" else "")),
