@@ -55,6 +55,9 @@ class TinyTokenizer:
     def encode(self, text: str, chat: bool) -> list[int]:
         return [int(t) % self.vocab_size for t in text.split()]
 
+    def encode_text(self, text: str) -> list[int]:
+        return self.encode(text, False)
+
     def decode(self, ids: list[int]) -> str:
         return "".join(f" {i}" for i in ids)
 

@@ -35,6 +35,9 @@ class ChatTokenizer:
         ids = [int(t) % self.vocab_size for t in text.split()]
         return self.encode_chat([{"role": "user", "content": text}]) if chat else ids
 
+    def encode_text(self, text: str) -> list[int]:
+        return self.encode(text, False)
+
     def encode_chat(self, messages: list[dict]) -> list[int]:
         ids: list[int] = []
         for m in messages:

@@ -147,7 +147,7 @@ def test_prompt_longer_than_context_errors_unless_truncation_asked():
 
 
 def test_bad_draft_settings():
-    for k in (0, -1, 1000):
+    for k in (0, -1, 1000, True):
         with pytest.raises(SpecdecError, match="num_draft_tokens"):
             make_policy("fixed", k)
     with pytest.raises(SpecdecError, match="unknown draft policy"):
@@ -270,6 +270,11 @@ def test_a_method_without_weights_for_the_target_is_refused_before_loading_and_b
                             ("staged", r"need a draft model for 'gemma3-270m'.*specdec train draft --model gemma3-270m")]:
         with pytest.raises(SpecdecError, match=message):
             specdec.load("gemma3-270m", method=method)        # before loading: nothing to load for it
+    from specdec.api import missing, no_draft_for
+
+    for message in (missing("my-model.Q4_0", "eagle"), str(no_draft_for("my-model.Q4_0"))):  # a GGUF path's target
+        assert "trains them for a registered model (smollm2-135m, gemma3-270m), not for 'my-model.Q4_0'" in message
+        assert "--model my-model" not in message                    # `specdec train` would refuse it
     state = SimpleNamespace(model_name="gemma3-270m", pool=SimpleNamespace(drafts={}), default=SpecChoice("suffix", 4),
                             max_draft_tokens=16, generator=SimpleNamespace(num_draft_tokens=4))
     with pytest.raises(ApiError) as e:
@@ -278,3 +283,13 @@ def test_a_method_without_weights_for_the_target_is_refused_before_loading_and_b
     state.pool.drafts["eagle3"] = "head.safetensors"                # --draft-model given to the server
     assert speculation(Speculative(method="eagle3"), state) == SpecChoice("eagle3", 4)
     assert speculation(Speculative(method="suffix"), state) == SpecChoice("suffix", 4)
+
+
+def test_truncate_must_be_a_bool_and_a_closed_stream_keeps_its_result_so_far():
+    gen = tiny_generator(tiny_model())
+    with pytest.raises(SpecdecError, match="truncate must be True or False, got 'yes'"):
+        gen.generate([1, 2, 3], truncate="yes")
+    stream = gen.stream([1, 2, 3], max_new_tokens=20)
+    first = next(stream)
+    stream.close()                                           # the reader stops after one piece
+    assert gen.last_result.text == first and len(gen.last_result.tokens) >= 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import PROMPTS, V, check_joint, exact_joint, perturbed_copy, run_engine, tiny_model
+from helpers import PROMPTS, V, check_joint, exact_joint, perturbed_copy, run_engine, tiny_generator, tiny_model
 from specdec.engine import Request
 from specdec.proposers.base import NoProposer
 from specdec.proposers.draft_model import DraftModelProposer
@@ -134,3 +134,16 @@ def test_prediction_sampling_matches_exact_distribution():
     samples = [tuple(s.generated) for s in run_engine(target, DraftModelProposer(perturbed_copy(target, 0.1)), reqs,
                                                        "fixed", 3)]
     assert check_joint(samples, exact) > 1e-3
+
+
+def test_plain_decoding_with_a_prediction_reports_the_acceptance_of_its_drafts():
+    """`none` drafts nothing of its own, but a prediction drafts: acceptance is reported (null only where
+    nothing was drafted)."""
+    target = tiny_model(seed=7)
+    gen = tiny_generator(target)
+    ref = reference_greedy(target, PROMPTS[0], 30)
+    plain = gen.generate(list(PROMPTS[0]), max_new_tokens=30).metrics
+    res = gen.generate(list(PROMPTS[0]), max_new_tokens=30, prediction=" ".join(map(str, _edited(ref, 8, 5))))
+    assert gen.method == "none" and plain["acceptance_rate"] is None
+    assert res.tokens == ref and res.metrics["accepted_prediction_tokens"] > 0
+    assert 0 < res.metrics["acceptance_rate"] <= 1

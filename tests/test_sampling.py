@@ -52,7 +52,8 @@ def test_mixed_batch_rows_use_their_own_params():
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1),
-                                 dict(temperature=float("nan")), dict(top_k=1.5)])
+                                 dict(temperature=float("nan")), dict(top_k=1.5), dict(temperature=True),
+                                 dict(top_p=True), dict(seed=1 << 64), dict(seed=-(1 << 63) - 1), dict(seed=True)])
 def test_bad_sampling_params(bad):
     with pytest.raises(SpecdecError):
         SamplingParams(**bad)

@@ -221,7 +221,7 @@ class Generator:
         if not isinstance(prediction, str):
             raise SpecdecError(f"prediction must be a string (the expected output), got {type(prediction).__name__}")
         unicode_text(prediction, "prediction")
-        ids = tuple(self.tokenizer.backend.encode(prediction, add_special_tokens=False).ids) if prediction else ()
+        ids = tuple(self.tokenizer.encode_text(prediction)) if prediction else ()
         if len(ids) > self.target.max_seq_len:
             raise SpecdecError(f"prediction of {len(ids)} tokens is longer than the context "
                                f"({self.target.max_seq_len} tokens)")
@@ -293,6 +293,8 @@ class Generator:
              prediction: str | Seq[str]) -> Iterator[tuple[int, str, Engine, list]]:
         if chat not in (True, False, "auto") or not isinstance(chat, (bool, str)):
             raise SpecdecError(f'chat must be True, False or "auto", got {chat!r}')
+        if not isinstance(truncate, bool):
+            raise SpecdecError(f"truncate must be True or False, got {truncate!r}")
         chat = self.tokenizer.has_chat_template if chat == "auto" else chat
         reqs = self._requests(prompts, max_new_tokens, params, stop, chat, truncate,
                               self._predictions(prediction, len(prompts), single))
@@ -345,19 +347,20 @@ class Generator:
     def stream(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, seed: int = 0, stop: Seq[str] = (), chat: bool | Literal["auto"] = "auto",
                truncate: bool = False, prediction: str = "") -> Iterator[str]:
-        """Yield text pieces as tokens are committed. `last_result` holds the Result afterwards."""
+        """Yield text pieces as tokens are committed. `last_result` holds the Result so far (all of it once the
+        stream is exhausted; what was committed up to the last piece if it is closed early)."""
         if not _one_prompt(prompt):
             raise SpecdecError(f"stream takes one prompt (a string or a list of token ids), got "
                                f"{type(prompt).__name__}; generate takes a list of prompts")
         params = SamplingParams(temperature, top_k, top_p, seed)
         for _, piece, _, seqs in self._run([prompt], True, max_new_tokens, [params], stop, chat, truncate,
                                            prediction):
+            self.last_result = self._result(seqs[0])
             if piece:
                 yield piece
-            self.last_result = self._result(seqs[0])
 
     def _result(self, s) -> Result:
-        return Result(s.text, s.generated, s.counters.as_dict(self.method != "none"), s.finish_reason,
+        return Result(s.text, s.generated, s.counters.as_dict(), s.finish_reason,
                       len(s.request.prompt))
 
 
@@ -478,10 +481,17 @@ def _lookahead_proposer(x: ProposerInputs) -> Proposer:
     return LookaheadProposer(LookaheadShape.parse(x.source) if x.source else LookaheadShape())
 
 
+def train_hint(model: str, kind: str, extra: str = "") -> str:
+    """How to get `kind` weights for `model`: the training command where `specdec train` takes the model."""
+    if model in MODELS:
+        return f"train them (`specdec train {kind} --model {model} --out FILE.safetensors{extra}`)"
+    return f"`specdec train` trains them for a registered model ({', '.join(MODELS)}), not for {model!r}"
+
+
 def no_draft_for(model: str) -> SpecdecError:
     return SpecdecError(f"methods 'draft' and 'staged' need a draft model for {model!r}: --draft-model "
-                        "NAME|PATH.gguf|self:N (draft_model=...; staged: one with the target's tokenizer), or train "
-                        f"one (`specdec train draft --model {model} --out FILE.safetensors`)")
+                        "NAME|PATH.gguf|self:N (draft_model=...; staged: one with the target's tokenizer); "
+                        + train_hint(model, "draft"))
 
 
 def load_draft(x: ProposerInputs) -> CausalLM:
@@ -600,9 +610,8 @@ def has_shipped(model: str, kind: str) -> bool:
 
 def missing(model: str, kind: str) -> str:
     """Why (model, kind) has no weights, and the training command that makes them."""
-    layers = " --layers N" if kind == "exit" else ""
-    return (f"no shipped {kind} weights for {model!r}; train them (`specdec train {kind} --model {model} "
-            f"--out FILE.safetensors{layers}`) and draft with the file (--draft-model FILE, draft_model=FILE)")
+    hint = train_hint(model, kind, " --layers N" if kind == "exit" else "")
+    return f"no shipped {kind} weights for {model!r}; {hint}; draft with a file (--draft-model FILE, draft_model=FILE)"
 
 
 def shipped(model: str, kind: str) -> Path:
@@ -631,9 +640,9 @@ def _params(m: CausalLM) -> int:
 def best_method(target: CausalLM) -> str:
     """The default method for a target: `suffix` (no weights: the context's and earlier outputs'
     continuations), with the `auto` draft policy drafting nothing where drafting does not pay. It was the
-    fastest lossless method measured with the shipped heads too: on the mini suite `suffix@auto` 1.14x /
-    1.16x over `none` against `hybrid@auto`'s 1.07x / 1.13x (AMD EPYC Zen 4, 1 / 2 threads), and even
-    with `hybrid` on an Intel Xeon (1.28x against 1.30x; docs/benchmarks.md)."""
+    fastest lossless method measured with the shipped heads too, or within noise of the fastest: on the mini
+    suite `suffix@auto` 1.18x / 1.15x over `none` against `hybrid@auto`'s 1.10x / 1.10x (AMD EPYC Zen 4, 1 / 2
+    threads; docs/benchmarks.md, "Mini suite with chains fed once")."""
     return "suffix"
 
 

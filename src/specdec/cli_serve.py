@@ -56,7 +56,7 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     p.add_argument("--learn", action="store_true",
                    help="learn from traffic: the EAGLE-3 head that eagle3 and hybrid requests draft with is distilled "
                         "from the target's features of what they commit, between batches, and its learnt weights swapped "
-                        "in between steps (outputs unchanged, acceptance rises on recurring traffic; docs/server.md, "
+                        "in between steps (greedy outputs unchanged, sampled ones exact in distribution, acceptance rises on recurring traffic; docs/server.md, "
                         "Learning from traffic)")
     p.add_argument("--learn-checkpoint", metavar="PATH", default="",
                    help="with --learn: the learnt head's file, written every 5 minutes and at shutdown and drafted with "

@@ -168,7 +168,7 @@ POLICIES = tuple(POLICY_BUILDERS)
 
 
 def make_policy(name: str, k: int) -> DraftPolicy:
-    if not isinstance(k, int) or k < 1 or k > MAX_DRAFT_TOKENS:
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1 or k > MAX_DRAFT_TOKENS:
         raise SpecdecError(f"num_draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}], got {k!r}")
     build = POLICY_BUILDERS.get(name)
     if build is None:

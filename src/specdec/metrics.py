@@ -60,13 +60,13 @@ class Counters:
         self.drafted_at = [a + b for a, b in zip(self.drafted_at + [0] * n, other.drafted_at + [0] * n)][:n]
         self.accepted_at = [a + b for a, b in zip(self.accepted_at + [0] * n, other.accepted_at + [0] * n)][:n]
 
-    def as_dict(self, speculative: bool) -> dict:
+    def as_dict(self) -> dict:
         """The public metrics object (keys fixed by the CLI's --json contract)."""
         return {
             "new_tokens": self.new_tokens,
             "target_forwards": self.target_forwards,
             "tau": self.new_tokens / self.target_forwards if self.target_forwards else 0.0,
-            "acceptance_rate": self.accepted / self.drafted if speculative and self.drafted else None,  # 0/0: null
+            "acceptance_rate": self.accepted / self.drafted if self.drafted else None,  # nothing drafted: null
             "acceptance_per_position": [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)],
             "tokens_per_second": self.new_tokens / self.wall_seconds if self.wall_seconds > 0 else 0.0,
             "wall_seconds": self.wall_seconds,

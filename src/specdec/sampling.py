@@ -31,14 +31,15 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or self.temperature < 0:
+        if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)
+                or not math.isfinite(self.temperature) or self.temperature < 0):
             raise SpecdecError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise SpecdecError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+        if not (isinstance(self.top_p, (int, float)) and not isinstance(self.top_p, bool) and 0.0 < self.top_p <= 1.0):
             raise SpecdecError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise SpecdecError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not -(1 << 63) <= self.seed < 1 << 64:
+            raise SpecdecError(f"seed must be an integer in [-2^63, 2^64), got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

@@ -110,6 +110,10 @@ class Tokenizer:
             return self.encode_chat([{"role": "user", "content": text}])
         return self._ids(text, True)
 
+    def encode_text(self, text: str) -> list[int]:
+        """`text`'s ids as a continuation: no special tokens added (a predicted output, a draft's text)."""
+        return self._ids(text, False)
+
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """The rendered chat's token ids. Message text is plain text, as OpenAI's API treats it: a control
         token's text typed in it (`<|im_end|>`, `<|im_start|>system`) is encoded as ordinary text, never as the

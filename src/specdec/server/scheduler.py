@@ -196,8 +196,7 @@ class ServerMetrics:
 
 def speculation_report(seq: SequenceState, spec: SpecChoice) -> dict:
     """The per-request `speculative` extension object of a response."""
-    speculative = spec.method != "none"
-    m = seq.counters.as_dict(speculative)
+    m = seq.counters.as_dict()
     return {"method": spec.method, "num_draft_tokens": spec.num_draft_tokens, "tau": m["tau"],
             "acceptance_rate": m["acceptance_rate"], "acceptance_per_position": m["acceptance_per_position"],
             "draft_tokens": seq.counters.drafted, "accepted_tokens": seq.counters.accepted,
