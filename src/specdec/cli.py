@@ -129,7 +129,7 @@ def cmd_info(a: argparse.Namespace) -> int:
     cache_mb = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file()) / 2**20 if cache.is_dir() else 0.0
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024              # Linux: KiB
     rt = runtime_info(target)                              # the object `generate --json` and /health carry too
-    info = {"model": name, "machine": m.as_dict(), "runtime": rt,
+    info = {"model": name, "context_tokens": target.max_seq_len, "machine": m.as_dict(), "runtime": rt,
             "load_seconds": round(load_s, 2), "cache": {"path": str(cache), "megabytes": round(cache_mb, 1)},
             "peak_rss_megabytes": round(peak_mb, 1)}
     if a.json:
@@ -144,7 +144,8 @@ def cmd_info(a: argparse.Namespace) -> int:
              + (f"; kernel family {m.kernel_family}" if m.kernel_family != m.torch_capability else "")),
             ("oneDNN bfloat16", "yes" + (" (native)" if m.native_bf16 else " (emulated)") if m.onednn_bf16 else "no"),
             ("int4 kernel", "yes" if m.int4_kernel else "no"),
-            ("model", name), ("dtype", rt["dtype"] + (f" (chosen by {a.dtype})" if a.dtype == "auto" else "")),
+            ("model", f"{name} (context {target.max_seq_len} tokens)"),
+            ("dtype", rt["dtype"] + (f" (chosen by {a.dtype})" if a.dtype == "auto" else "")),
             ("linear kernels", rt["kernels"]), ("attention", rt["attention"]),
             ("layer loop", rt["layers"]),
             ("self-check", check.summary()),
