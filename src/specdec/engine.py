@@ -285,11 +285,15 @@ class Engine:
         the others and then each of those alone: a step drafts at most what its fullest row has room for, so a
         row's drafts (and, where they are sampled, its tokens for a seed) never depend on a batch-mate's room.
         Such a row's own remaining tokens always fit its room, so alone it drafts all it can use."""
-        tight = [s for s in seqs if self.slots - len(s.tokens) - 1 < k]
+        tight = [s for s in seqs if self._room(s) < k]
         if not tight or len(seqs) == 1:
             return [seqs]
-        roomy = [s for s in seqs if self.slots - len(s.tokens) - 1 >= k]
+        roomy = [s for s in seqs if self._room(s) >= k]
         return ([roomy] if roomy else []) + [[s] for s in tight]
+
+    def _room(self, s: SequenceState) -> int:
+        """Cache slots `s` has for drafts: its scratch past the pending token."""
+        return self.slots - len(s.tokens) - 1
 
     def _speculate(self, seqs: list[SequenceState], k: int) -> None:
         """One step of the active batch: propose (at most k drafts) -> score -> verify -> commit."""
@@ -317,7 +321,7 @@ class Engine:
         one fewer than its remaining tokens (none if it does not speculate), and no step drafts more nodes
         than the cache has room for or than a forward scores exactly (MAX_TREE_BUDGET)."""
         B, dev = len(seqs), self.target.device
-        room = min(self.slots - len(s.tokens) - 1 for s in seqs)                  # scratch past the pending token
+        room = min(self._room(s) for s in seqs)
         k = max(0, min(k, room))
         conts = self.predictions.continuations([s.row for s in seqs], min(PREDICTION_DRAFT_TOKENS, room))
         draft = self.proposer.propose(batch, k) if k and not all(conts) else Draft.empty(B, dev)

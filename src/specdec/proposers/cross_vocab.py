@@ -49,7 +49,7 @@ def token_texts(tok: Tokenizer) -> list[str]:
 def canonical(tok: Tokenizer, text: str, ids: list[int]) -> int:
     """Of several ids spelled `text` (a byte-fallback token <0x2E> and the token "."), the one `tok` writes
     for it: a draft proposing the other would never be accepted."""
-    enc = tok.backend.encode(text, add_special_tokens=False).ids
+    enc = tok.encode_text(text)
     return enc[0] if len(enc) == 1 and enc[0] in ids else ids[0]
 
 
@@ -118,7 +118,7 @@ class CrossVocabProposer:
 
     def _retokenize(self, target_ids: list[int]) -> list[int]:
         text = self.target_tok.decode(target_ids)
-        return self.draft_tok.backend.encode(text, add_special_tokens=False).ids or [0]
+        return self.draft_tok.encode_text(text) or [0]
 
     def _sync(self, rows: Tensor, histories: list[list[int]]) -> Tensor:
         """Bring every row's cache to its committed text; the draft's logits [B, V_draft] after it."""

@@ -114,7 +114,7 @@ def user_turn_prefix(tok, messages: list[dict]) -> list[int]:
     is rendered with a marker as the next user message and cut at the marker)."""
     mark = "\u2063MAGPIE\u2063"
     text = tok.render_chat(messages + [{"role": "user", "content": mark}])
-    return tok.backend.encode(text[:text.index(mark)], add_special_tokens=False).ids
+    return tok.encode_text(text[:text.index(mark)])
 
 
 class MagpieWriter:
