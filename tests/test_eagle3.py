@@ -1,6 +1,9 @@
 """EAGLE-3 heads: training-time test computes what drafting computes."""
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
 import torch
 
 from helpers import tiny_model
@@ -8,10 +11,11 @@ from specdec.models.eagle3 import Eagle3Config, Eagle3Head
 from specdec.train.eagle3 import ttt_unroll
 
 
-def _head(seed: int = 0, vocab: int = 97, ids: torch.Tensor = torch.arange(0, 80, 2)) -> tuple[object, Eagle3Head]:
+def _head(seed: int = 0, vocab: int = 97, ids: torch.Tensor = torch.arange(0, 80, 2),
+          layers: int = 1) -> tuple[object, Eagle3Head]:
     target = tiny_model(seed=seed, layers=6, vocab=vocab, std=0.5 if vocab < 97 else 0.3)
     torch.manual_seed(seed)
-    cfg = Eagle3Config.for_target(target, len(ids))
+    cfg = replace(Eagle3Config.for_target(target, len(ids)), extra_layers=layers - 1)
     head = Eagle3Head(target, cfg, ids).init_from_target()
     for p in head.parameters():                       # larger weights: attention patterns that matter
         p.data.normal_(0, 0.2)
@@ -24,9 +28,10 @@ def _target_features(target, toks, head):
     return target(toks, torch.arange(T)[None], cache, torch.tensor([0]), features=head.feature_layers)
 
 
+@pytest.mark.parametrize("layers", [1, 2])
 @torch.no_grad()
-def test_training_time_test_matches_drafting_step_by_step():
-    target, head = _head()
+def test_training_time_test_matches_drafting_step_by_step(layers):
+    target, head = _head(layers=layers)
     toks = torch.tensor([[5, 17, 3, 44, 90, 12, 7, 61, 33, 2, 80, 15]])
     feats = _target_features(target, toks, head)                                   # [1, T, 4H]
     outs = ttt_unroll(head, toks, feats, steps=4)
@@ -159,7 +164,6 @@ def test_medusa_export_matches_vllms_medusa_model(tmp_path):
 
 
 # ---- drafting with the engine: lossless whatever the head ------------------------------
-import pytest  # noqa: E402
 
 from helpers import PROMPTS, V, check_joint, exact_joint, sample_engine, tiny_generator  # noqa: E402
 from specdec.proposers.eagle import EagleProposer  # noqa: E402
@@ -168,15 +172,16 @@ from specdec.sampling import SamplingParams  # noqa: E402
 from specdec.draft_length import make_policy  # noqa: E402
 
 
-def _prepared(seed: int = 0, vocab: int = 97, ids: torch.Tensor = torch.arange(0, 80, 2)):
-    target, head = _head(seed, vocab, ids)
+def _prepared(seed: int = 0, vocab: int = 97, ids: torch.Tensor = torch.arange(0, 80, 2), layers: int = 1):
+    target, head = _head(seed, vocab, ids, layers)
     return target, head.prepare(target.dtype)
 
 
-@pytest.mark.parametrize("topk, depth, budget", [(1, 4, 4), (1, 2, 2), (3, 3, 8)])
+@pytest.mark.parametrize("topk, depth, budget, layers", [(1, 4, 4, 1), (1, 2, 2, 1), (3, 3, 8, 1), (1, 4, 4, 2),
+                                                         (3, 3, 8, 2)])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_eagle3_greedy_equals_plain(topk, depth, budget, batch):
-    target, head = _prepared()
+def test_eagle3_greedy_equals_plain(topk, depth, budget, layers, batch):
+    target, head = _prepared(layers=layers)
     gen = tiny_generator(target, EagleProposer(head, topk, depth, budget, name="eagle3"), "fixed", depth)
     for p, r in zip(PROMPTS[:batch], gen.generate(PROMPTS[:batch], max_new_tokens=30)):
         assert r.tokens == reference_greedy(target, p, 30)
@@ -358,6 +363,34 @@ def test_a_widened_head_computes_what_it_computed():
     assert wide.midlayer.mlp.gate_proj.weight[head.cfg.hidden_dim:].abs().sum() > 0      # new units can learn
     with pytest.raises(Exception, match="narrower"):
         widened(head, head.cfg.hidden_dim // 2, seed=1)
+
+
+def test_a_deepened_head_computes_what_it_computed(tmp_path):
+    """`train eagle3 --head-layers 2`: the new layer starts as an identity (zero o_proj and down_proj); the
+    deeper head saves and loads, and refuses the one-layer export formats."""
+    from specdec.export import export_eagle3
+    from specdec.train.eagle3 import deepened
+
+    target, head = _head()
+    deep = deepened(head, 2, seed=1).eval()
+    assert deep.cfg.extra_layers == 1 and len(deep.layers) == 1
+    toks = torch.tensor([[5, 17, 3, 44, 90, 12]])
+    feats = torch.randn(1, 6, head.cfg.dim, generator=torch.Generator().manual_seed(0))
+    pos, rows = torch.arange(6)[None], torch.tensor([0])
+    with torch.no_grad():
+        a = head.logits(head(toks, feats, pos, head.new_cache(1, 16), rows))
+        b = deep.logits(deep(toks, feats, pos, deep.new_cache(1, 16), rows))
+    assert torch.allclose(a, b, atol=1e-5)
+    assert deep.layers[0].self_attn.q_proj.weight.abs().sum() > 0                       # the new layer can learn
+    with pytest.raises(Exception, match="only deepens"):
+        deepened(deep, 1, seed=1)
+    deep.save(tmp_path / "deep.safetensors", {})
+    again = Eagle3Head.load(tmp_path / "deep.safetensors", target)
+    assert again.cfg.extra_layers == 1
+    assert torch.equal(again.layers[0].self_attn.q_proj.weight.float(),
+                       deep.layers[0].self_attn.q_proj.weight.to(torch.bfloat16).float())
+    with pytest.raises(Exception, match="one-layer"):
+        export_eagle3(deep, "vllm", tmp_path / "out")
 
 
 @torch.no_grad()

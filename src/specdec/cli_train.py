@@ -16,7 +16,7 @@ def _check_target(model: str) -> None:
 
 
 def _check_args(a: argparse.Namespace) -> None:
-    """Before any work: sizes and budgets positive (max_rows, threads, mlp_width: 0 = the default), the paths
+    """Before any work: sizes and budgets positive (max_rows, threads, mlp_width, head_layers: 0 = the default), the paths
     the command writes writable."""
     for name in ("minutes", "vocab_size", "window", "batch", "lr", "max_seq", "heads", "max_prompts",
                  "max_new_tokens", "shards", "rows", "steps", "report_minutes", "target_temperature"):
@@ -27,7 +27,7 @@ def _check_args(a: argparse.Namespace) -> None:
         raise SpecdecError(f"--greedy-fraction must be in [0, 1], got {a.greedy_fraction}")
     if not getattr(a, "prompt_weight", 0) >= 0:
         raise SpecdecError(f"--prompt-weight must be >= 0, got {a.prompt_weight}")
-    for name in ("max_rows", "threads", "mlp_width"):
+    for name in ("max_rows", "threads", "mlp_width", "head_layers"):
         if getattr(a, name, 0) < 0:
             raise SpecdecError(f"--{name.replace('_', '-')} must be >= 0 (0 = the default), got {getattr(a, name)}")
     if getattr(a, "out", None) and Path(a.out).suffix == ".safetensors":     # the trained file: writable, first
@@ -113,7 +113,7 @@ def cmd_eagle3(a: argparse.Namespace) -> int:
         raise SpecdecError(f"--init: no such head file: {a.init}")
     opts = Eagle3Options(a.minutes, a.vocab_size, a.window, a.batch, a.lr, a.max_seq, a.steps, a.max_rows,
                          train_dtype=_train_dtype(a), report_minutes=a.report_minutes, init=a.init,
-                         mlp_width=a.mlp_width, target_temperature=a.target_temperature,
+                         mlp_width=a.mlp_width, head_layers=a.head_layers, target_temperature=a.target_temperature,
                          prompt_weight=a.prompt_weight)
     data = magpie_dir(a.data, a.model)
     report = train_eagle3(a.model, data, Path(a.out), a.overwrite, opts, Path(a.features or data))
@@ -242,6 +242,9 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
                     "head (default: a new head; --vocab-size is then the file's)")
     e3.add_argument("--mlp-width", type=int, default=0, metavar="N", help="the head's MLP width (default: the "
                     "target's, or --init's); wider than --init's head: widened computing the same function at first")
+    e3.add_argument("--head-layers", type=int, default=0, metavar="N", help="the head's decoder layers (default: 1, "
+                    "EAGLE-3's, or --init's); more than --init's: deepened, the new layers starting as identities "
+                    "(a deeper head drafts more slowly; vLLM and SGLang load one-layer heads only)")
     e3.add_argument("--target-temperature", type=float, default=1.0, metavar="T", help="learn the target's "
                     "distribution at temperature T: 1 its own (what sampled drafts meet), below 1 sharpened toward "
                     "its argmax (what greedy drafting is judged on)")

@@ -64,6 +64,9 @@ def eagle3_config(head: Eagle3Head, fmt: str, dtype: str = "bfloat16") -> dict:
     c = head.cfg
     if fmt not in FORMATS:
         raise SpecdecError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if c.extra_layers:
+        raise SpecdecError(f"this EAGLE-3 head has {1 + c.extra_layers} decoder layers; {fmt} loads one-layer "
+                           "heads only")
     return {"architectures": [EAGLE3_ARCH], "model_type": "llama", "hidden_size": c.dim,
             "intermediate_size": c.hidden_dim, "num_attention_heads": c.n_heads,
             "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim, "num_hidden_layers": 1,

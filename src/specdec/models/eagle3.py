@@ -5,7 +5,9 @@ residual stream entering three layers) and the next token x_{i+1}; one decoder l
 take [norm(embed(x_{i+1})); norm(g_i)] (2H wide) gives h_i, and the head's own norm and
 reduced-vocabulary LM head turn h_i into draft logits for x_{i+2}. Drafting deeper, h_i stands in
 for the target's feature at the next position (no feature regression: the head learns what its own
-h should be by training-time test, see train/eagle3.py).
+h should be by training-time test, see train/eagle3.py). A deeper head (`extra_layers`, from
+`train eagle3 --head-layers`) runs plain decoder layers over h after the midlayer; each has its own
+keys and values in the head's cache.
 
 Parameter names follow the layout vLLM's `LlamaForCausalLMEagle3` and SGLang load (`fc`,
 `midlayer.*`, `norm`, `lm_head`), so export is a rename-free copy (`specdec export`). The head
@@ -44,6 +46,7 @@ class Eagle3Config:
     target_vocab: int
     draft_vocab: int
     aux_layers: tuple[int, ...]          # the residual stream entering these target layers (vLLM's ids)
+    extra_layers: int = 0                # plain decoder layers after the midlayer (0: EAGLE-3's one layer)
 
     @staticmethod
     def for_target(target: Transformer, draft_vocab: int) -> "Eagle3Config":
@@ -90,6 +93,21 @@ class MidLayer(nn.Module):
         self.mlp = MLP(c)
 
 
+class DecoderLayer(nn.Module):
+    """A plain pre-norm decoder layer over the midlayer's output h [.., H] (a deeper head's extra layers)."""
+
+    def __init__(self, c: Eagle3Config) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.dim, c.norm_eps)
+        self.self_attn = nn.Module()
+        self.self_attn.q_proj = nn.Linear(c.dim, c.n_heads * c.head_dim, bias=False)
+        self.self_attn.k_proj = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
+        self.self_attn.v_proj = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
+        self.self_attn.o_proj = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
+        self.post_attention_layernorm = RMSNorm(c.dim, c.norm_eps)
+        self.mlp = MLP(c)
+
+
 class Eagle3Head(nn.Module):
     def __init__(self, target: Transformer, cfg: Eagle3Config, vocab_ids: Tensor) -> None:
         super().__init__()
@@ -98,6 +116,7 @@ class Eagle3Head(nn.Module):
         self.cfg = cfg
         self.fc = nn.Linear(len(cfg.aux_layers) * cfg.dim, cfg.dim, bias=False)
         self.midlayer = MidLayer(cfg)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.extra_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.draft_vocab, bias=False)
         self.register_buffer("vocab_ids", vocab_ids.long().clone())
@@ -138,27 +157,36 @@ class Eagle3Head(nn.Module):
         H = self.cfg.dim
         return self._lin(target_hidden[..., H:].to(self.fc.weight.dtype), self.fc, "fc")
 
-    def qkv(self, tokens: Tensor, hidden: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q [B, nh, T, hd], k, v [B, nkv, T, hd] (float32, rope applied) for tokens/positions [B, T]
-        and input features hidden [B, T, H]."""
-        c, a = self.cfg, self.midlayer.self_attn
-        B, T = tokens.shape
-        e = self.tgt.embed_tokens(tokens).to(hidden.dtype)
-        x = torch.cat([self.midlayer.input_layernorm(e), self.midlayer.hidden_norm(hidden)], -1)   # [B, T, 2H]
-        q = self._lin(x, a.q_proj, "q").float().view(B, T, c.n_heads, c.head_dim).transpose(1, 2)
-        k = self._lin(x, a.k_proj, "k").float().view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
-        v = self._lin(x, a.v_proj, "v").float().view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
+    def qkv(self, tokens: Tensor, hidden: Tensor, positions: Tensor, layer: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+        """q [B, nh, T, hd], k, v [B, nkv, T, hd] (float32, rope applied) of `layer` (0: the midlayer, whose
+        input is tokens [B, T] with features hidden [B, T, H]; i >= 1: extra layer i over the previous
+        layer's output hidden [B, T, H], tokens unused) at positions [B, T]."""
+        c = self.cfg
+        B, T = positions.shape
+        if layer == 0:
+            m = self.midlayer
+            e = self.tgt.embed_tokens(tokens).to(hidden.dtype)
+            x = torch.cat([m.input_layernorm(e), m.hidden_norm(hidden)], -1)                # [B, T, 2H]
+        else:
+            m = self.layers[layer - 1]
+            x = m.input_layernorm(hidden)                                                  # [B, T, H]
+        a, p = m.self_attn, f"{layer}." if layer else ""
+        q = self._lin(x, a.q_proj, p + "q").float().view(B, T, c.n_heads, c.head_dim).transpose(1, 2)
+        k = self._lin(x, a.k_proj, p + "k").float().view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        v = self._lin(x, a.v_proj, p + "v").float().view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]       # [B, 1, T, hd]
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def finish(self, hidden: Tensor, o: Tensor) -> Tensor:
-        """Attention output o [B, nh, T, hd] -> the layer's output h [B, T, H] (before the final norm)."""
-        m = self.midlayer
+    def finish(self, hidden: Tensor, o: Tensor, layer: int = 0) -> Tensor:
+        """Attention output o [B, nh, T, hd] of `layer` and the layer's residual input hidden [B, T, H] ->
+        the layer's output h [B, T, H] (the last layer's: before the final norm)."""
+        m = self.layers[layer - 1] if layer else self.midlayer
+        p = f"{layer}." if layer else ""
         B, _, T, _ = o.shape
-        x = hidden + self._lin(o.transpose(1, 2).reshape(B, T, -1).to(hidden.dtype), m.self_attn.o_proj, "o")
+        x = hidden + self._lin(o.transpose(1, 2).reshape(B, T, -1).to(hidden.dtype), m.self_attn.o_proj, p + "o")
         h = m.post_attention_layernorm(x)
-        gate, up = self._lin(h, m.mlp.gate_proj, "gate"), self._lin(h, m.mlp.up_proj, "up")
-        return x + self._lin(F.silu(gate) * up, m.mlp.down_proj, "down")
+        gate, up = self._lin(h, m.mlp.gate_proj, p + "gate"), self._lin(h, m.mlp.up_proj, p + "up")
+        return x + self._lin(F.silu(gate) * up, m.mlp.down_proj, p + "down")
 
     def logits(self, h: Tensor) -> Tensor:
         """Draft logits over the reduced vocabulary [.., V'] (float32)."""
@@ -167,37 +195,39 @@ class Eagle3Head(nn.Module):
     # ---- inference with a cache ------------------------------------------------------
     def new_cache(self, rows: int, slots: int) -> KVCache:
         c = self.cfg
-        return KVCache(1, rows, c.n_kv_heads, min(slots, c.max_seq_len), c.head_dim, torch.float32,
+        return KVCache(1 + c.extra_layers, rows, c.n_kv_heads, min(slots, c.max_seq_len), c.head_dim, torch.float32,
                        self.fc.weight.device)
 
     def forward(self, tokens: Tensor, hidden: Tensor, positions: Tensor, cache: KVCache, rows: Tensor,
                 tree_mask: Tensor | None = None) -> Tensor:
         """tokens/positions [B, T], input features hidden [B, T, H] -> h [B, T, H]; writes T scratch slots
-        after each row's committed ones (tree_mask [B, T, T] among them; None: causal)."""
+        after each row's committed ones in every layer (tree_mask [B, T, T] among them; None: causal)."""
         c = self.cfg
         B, T = tokens.shape
         cache.check_room(rows, T)
-        q, k, v = self.qkv(tokens, hidden, positions)
-        cache.write(0, rows, k, v)
-        if B == 1 and tree_mask is None:                   # a lone row, causal: slots up to each token's own
+        lone = B == 1 and tree_mask is None                # a lone row, causal: slots up to each token's own
+        if lone:
             kv_len = int(cache.lengths[rows[0]]) + T
-            kc, vc = cache.read(0, rows, kv_len, True)
-            causal = None if T == 1 else torch.ones(T, kv_len, dtype=torch.bool, device=tokens.device).tril(kv_len - T)
-            o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=causal, scale=c.head_dim ** -0.5,
+            mask = None if T == 1 else torch.ones(T, kv_len, dtype=torch.bool, device=tokens.device).tril(kv_len - T)
+        else:
+            lengths = cache.lengths[rows]
+            kv_len = int(lengths.max()) + T
+            if tree_mask is None:
+                tree_mask = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril().expand(B, T, T)
+            j = torch.arange(kv_len, device=tokens.device)
+            vis = (j[None, None, :] < lengths[:, None, None]).expand(B, T, kv_len).clone()
+            scratch = lengths[:, None] + torch.arange(T, device=tokens.device)      # [B, T]
+            vis.scatter_(2, scratch[:, None, :].expand(B, T, T), tree_mask)
+            mask = vis[:, None]                                                     # [B, 1, T, kv_len]
+        h = hidden
+        for layer in range(1 + c.extra_layers):
+            q, k, v = self.qkv(tokens, h, positions, layer)
+            cache.write(layer, rows, k, v)
+            kc, vc = cache.read(layer, rows, kv_len, lone or rows.numel() == 1)     # [B, nkv, S, hd]
+            o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=c.head_dim ** -0.5,
                                                enable_gqa=c.n_kv_heads != c.n_heads)
-            return self.finish(hidden, o)
-        lengths = cache.lengths[rows]
-        kv_len = int(lengths.max()) + T
-        kc, vc = cache.read(0, rows, kv_len, rows.numel() == 1)                     # [B, nkv, S, hd]
-        if tree_mask is None:
-            tree_mask = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril().expand(B, T, T)
-        j = torch.arange(kv_len, device=tokens.device)
-        vis = (j[None, None, :] < lengths[:, None, None]).expand(B, T, kv_len).clone()
-        scratch = lengths[:, None] + torch.arange(T, device=tokens.device)          # [B, T]
-        vis.scatter_(2, scratch[:, None, :].expand(B, T, T), tree_mask)
-        o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=vis[:, None], scale=c.head_dim ** -0.5,
-                                           enable_gqa=c.n_kv_heads != c.n_heads)
-        return self.finish(hidden, o)
+            h = self.finish(h, o, layer)
+        return h
 
     def prepare(self, dtype: torch.dtype, kernel: Callable[[Tensor], Kernel] | None = None) -> "Eagle3Head":
         """Inference set-up: cast to the target's dtype and prepack the linears on CPU; beside a 4-bit target,
@@ -211,6 +241,10 @@ class Eagle3Head(nn.Module):
             a, m = self.midlayer.self_attn, self.midlayer.mlp
             mods = {"fc": self.fc, "q": a.q_proj, "k": a.k_proj, "v": a.v_proj, "o": a.o_proj,
                     "gate": m.gate_proj, "up": m.up_proj, "down": m.down_proj, "lm_head": self.lm_head}
+            for i, layer in enumerate(self.layers, 1):
+                la, lm = layer.self_attn, layer.mlp
+                mods |= {f"{i}.q": la.q_proj, f"{i}.k": la.k_proj, f"{i}.v": la.v_proj, f"{i}.o": la.o_proj,
+                         f"{i}.gate": lm.gate_proj, f"{i}.up": lm.up_proj, f"{i}.down": lm.down_proj}
             coded = self.tgt.int4 and native.available(self.fc.weight.device)
             make = kernel or (draft_kernel if coded else pack)
             self.packed = {n: make(mod.weight) for n, mod in mods.items()}

@@ -63,32 +63,43 @@ def _shift(x: Tensor, by: int) -> Tensor:
     return x if by == 0 else torch.cat([torch.zeros_like(x[:, :, :by]), x[:, :, :-by]], 2)
 
 
+def _ttt_attend(q: Tensor, keys: list[Tensor], values: list[Tensor], s: int, scale: float) -> Tensor:
+    """Step s's attention o [B, nh, W, hd] for queries q [B, nh, W, hd] over one layer's keys and values of
+    steps 0..s (each [B, nh, W, hd]): at position j, step-0 keys up to j-s, then step r's key at j-s+r."""
+    W = q.shape[2]
+    j = torch.arange(W)
+    s0 = (q @ keys[0].transpose(-1, -2)) * scale                               # [B, nh, W, W]
+    s0 = s0.masked_fill(~(j[None, :] <= j[:, None] - s), float("-inf"))        # step-0 keys up to j-s
+    diag = [(q * _shift(keys[r], s - r)).sum(-1, keepdim=True) * scale         # step r's key at j-s+r
+            for r in range(1, s + 1)]
+    att = torch.softmax(torch.cat([s0, *diag], -1), -1)
+    o = att[..., :W] @ values[0]
+    for r in range(1, s + 1):
+        o = o + att[..., W + r - 1:W + r] * _shift(values[r], s - r)
+    return o
+
+
 def ttt_unroll(head: Eagle3Head, toks: Tensor, feats: Tensor, steps: int) -> list[Tensor]:
     """The head's outputs h [B, W-1, H] of each training-time-test step for tokens [B, W] and target
     features [B, W, H*(1+n)]: entry s, position j is what drafting computes at draft position s+1 when
-    position j-s is the last one with target features and the tokens after it are the given ones."""
+    position j-s is the last one with target features and the tokens after it are the given ones.
+    Every layer of the head attends in the same pattern (its own keys of the steps so far)."""
     c = head.cfg
     B, W = toks.shape[0], toks.shape[1] - 1
-    j = torch.arange(W)
-    tok_in, pos = toks[:, 1:], j.expand(B, W)
+    tok_in, pos = toks[:, 1:], torch.arange(W).expand(B, W)
     hidden = head.input_features(feats[:, :-1])                                 # g_j  [B, W, H]
     rep, scale = c.n_heads // c.n_kv_heads, c.head_dim ** -0.5
-    keys: list[Tensor] = []
-    values: list[Tensor] = []
+    n_layers = 1 + c.extra_layers
+    keys: list[list[Tensor]] = [[] for _ in range(n_layers)]
+    values: list[list[Tensor]] = [[] for _ in range(n_layers)]
     outs: list[Tensor] = []
     for s in range(steps):
-        q, k, v = head.qkv(tok_in, hidden, pos)                                # [B, nh|nkv, W, hd]
-        keys.append(_repeat_kv(k, rep))
-        values.append(_repeat_kv(v, rep))
-        s0 = (q @ keys[0].transpose(-1, -2)) * scale                           # [B, nh, W, W]
-        s0 = s0.masked_fill(~(j[None, :] <= j[:, None] - s), float("-inf"))    # step-0 keys up to j-s
-        diag = [(q * _shift(keys[r], s - r)).sum(-1, keepdim=True) * scale     # step r's key at j-s+r
-                for r in range(1, s + 1)]
-        att = torch.softmax(torch.cat([s0, *diag], -1), -1)
-        o = att[..., :W] @ values[0]
-        for r in range(1, s + 1):
-            o = o + att[..., W + r - 1:W + r] * _shift(values[r], s - r)
-        h = head.finish(hidden, o)                                             # [B, W, H]
+        h = hidden
+        for layer in range(n_layers):
+            q, k, v = head.qkv(tok_in, h, pos, layer)                           # [B, nh|nkv, W, hd]
+            keys[layer].append(_repeat_kv(k, rep))
+            values[layer].append(_repeat_kv(v, rep))
+            h = head.finish(h, _ttt_attend(q, keys[layer], values[layer], s, scale), layer)   # [B, W, H]
         outs.append(h)
         hidden = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1)         # position j reads h_{j-1}
     return outs
@@ -229,6 +240,7 @@ class Eagle3Options:
     report_minutes: float = 10.0     # validation on a fixed sample, appended to OUT.curve.jsonl
     init: str = ""                   # a head (.safetensors) to continue from; "" = start from the target
     mlp_width: int = 0               # the head's MLP width (0: the target's; wider than `init`'s: widened in place)
+    head_layers: int = 0             # the head's decoder layers (0: one, or `init`'s; more than `init`'s: deepened)
     target_temperature: float = 1.0  # the target distribution the head learns: softmax(logits / T)
     prompt_weight: float = 1.0       # loss weight of draft positions inside prompts (answers: 1)
 
@@ -279,10 +291,14 @@ def initial_head(target: Transformer, seqs: list[list[int]], opts: Eagle3Options
             raise SpecdecError(f"{opts.init} does not fit an EAGLE-3 head: missing {missing}, unexpected {unexpected}")
         if opts.mlp_width and opts.mlp_width != cfg.hidden_dim:
             head = widened(head, opts.mlp_width, opts.seed)
+        if opts.head_layers and opts.head_layers != 1 + cfg.extra_layers:
+            head = deepened(head, opts.head_layers, opts.seed)
         return head
     cfg = Eagle3Config.for_target(target, min(opts.vocab_size, target.vocab_size))
     if opts.mlp_width:
         cfg = replace(cfg, hidden_dim=opts.mlp_width)
+    if opts.head_layers:
+        cfg = replace(cfg, extra_layers=opts.head_layers - 1)
     return Eagle3Head(target, cfg, vocab_subset(seqs, cfg.draft_vocab, target.vocab_size)).init_from_target()
 
 
@@ -304,6 +320,29 @@ def widened(head: Eagle3Head, width: int, seed: int) -> Eagle3Head:
         sd["midlayer.mlp.down_proj.weight"] = torch.cat([w, w.new_zeros(w.shape[0], width - old)], 1)
     wide.load_state_dict(sd)
     return wide
+
+
+def deepened(head: Eagle3Head, layers: int, seed: int) -> Eagle3Head:
+    """The same head with `layers` decoder layers, computing the same function: each new layer starts with
+    small random q/k/v/gate/up and zero o_proj and down_proj, so its residual branches add nothing until
+    trained (and the gradients reach them through those zeros)."""
+    old = 1 + head.cfg.extra_layers
+    if layers < old:
+        raise SpecdecError(f"--head-layers {layers} is fewer than the head's {old}: a head only deepens")
+    deep = Eagle3Head(head.tgt, replace(head.cfg, extra_layers=layers - 1), head.vocab_ids)
+    sd = head.state_dict()
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in deep.state_dict().items():
+        if name in sd:
+            continue
+        if "norm" in name:
+            sd[name] = torch.ones_like(p)
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            sd[name] = torch.zeros_like(p)
+        else:
+            sd[name] = (torch.randn(p.shape, generator=gen) * 0.02).to(p.dtype)
+    deep.load_state_dict(sd)
+    return deep
 
 
 def fit_eagle3(target: Transformer, name: str, rows: list[Row], out: Path, opts: Eagle3Options, cache: Path,
@@ -363,6 +402,7 @@ def fit_eagle3(target: Transformer, name: str, rows: list[Row], out: Path, opts:
               "tokens": sum(len(s) for s in seqs), "tokens_seen": ckpt.tokens, "steps": n_steps, "minutes": spent,
               "train_dtype": str(opts.train_dtype).removeprefix("torch."),
               "draft_vocab": cfg.draft_vocab, "aux_layers": list(cfg.aux_layers), "ttt_steps": opts.steps,
+              "head_layers": 1 + cfg.extra_layers,
               "target_temperature": opts.target_temperature, "prompt_weight": opts.prompt_weight,
               "validation_top1_agreement_per_position": final,
               "served_top1_agreement_per_position": served}
