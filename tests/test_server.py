@@ -563,16 +563,52 @@ def test_the_request_schema_is_published(server):
     assert requests.get(server.url + "/docs", timeout=10).status_code == 200
 
 
-def test_bad_input_through_the_client_and_still_serving(client):
-    with pytest.raises(openai.NotFoundError) as e:
-        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
-    assert e.value.body["code"] == "model_not_found"
-    with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=-5)
-    with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=3)
+def test_bad_input_through_the_client_and_still_serving(client, caplog):
+    """Each refused request leaves one info line in the server's log (method, path, status, message)."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="specdec"):
+        with pytest.raises(openai.NotFoundError) as e:
+            client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
+        assert e.value.body["code"] == "model_not_found"
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=-5)
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=3)
+    lines = [r.getMessage() for r in caplog.records if r.name == "specdec" and r.levelno == logging.INFO]
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("POST /v1/chat/completions -> 404") and "no-such-model" in lines[0]
+    assert lines[1].startswith("POST /v1/completions -> 400") and lines[2].startswith("POST /v1/chat/completions -> 400")
     got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
     assert got.usage.completion_tokens == 3
+
+
+def test_a_request_during_shutdown_is_refused_not_left_waiting(gen):
+    """Once the scheduler loop has ended nothing takes jobs: a job submitted after the stop command (still in
+    the inbox when the loop ends) fails with a 503, and a later submit raises Closed at once."""
+    import asyncio
+
+    from specdec.engine import Request
+    from specdec.sampling import SamplingParams
+    from specdec.server.scheduler import Closed, Failed, Job, SpecChoice
+
+    state = ServerState(gen, ServeConfig(max_batch=2, max_tokens=16))
+    scheduler = state.scheduler
+    scheduler.in_caller = True
+
+    async def scenario() -> object:
+        ids = gen.tokenizer.encode(PROMPT, False)
+        job = Job.create(Request(ids, 4, SamplingParams()), SpecChoice(gen.method, 4))
+        scheduler.stop()                     # the stop command is queued first
+        scheduler.submit(job)                # then a request arrives
+        scheduler.run()                      # the loop ends at the stop command
+        with pytest.raises(Closed, match="shutting down"):
+            scheduler.submit(Job.create(Request(ids, 4, SamplingParams()), SpecChoice(gen.method, 4)))
+        return await asyncio.wait_for(job.events.get(), 5)
+
+    event = asyncio.run(scenario())
+    assert isinstance(event, Failed) and event.status == 503 and "shutting down" in event.message
+    assert scheduler.outstanding == 0
 
 
 @pytest.mark.parametrize("where", ["step", "add"])

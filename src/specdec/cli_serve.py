@@ -132,9 +132,23 @@ def cmd_serve(a: argparse.Namespace) -> int:
         print(learn_line(gen.method, config.learn.checkpoint_path(gen.name)), file=sys.stderr)
     print(f"specdec: serving {gen.name} (method {gen.method}, {compute}) on http://{a.host}:{a.port}/v1 "
           f"(max batch {a.max_batch}, auth {auth})", file=sys.stderr, flush=True)
+    server_log(a.log_level)
     server = uvicorn.Server(uvicorn.Config(create_app(state), host=a.host, port=a.port, log_level=a.log_level,
                                           access_log=False))
     return run_server(server, state.scheduler)
+
+
+def server_log(level: str) -> None:
+    """The server's own log (failed generations, rejected requests) on stderr at --log-level, beside
+    uvicorn's lines."""
+    import logging
+
+    log = logging.getLogger("specdec")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s:     specdec: %(message)s"))
+    log.handlers[:] = [handler]
+    log.setLevel(level.upper())
+    log.propagate = False
 
 
 def check_address(host: str, port: int) -> None:

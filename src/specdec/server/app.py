@@ -10,6 +10,7 @@ import asyncio
 import hashlib
 import hmac
 import json
+import logging
 import random
 import time
 import uuid
@@ -36,8 +37,8 @@ from ..tree import TreeShape
 from .learn import LearnConfig, Learner, NoLearning, OnlineLearner
 from .schema import (ChatCompletionRequest, CommonRequest, CompletionRequest, Prediction, Speculative, TextPart,
                      describe)
-from .scheduler import (Done, EnginePool, Event, Failed, Job, QueueFull, Scheduler, ServerMetrics, SpecChoice,
-                        TextPiece)
+from .scheduler import (Closed, Done, EnginePool, Event, Failed, Job, QueueFull, Scheduler, ServerMetrics,
+                        SpecChoice, TextPiece, log)
 
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
 POLL_SECONDS = 0.5                      # how often a non-streaming request checks for a disconnect
@@ -448,6 +449,9 @@ class Routes:
     def error_response(self, request: HttpRequest, status: int, message: str, param: str | None = None,
                        code: str | None = None) -> JSONResponse:
         self.count(request, status)
+        # one line per refused request (info: a client's mistake; warning: the server's own trouble)
+        log.log(logging.INFO if status < 500 else logging.WARNING, "%s %s -> %d %s", request.method,
+                request.url.path, status, message[:300])
         headers = {"WWW-Authenticate": "Bearer"} if status == 401 else ({"Retry-After": "1"} if status == 429 else None)
         return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
@@ -476,6 +480,8 @@ class Routes:
             scheduler.submit(job)
         except QueueFull as e:
             raise ApiError(429, str(e), None, "rate_limit_exceeded") from None
+        except Closed as e:
+            raise ApiError(503, str(e), None, "server_shutting_down") from None
         out = Responder(chat, self.state.model_name, parsed.include_usage)
         watch = Watch(request)
         try:

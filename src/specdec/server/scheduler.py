@@ -108,6 +108,10 @@ class QueueFull(Exception):
     """Every slot is busy and the waiting queue is at its bound."""
 
 
+class Closed(Exception):
+    """The worker loop has ended (the server is shutting down): nothing takes new jobs."""
+
+
 class PoolFull(Exception):
     """A request names a (method, K) with no engine, and no idle engine can make room for one."""
 
@@ -312,11 +316,15 @@ class Scheduler:
         self.peak_running = 0                        # most sequences ever decoded at once
         self.in_caller = False                       # True: the owner calls run(); start() spawns no thread
         self.looping = False                         # run() is in its loop
+        self.closed = False                          # run() has ended: submit refuses (guarded by lock)
 
     # ---- asyncio side --------------------------------------------------------------
     def submit(self, job: Job) -> None:
-        """Queue a job, or raise QueueFull when max_batch + max_waiting jobs are outstanding."""
+        """Queue a job, or raise QueueFull when max_batch + max_waiting jobs are outstanding, Closed once the
+        worker loop has ended."""
         with self.lock:
+            if self.closed:
+                raise Closed("the server is shutting down")
             if self.outstanding >= self.max_batch + self.max_waiting:
                 raise QueueFull(f"server busy: {self.outstanding} requests in flight "
                                 f"(max batch {self.max_batch} + queue {self.max_waiting}); retry later")
@@ -367,6 +375,15 @@ class Scheduler:
                     self._learn(lambda: self.learner.tick(idle))
         finally:
             self.looping = False
+            with self.lock:
+                self.closed = True                   # later submits raise Closed; earlier ones are in the inbox
+            while True:
+                try:
+                    cmd, job = self.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if cmd == "submit":
+                    self.waiting.append(job)
             for job in list(self.waiting) + list(self.running.values()):
                 self._fail(job, "the server is shutting down", 503)
             self._learn(lambda: self.learner.close())
