@@ -150,8 +150,8 @@ def cmd_info(a: argparse.Namespace) -> int:
             ("layer loop", rt["layers"]),
             ("self-check", check.summary()),
             ("load", f"{load_s:.2f} s (this start; the first on a machine converts weights and checks kernels)"),
-            ("cache", f"{cache_mb:.0f} MB in {cache} ($SPECDEC_CACHE)"),
-            ("peak RSS", f"{peak_mb:.0f} MB")]
+            ("cache", f"{cache_mb:.0f} MiB in {cache} ($SPECDEC_CACHE)"),
+            ("peak RSS", f"{peak_mb:.0f} MiB")]
     rows += [(f"  {k}", v) for k, v in check.linears.items()]
     w = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{w}}  {v}" for k, v in rows))

@@ -57,8 +57,8 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     p.add_argument("--peers", default="auto", help=f"comma-separated peers to run side by side: {', '.join(PEERS)}; "
                                                    "auto: llamacpp when llama-cpp-python is installed (none otherwise); "
                                                    "'' for none")
-    p.add_argument("--out", default=None, help="output directory (default: a new one per run, "
-                                               "runs/bench/SUITE-UTCTIME)")
+    p.add_argument("--out", default=None, help="output directory; a report already there is replaced, other "
+                                               "files stay (default: a new one per run, ./runs/bench/SUITE-UTCTIME)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
     p.set_defaults(func=cmd_bench)
 
@@ -164,14 +164,14 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from .bench.peers import build_peers, parse_peers
 
     _check_numbers(a)
-    out = Path(a.out) if a.out else default_out(a.suite)
-    writable_dir(out, "--out")                                     # before the run, not after it
     categories = parse_categories(a.categories)
     runner.parse_methods(a.methods, a.draft_model)                  # fail fast, before any loading
     auto = default_peers() if a.temperature == 0 else ""          # peers run greedy only
     peer_names = parse_peers(auto if a.peers == "auto" else a.peers)
     if peer_names and a.temperature != 0:
         raise SpecdecError("--peers runs greedy only; use --temperature 0")
+    out = Path(a.out) if a.out else default_out(a.suite)
+    writable_dir(out, "--out")                                     # after the options' checks, before the run
     prompts = limit_prompts(load_suite(a.suite, categories), a.limit)
     if a.threads:
         import torch

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -30,10 +31,24 @@ def apply_isa_limit() -> str:
     if not isa or isa == "native":
         return ""
     if isa not in _ISA_LIMITS:
-        raise SystemExit(f"specdec: error: {ISA_ENV}={isa!r} is not one of: native, {', '.join(_ISA_LIMITS)}")
+        print(f"specdec: error: {ISA_ENV}={isa!r} is not one of: native, {', '.join(_ISA_LIMITS)}", file=sys.stderr)
+        raise SystemExit(2)
     for k, v in _ISA_LIMITS[isa].items():
         os.environ.setdefault(k, v)
     return isa
+
+
+def env_switch(name: str) -> bool:
+    """An on/off environment variable that is on unless set: 1, true, yes, on or 0, false, no, off (any case);
+    another value is refused (a typo must not silently keep the default)."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("", "1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    from .errors import SpecdecError
+
+    raise SpecdecError(f"${name}={os.environ[name]!r}: use 1 (on, the default) or 0 (off)")
 
 
 def cpu_model() -> str:

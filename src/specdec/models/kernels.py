@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
@@ -93,6 +95,8 @@ def packed_linear_available(device: torch.device) -> bool:
 _BOOKS: dict[Path, dict[str, list]] = {}    # book file -> repr(key) -> [many_rows, lone_row, max_rows] or [choice]
 TIMED_ROWS = (1, 4, 8)    # row counts `fastest` times: plain decoding, and verifying 3 or 7 drafts
 TIMED_REPEATS = 7         # calls per candidate and row count (interleaved; the fastest counts)
+TIE_MARGIN = 0.05         # kernels whose timed costs are this close count as tied (`tie_break`)
+_HELD: list[bool] = []    # this process holds the book's lock (`_locked_book`)
 
 
 def book_path() -> Path:
@@ -110,29 +114,58 @@ def checked(key: tuple, kernel: Callable[[Tensor], Tensor], n_in: int, dtype: to
     """`check_rows` of `kernel`, run once per machine for each `key` (a kernel family and its shape: kernels
     are chosen by those, not by the values) and kept in `book_path()`, so a start does not pay for it again
     (the LM head's check alone took ~0.4 s)."""
-    book, name = _book(), repr(key)
-    if len(book.get(name, ())) != len(RowCheck.__dataclass_fields__):        # absent, or kept by an older layout
-        c = check_rows(kernel, check_inputs(n_in, dtype))
-        book[name] = [c.many_rows, c.lone_row, c.max_rows]
-        _write_book()
-    return RowCheck(*book[name])
+    name, width = repr(key), len(RowCheck.__dataclass_fields__)
+    entry = _book().get(name)
+    if not (isinstance(entry, list) and len(entry) == width):                  # absent, or an older layout
+        with _locked_book() as book:                                           # another process may have it now
+            entry = book.get(name)
+            if not (isinstance(entry, list) and len(entry) == width):
+                c = check_rows(kernel, check_inputs(n_in, dtype))
+                entry = book[name] = [c.many_rows, c.lone_row, c.max_rows]
+    return RowCheck(*entry)
+
+
+def _read_book(path: Path) -> dict[str, list]:
+    try:
+        book = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return book if isinstance(book, dict) else {}
 
 
 def _book() -> dict[str, list]:
     """This machine's book of checks and choices (read once per process)."""
     path = book_path()
     if path not in _BOOKS:
-        try:
-            _BOOKS[path] = json.loads(path.read_text())
-        except (OSError, ValueError):
-            _BOOKS[path] = {}
+        _BOOKS[path] = _read_book(path)
     return _BOOKS[path]
 
 
-def _write_book() -> None:
+@contextmanager
+def _locked_book() -> Iterator[dict[str, list]]:
+    """The book as it is on disk now, merged into this process's, under an exclusive lock (concurrent first
+    starts add entries one after another instead of the last writer's file winning); written back at exit.
+    An entry on disk wins over this process's: every process then follows the first choice made."""
+    import fcntl
+
     from .registry import write_atomic
 
-    write_atomic(book_path(), json.dumps(_book(), indent=1).encode())
+    if _HELD:                                      # nested (a choice's candidates check their rows): held already
+        yield _book()
+        return
+    path = book_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _HELD.append(True)
+        try:
+            book = _book()
+            book.update(_read_book(path))
+            yield book
+            write_atomic(path, json.dumps(book, indent=1).encode())
+        finally:
+            _HELD.clear()
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def seconds_per_call(kernels: dict[str, Kernel], w: Tensor) -> dict[str, float]:
@@ -160,17 +193,28 @@ def fastest(key: tuple, makers: dict[str, Callable[[], Kernel]], w: Tensor) -> K
     the fastest (`seconds_per_call`) of those whose rows passed their check (the first if none did). Timed
     once per machine for each `key` (the candidates and their shape) and kept in `book_path()`, so every
     start of the same machine runs the same kernel, hence gives the same bits."""
-    book, name = _book(), repr(("fastest", *key))
-    kept = book.get(name, [""])[0]
-    if kept in makers:
-        return makers[kept]()
-    built = {n: make() for n, make in makers.items()}
-    valid = {n: k for n, k in built.items() if k.check.many_rows} or dict([next(iter(built.items()))])
-    cost = seconds_per_call(valid, w) if len(valid) > 1 else {n: 0.0 for n in valid}
-    choice = min(cost, key=cost.__getitem__)
-    book[name] = [choice, {n: round(c * 1000, 2) for n, c in cost.items()}]   # the choice, and ms per TIMED_ROWS
-    _write_book()
+    name = repr(("fastest", *key))
+    entry = _book().get(name)
+    if isinstance(entry, list) and entry and entry[0] in makers:
+        return makers[entry[0]]()
+    with _locked_book() as book:
+        entry = book.get(name)
+        if isinstance(entry, list) and entry and entry[0] in makers:              # another process chose meanwhile
+            return makers[entry[0]]()
+        built = {n: make() for n, make in makers.items()}
+        valid = {n: k for n, k in built.items() if k.check.many_rows} or dict([next(iter(built.items()))])
+        cost = seconds_per_call(valid, w) if len(valid) > 1 else {n: 0.0 for n in valid}
+        choice = tie_break(cost)
+        book[name] = [choice, {n: round(c * 1000, 2) for n, c in cost.items()}]   # the choice, and ms per TIMED_ROWS
     return built[choice]
+
+
+def tie_break(cost: dict[str, float]) -> str:
+    """The kernel to keep for these costs: the first by name among those within TIE_MARGIN of the cheapest,
+    so that timing noise between first starts rarely flips a near-tie (the kernels' bits differ in the last
+    place, and so, in near-ties of the target's own, may greedy text)."""
+    best = min(cost.values())
+    return min(n for n, c in cost.items() if c <= best * (1 + TIE_MARGIN))
 
 
 def pack(w: Tensor, rows: int = PACK_ROWS) -> PackedLinear:

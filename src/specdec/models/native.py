@@ -29,7 +29,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import Tensor
@@ -68,25 +68,57 @@ def _library_path(cc: str) -> Path:
     return cache_dir() / "native" / f"attend-{hashlib.sha256(stamp.encode()).hexdigest()[:16]}.so"
 
 
+def _compile(cmd: list[str], timeout: float, tail: bool = False) -> str:
+    """Run a compiler command; "" or the compiler's complaint (its last or first 300 characters)."""
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if r.returncode == 0:
+        return ""
+    err = r.stderr.strip()
+    return f"{cmd[0]} failed: {err[-300:] if tail else err[:300]}"
+
+
+def built(path: Path, build: Callable[[Path], str], what: str) -> str:
+    """Make sure the library at `path` is whole: reuse it when the digest written beside it at its build
+    matches its bytes; else (none yet, damaged, or from a build that did not finish) build it again with
+    `build(out)` ("" or why it failed) into a temporary folder and rename it into place. Returns "" or why
+    there is no library."""
+    from .registry import file_digest, sweep_stale, write_atomic
+
+    digest = path.with_name(path.name + ".sha256")
+    if path.exists() and digest.exists() and digest.read_text().strip() == file_digest(path):
+        return ""
+    log = logging.getLogger("specdec")
+    if path.exists() and digest.exists():
+        log.warning("%s does not match the digest of its build (damaged?): building it again", path)
+    log.info("building %s ...", what)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sweep_stale(path.parent, ("tmp", ".tmp-"))
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        out = Path(tmp) / path.name
+        why = build(out)
+        if why:
+            return why
+        sha = file_digest(out)
+        os.replace(out, path)                          # atomic: concurrent builds never see half a file
+        write_atomic(digest, sha.encode())
+    return ""
+
+
 def _build() -> str:
     """Load (building if needed) the kernel; returns "" or why it is not available."""
-    if os.environ.get("SPECDEC_NATIVE", "1") == "0":
+    from ..machine import env_switch
+
+    if not env_switch("SPECDEC_NATIVE"):
         return "disabled by SPECDEC_NATIVE=0"
     cc = _compiler()
     if not cc:
         return "no C compiler found (cc, gcc or clang; or set $CC)"
     try:
         path = _library_path(cc)
-        if not path.exists():
-            logging.getLogger("specdec").info("building the native kernels for this CPU (once; a few seconds) ...")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-                out = Path(tmp) / path.name
-                r = subprocess.run([cc, *_flags(), "-o", str(out), str(SOURCE), "-lm"],
-                                   capture_output=True, text=True, timeout=120)
-                if r.returncode != 0:
-                    return f"{cc} failed: {r.stderr.strip()[:300]}"
-                os.replace(out, path)                          # atomic: concurrent builds never see half a file
+        why = built(path, lambda out: _compile([cc, *_flags(), "-o", str(out), str(SOURCE), "-lm"], 120),
+                    "the native kernels for this CPU (once; a few seconds)")
+        if why:
+            return why
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
         return f"could not build or load it: {e}"
@@ -131,7 +163,9 @@ def _loop_flags() -> list[str]:
 
 def _build_loop() -> str:
     """Load (building if needed, 5-15 s once) the layer loop; returns "" or why it is not available."""
-    if os.environ.get("SPECDEC_LOOP", "1") == "0":
+    from ..machine import env_switch
+
+    if not env_switch("SPECDEC_LOOP"):
         return "disabled by SPECDEC_LOOP=0"
     if not available(torch.device("cpu")):
         return "no native kernels"
@@ -144,16 +178,10 @@ def _build_loop() -> str:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
         stamp = "|".join([LOOP_SOURCE.read_text(), torch.__version__, cxx, version, *_loop_flags()])
         path = cache_dir() / "native" / f"layers-{hashlib.sha256(stamp.encode()).hexdigest()[:16]}.so"
-        if not path.exists():
-            logging.getLogger("specdec").info("building the native layer loop for this torch (once; 5-15 s) ...")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-                out = Path(tmp) / path.name
-                r = subprocess.run([cxx, str(LOOP_SOURCE), "-o", str(out), *_loop_flags()],
-                                   capture_output=True, text=True, timeout=300)
-                if r.returncode != 0:
-                    return f"{cxx} failed: {r.stderr.strip()[-300:]}"
-                os.replace(out, path)
+        why = built(path, lambda out: _compile([cxx, str(LOOP_SOURCE), "-o", str(out), *_loop_flags()], 300, tail=True),
+                    "the native layer loop for this torch (once; 5-15 s)")
+        if why:
+            return why
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
         return f"could not build or load it: {e}"

@@ -15,24 +15,72 @@ from ..names import did_you_mean
 DEFAULT_MODEL = "smollm2-135m"
 
 
+STALE_SECONDS = 600.0       # a temporary file or folder untouched this long belongs to a writer that died
+
+
 def cache_dir() -> Path:
-    """Where assembled models and converted tokenizers are kept ($SPECDEC_CACHE or ~/.cache/specdec)."""
-    d = Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
-    d.mkdir(parents=True, exist_ok=True)
+    """Where converted weights, tokenizers, native kernels and per-machine choices are kept ($SPECDEC_CACHE,
+    `~` expanded, or ~/.cache/specdec when it is unset or empty)."""
+    env = os.environ.get("SPECDEC_CACHE", "").strip()
+    d = Path(env).expanduser() if env else Path.home() / ".cache" / "specdec"
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SpecdecError(f"cannot use {d} as the cache directory ($SPECDEC_CACHE): {e.strerror or e}") from None
     return d
 
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Write `data` to `path` through a temporary file renamed into place: readers never see half of it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        sweep_stale(path.parent)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    except OSError as e:
+        raise SpecdecError(f"cannot write {path} (the cache: $SPECDEC_CACHE): {e.strerror or e}") from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise SpecdecError(f"cannot write {path} (the cache: $SPECDEC_CACHE): {e.strerror or e}") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def sweep_stale(directory: Path, prefixes: tuple[str, ...] = (".tmp-",)) -> None:
+    """Remove the temporary files and folders (names starting with `prefixes`) that a killed writer left in
+    `directory`: those untouched for STALE_SECONDS (a live writer's are newer)."""
+    import shutil
+    import time
+
+    try:
+        entries = [e for e in directory.iterdir() if e.name.startswith(prefixes)]
+    except OSError:
+        return
+    for e in entries:
+        try:
+            if time.time() - e.stat().st_mtime < STALE_SECONDS:
+                continue
+            if e.is_dir():
+                shutil.rmtree(e, ignore_errors=True)
+            else:
+                e.unlink()
+        except OSError:
+            pass
+
+
+def file_digest(path: Path) -> str:
+    """The sha256 of a file's bytes (hex)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _package_dir(pkg: str, pip_name: str) -> Path:

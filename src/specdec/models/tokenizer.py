@@ -16,7 +16,7 @@ from datetime import datetime
 from pathlib import Path
 
 from ..errors import SpecdecError
-from .registry import cache_dir
+from .registry import cache_dir, file_digest, sweep_stale
 
 END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -83,7 +83,8 @@ class Tokenizer:
     def from_gguf(path: Path) -> "Tokenizer":
         """The tokenizer of a GGUF file (converted by transformers on first use, then cached)."""
         saved = saved_dir(path)
-        if not (saved / "tokenizer.json").exists():
+        if not intact(saved):
+            discard(saved)
             convert_gguf_tokenizer(path, saved)
         return Tokenizer.from_dir(saved)
 
@@ -161,6 +162,33 @@ def saved_dir(path: Path) -> Path:
     return cache_dir() / "tokenizers" / f"{path.stem}-{key}"
 
 
+MANIFEST = "manifest.json"       # in a converted tokenizer's folder: the sha256 of each file written with it
+
+
+def intact(saved: Path) -> bool:
+    """Whether the converted tokenizer in `saved` is whole: every file its manifest lists, with its bytes."""
+    try:
+        listed = json.loads((saved / MANIFEST).read_text(encoding="utf-8"))
+        return (isinstance(listed, dict) and "tokenizer.json" in listed
+                and all(file_digest(saved / name) == sha for name, sha in listed.items()))
+    except (OSError, ValueError):
+        return False
+
+
+def discard(saved: Path) -> None:
+    """Move a damaged or unverifiable converted tokenizer out of the way (another process may do so too)."""
+    import shutil
+    import uuid
+
+    if saved.exists():
+        aside = saved.with_name(f".tmp-{uuid.uuid4().hex}")
+        try:
+            saved.rename(aside)
+        except OSError:
+            return
+        shutil.rmtree(aside, ignore_errors=True)
+
+
 def _token_text(entry) -> str:
     return entry["content"] if isinstance(entry, dict) else str(entry)
 
@@ -177,11 +205,14 @@ def convert_gguf_tokenizer(path: Path, saved: Path) -> None:
     except Exception as e:
         raise SpecdecError(f"cannot read the tokenizer of {path}: {type(e).__name__}: {e}") from None
     saved.parent.mkdir(parents=True, exist_ok=True)
+    sweep_stale(saved.parent)
     tmp = Path(tempfile.mkdtemp(dir=saved.parent, prefix=".tmp-"))
     hf.save_pretrained(tmp)
     if not (tmp / "tokenizer.json").exists():
         shutil.rmtree(tmp, ignore_errors=True)
         raise SpecdecError(f"the tokenizer of {path} has no fast (tokenizers) form")
+    listed = {f.name: file_digest(f) for f in sorted(tmp.iterdir()) if f.is_file()}
+    (tmp / MANIFEST).write_text(json.dumps(listed, indent=1), encoding="utf-8")
     try:
         tmp.rename(saved)
     except OSError:                       # another process saved it first

@@ -42,6 +42,8 @@ def file_sha256(path: Path) -> str:
         known = json.loads(book.read_text())
     except (OSError, ValueError):
         known = {}
+    if not isinstance(known, dict) or not isinstance(known.get(stamp, ""), str):
+        known = {}                                   # not a book this code wrote: computed again
     if stamp not in known:
         h = hashlib.sha256()
         with open(path, "rb") as f:

@@ -64,11 +64,14 @@ def machine_timings() -> Timings:
 
     path = _timings_path()
     try:
-        return Timings(**json.loads(path.read_text()))
+        t = Timings(**json.loads(path.read_text()))
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in asdict(t).values()):
+            return t
     except (OSError, ValueError, TypeError):
-        t = measure()
-        write_atomic(path, json.dumps(asdict(t)).encode())
-        return t
+        pass
+    t = measure()                                    # none kept yet, or not what this code writes
+    write_atomic(path, json.dumps(asdict(t)).encode())
+    return t
 
 
 def _check(requested: str) -> None:

@@ -1,0 +1,174 @@
+"""The on-disk caches heal: damaged, foreign or half-written files are rebuilt or refused with one line, never
+loaded into a run (a damaged native library used to crash every start; a lost chat template changed output)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec.errors import SpecdecError
+from specdec.machine import env_switch
+from specdec.models import kernels, native
+from specdec.models.registry import STALE_SECONDS, cache_dir, sweep_stale, write_atomic
+
+
+def test_a_native_library_is_rebuilt_unless_it_matches_the_digest_of_its_build(tmp_path):
+    """`native.built`: reused while whole; truncated, overwritten or without its digest (a build that did not
+    finish): built again."""
+    lib = tmp_path / "native" / "k.so"
+    builds: list[Path] = []
+
+    def build(out: Path) -> str:
+        builds.append(out)
+        out.write_bytes(b"\x7fELF" + bytes(range(256)) * 40)
+        return ""
+
+    assert native.built(lib, build, "k") == "" and len(builds) == 1
+    assert native.built(lib, build, "k") == "" and len(builds) == 1                  # whole: reused
+    with lib.open("r+b") as f:
+        f.truncate(1000)                                                              # damaged
+    assert native.built(lib, build, "k") == "" and len(builds) == 2
+    assert lib.stat().st_size == 4 + 256 * 40
+    lib.with_name("k.so.sha256").unlink()                                             # no digest
+    assert native.built(lib, build, "k") == "" and len(builds) == 3
+    assert native.built(lib, lambda out: "cc failed: no", "k") == ""                 # whole again: no build
+    lib.write_bytes(b"garbage")
+    assert native.built(lib, lambda out: "cc failed: no", "k") == "cc failed: no"     # the reason, not a crash
+
+
+def test_stale_temporary_files_of_killed_writers_are_swept(tmp_path):
+    old, new, kept = tmp_path / ".tmp-old", tmp_path / ".tmp-new", tmp_path / "entry.safetensors"
+    for f in (old, new, kept):
+        f.write_bytes(b"x")
+    (tmp_path / "tmpdir").mkdir()
+    (tmp_path / "tmpdir" / "lib.so").write_bytes(b"x")
+    past = time.time() - STALE_SECONDS - 5
+    for p in (old, kept, tmp_path / "tmpdir"):
+        os.utime(p, (past, past))
+    sweep_stale(tmp_path, (".tmp-", "tmp"))
+    assert not old.exists() and not (tmp_path / "tmpdir").exists()
+    assert new.exists() and kept.exists()                                             # a live writer's; an entry
+
+
+def test_the_cache_directory_comes_from_the_environment_or_fails_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", "")
+    assert cache_dir() == Path.home() / ".cache" / "specdec"                          # empty: the default
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("SPECDEC_CACHE", "~/c")
+    assert cache_dir() == tmp_path / "c"
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "file" / "x"))
+    with pytest.raises(SpecdecError, match=r"cannot use .*file/x as the cache directory \(\$SPECDEC_CACHE\)"):
+        cache_dir()
+    with pytest.raises(SpecdecError, match="cannot write"):
+        write_atomic(tmp_path / "file" / "y" / "z.json", b"{}")
+
+
+@pytest.mark.parametrize("value, on", [("", True), ("1", True), ("on", True), ("TRUE", True), ("0", False),
+                                       ("false", False), ("Off", False), ("no", False)])
+def test_on_off_switches_read_the_usual_spellings(monkeypatch, value, on):
+    monkeypatch.setenv("SPECDEC_NATIVE", value)
+    assert env_switch("SPECDEC_NATIVE") is on
+
+
+def test_an_on_off_switch_with_another_value_is_refused(monkeypatch):
+    monkeypatch.setenv("SPECDEC_LOOP", "nope")
+    with pytest.raises(SpecdecError, match=r"\$SPECDEC_LOOP='nope': use 1"):
+        env_switch("SPECDEC_LOOP")
+
+
+def test_an_unknown_instruction_set_limit_exits_2_with_one_line():
+    r = subprocess.run([sys.executable, "-c", "import specdec"], env={**os.environ, "SPECDEC_ISA": "foo"},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
+    assert "SPECDEC_ISA='foo' is not one of" in r.stderr
+
+
+@pytest.mark.parametrize("content", ["[]", "null", "3", '{"x": 3}'])
+def test_a_kernel_book_of_another_shape_is_checked_again(content, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "_BOOKS", {})
+    kernels.book_path().parent.mkdir(parents=True)
+    kernels.book_path().write_text(content)
+    w = torch.randn(8, 16)
+    check = kernels.checked(("x", 8, 16), lambda x: x @ w.T, 16, torch.float32)
+    assert check.many_rows
+    assert json.loads(kernels.book_path().read_text())["('x', 8, 16)"][0] is True
+
+
+def test_choices_made_by_another_process_are_kept_and_followed(tmp_path, monkeypatch):
+    """The book is merged under a lock, not overwritten: a choice another process wrote meanwhile stays on disk
+    and is the one this process takes too (concurrent first starts lost entries to the last writer)."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "_BOOKS", {})
+    w = torch.randn(8, 16)
+    kernels.checked(("mine", 8, 16), lambda x: x @ w.T, 16, torch.float32)           # this process's book in memory
+    book = json.loads(kernels.book_path().read_text())
+    book[repr(("fastest", "k", 8, 16))] = ["b", {"a": 1.0, "b": 1.0}]                 # another process's choice
+    book["('theirs', 8, 16)"] = [True, True, 64]
+    kernels.book_path().write_text(json.dumps(book))
+
+    made: list[str] = []
+
+    def maker(name: str):
+        def make():
+            made.append(name)
+            return kernels.PackedLinear(None, torch.float32, kernels.RowCheck(True, True))
+        return make
+
+    kernels.fastest(("k", 8, 16), {"a": maker("a"), "b": maker("b")}, w)
+    assert made == ["b"]                                                              # its choice, untimed
+    kernels.checked(("again", 8, 16), lambda x: x @ w.T, 16, torch.float32)
+    on_disk = json.loads(kernels.book_path().read_text())
+    assert {"('mine', 8, 16)", "('theirs', 8, 16)", "('again', 8, 16)"} <= set(on_disk)
+
+
+def test_near_ties_resolve_by_name_not_by_timing_noise():
+    assert kernels.tie_break({"native-q4": 1.00, "int4": 1.04}) == "int4"
+    assert kernels.tie_break({"native-q4": 1.04, "int4": 1.00}) == "int4"
+    assert kernels.tie_break({"native-q4": 1.00, "int4": 1.06}) == "native-q4"
+
+
+def test_training_timings_of_another_shape_are_measured_again(tmp_path, monkeypatch):
+    from specdec.train import precision
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(precision, "measure", lambda repeats=3: precision.Timings(0.2, 0.1))
+    path = precision._timings_path()
+    path.parent.mkdir(parents=True)
+    path.write_text('{"float32": "fast", "bfloat16": 0.1}')
+    assert precision.machine_timings() == precision.Timings(0.2, 0.1)
+    assert json.loads(path.read_text()) == {"float32": 0.2, "bfloat16": 0.1}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("damage", ["delete chat_template.jinja", "truncate tokenizer.json", "empty config",
+                                    "no manifest"])
+def test_a_damaged_converted_tokenizer_is_converted_again(damage, tmp_path, monkeypatch):
+    from specdec.models.registry import resolve
+    from specdec.models.tokenizer import Tokenizer, saved_dir
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    gguf = resolve("smollm2-135m")[1]
+    first = Tokenizer.from_gguf(gguf)
+    chat = [{"role": "user", "content": "Hi"}]
+    want = first.encode_chat(chat), first.encode("Hello there", False)
+    saved = saved_dir(gguf)
+    if damage == "delete chat_template.jinja":
+        (saved / "chat_template.jinja").unlink()
+    elif damage == "truncate tokenizer.json":
+        with (saved / "tokenizer.json").open("r+b") as f:
+            f.truncate(100_000)
+    elif damage == "empty config":
+        (saved / "tokenizer_config.json").write_text("")
+    else:
+        (saved / "manifest.json").unlink()
+    again = Tokenizer.from_gguf(gguf)
+    assert (again.encode_chat(chat), again.encode("Hello there", False)) == want
+    assert again.has_chat_template
