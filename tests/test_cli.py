@@ -255,6 +255,15 @@ def test_exported_files_get_the_umask_mode(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
 
 
+@pytest.mark.integration
+def test_a_failed_export_leaves_no_directory_it_made(tmp_path, capsys):
+    bad = tmp_path / "not-a-head.safetensors"
+    bad.write_text("not safetensors")
+    out = tmp_path / "export"
+    assert main(["export", "eagle3", str(out), "--weights", str(bad)]) == 2
+    assert not out.exists() and "not-a-head.safetensors" in capsys.readouterr().err
+
+
 def test_readme_lists_the_json_keys_there_are():
     import re
     from pathlib import Path

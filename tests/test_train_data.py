@@ -43,6 +43,10 @@ def test_leak_check_catches_a_benchmark_prompt():
     (["train", "eagle", "--out", "/"], "--out / is a directory; give a file path"),
     (["train", "eagle3", "--out", "x.safetensors", "--features", "/proc/nope"], "cannot write --features"),
     (["train", "data", "--out", "/proc/nope"], "cannot write --out"),
+    (["train", "eagle3", "--out", "x.safetensors", "--window", "1"], "--window must be >= 4"),
+    (["train", "eagle3", "--out", "x.safetensors", "--max-seq", "1"], "--max-seq must be >= 4"),
+    (["train", "eagle3", "--out", "x.safetensors", "--window", "5"], "leaves no position for draft position 4"),
+    (["train", "eagle", "--out", "x.safetensors", "--window", "2"], "--window must be >= 4"),
 ])
 def test_train_cli_errors(argv, msg, capsys):
     assert main(argv) == 2
@@ -122,3 +126,25 @@ def test_a_larger_max_prompts_completes_a_partial_shard(tmp_path):
     rows = shard.read_text().splitlines()
     assert len(first) == 2 and len(rows) == 3 and rows[:2] == first          # completed, what was there kept
     assert [json.loads(r)["prompt"] for r in rows] == training_prompts(0)[:3]
+    generate_data("smollm2-135m", tmp_path, 2, 2, 2, 1.0, 0)                 # fewer than written: nothing to do
+    assert shard.read_text().splitlines() == rows
+
+
+def test_new_shards_go_after_the_last_one_and_unfinished_files_are_not_shards(tmp_path):
+    """Numbering after a gap never lands on an existing shard (it counted the files: magpie-0002 was replaced),
+    and a writer's temporary file is neither counted nor read."""
+    import numpy as np
+
+    from specdec.errors import SpecdecError
+    from specdec.train.magpie import next_shard, read_shards, shard_files
+
+    assert next_shard(tmp_path) == 0
+    for i in (0, 2):
+        np.savez(tmp_path / f"magpie-{i:04d}.npz", tokens=np.arange(4), answer_mask=np.ones(4, np.uint8),
+                 offsets=np.array([0, 4]), category=np.array(["chat"]), questions=np.array(["q"]))
+    (tmp_path / "magpie-0003.tmp.npz").write_bytes(b"half")
+    assert [f.name for f in shard_files(tmp_path)] == ["magpie-0000.npz", "magpie-0002.npz"]
+    assert next_shard(tmp_path) == 3 and len(read_shards(tmp_path)) == 2
+    (tmp_path / "magpie-0004.npz").write_bytes(b"PK\x03\x04 truncated")
+    with pytest.raises(SpecdecError, match="magpie-0004.npz is not a readable shard"):
+        read_shards(tmp_path)

@@ -63,8 +63,50 @@ def test_a_checkpoint_of_other_settings_is_a_one_line_error(tmp_path):
     m, opt = _toy()
     Checkpoint(out, m, opt).save(3, 1.0)
     other = torch.nn.Linear(5, 2)                                           # e.g. another --heads
-    with pytest.raises(SpecdecError, match="toy.ckpt holds a run this command cannot resume .*delete it"):
+    with pytest.raises(SpecdecError, match="toy.ckpt holds a run this command cannot resume .*--overwrite"):
         Checkpoint(out, other, torch.optim.AdamW(other.parameters())).resume()
+
+
+def test_a_checkpoint_over_another_draft_vocabulary_is_refused(tmp_path):
+    """Buffers (a head's draft vocabulary) are part of what a run is: a resume over other data, whose vocabulary
+    the loss was built from, would train weights for one vocabulary under another's ids."""
+    out = tmp_path / "toy.safetensors"
+    m, opt = _toy()
+    m.register_buffer("vocab_ids", torch.arange(8))
+    Checkpoint(out, m, opt).save(3, 1.0)
+    m2, opt2 = _toy()
+    m2.register_buffer("vocab_ids", torch.arange(8) * 2)
+    with pytest.raises(SpecdecError, match="over another vocab_ids than this command's"):
+        Checkpoint(out, m2, opt2).resume()
+    m3, opt3 = _toy()
+    m3.register_buffer("vocab_ids", torch.arange(8))
+    assert Checkpoint(out, m3, opt3).resume()[0] == 3
+
+
+def test_overwrite_starts_afresh(tmp_path):
+    from specdec.train.features import begin
+
+    out = tmp_path / "head.safetensors"
+    out.write_bytes(b"x")
+    out.with_suffix(".ckpt").write_bytes(b"an interrupted run")
+    with pytest.raises(SpecdecError, match="no-such-model"):
+        begin("no-such-model", out, overwrite=True, seed=0)
+    assert not out.with_suffix(".ckpt").exists()
+
+
+def test_a_resumed_curve_drops_the_points_after_its_checkpoint(tmp_path):
+    from specdec.train.eagle3 import Curve
+
+    out = tmp_path / "head.safetensors"
+    m, opt = _toy()
+    ckpt = Checkpoint(out, m, opt)
+    ckpt.save(9, 1.0)
+    curve_file = out.with_suffix(".curve.jsonl")
+    curve_file.write_text("".join(json.dumps({"step": s}) + "\n" for s in (3, 6, 9, 12, 15)))
+    ckpt.resume()
+    curve = Curve(out, ckpt)
+    curve.add(10, 100, 1.0, {"chat": [0.5]})
+    assert [json.loads(line)["step"] for line in curve_file.read_text().splitlines()] == [3, 6, 9, 10]
 
 
 def test_sigterm_stops_a_run_like_ctrl_c_and_keeps_its_state(tmp_path):
@@ -337,3 +379,31 @@ def test_an_eagle3_run_can_continue_from_a_saved_head(tmp_path):
 def test_train_eagle3_init_must_name_a_file(tmp_path, capsys):
     assert main(["train", "eagle3", "--out", str(tmp_path / "h.safetensors"), "--init", str(tmp_path / "none")]) == 2
     assert "--init" in capsys.readouterr().err
+
+
+def test_features_of_other_data_with_the_same_shard_names_are_not_read(tmp_path):
+    """The feature cache is named by the rows' tokens too: another --data with the same shard names extracts its
+    own features instead of reading these (wrong shapes gave a traceback; fitting ones would train silently)."""
+    import random
+
+    from helpers import tiny_model
+    from specdec.models.eagle3 import Eagle3Config
+    from specdec.train.eagle3 import shard_features
+    from specdec.train.magpie import Row
+
+    target = tiny_model(layers=6)
+    layers = tuple(i - 1 for i in Eagle3Config.for_target(target, 64).aux_layers)
+    for seed in (0, 1):
+        g = random.Random(seed)
+        rows = [Row([g.randrange(97) for _ in range(20)], [], "chat", f"magpie-0000/{i}") for i in range(4)]
+        feats = shard_features(target, rows, [r.tokens for r in rows], layers, tmp_path, 640, float("inf"))
+        assert all(f.shape[0] == 20 for f in feats)
+    assert len(list(tmp_path.glob("features3-magpie-0000-4-640-*.pt"))) == 2
+
+
+def test_a_draft_vocabulary_beyond_the_targets_is_refused():
+    from helpers import tiny_model
+    from specdec.train.eagle3 import Eagle3Options, initial_head
+
+    with pytest.raises(SpecdecError, match="--vocab-size 100000 exceeds the target's vocabulary"):
+        initial_head(tiny_model(layers=6), [[1, 2, 3]], Eagle3Options(vocab_size=100_000))

@@ -25,17 +25,24 @@ def cmd_export(a: argparse.Namespace) -> int:
 
     if a.kind == "medusa" and a.format != "vllm":               # what needs no model is checked before loading one
         raise SpecdecError(f"Medusa heads export to vllm only, not {a.format!r}")
-    check_out(Path(a.out_dir), a.overwrite)
-    target = _target(a.model)
-    weights = Path(a.weights) if a.weights else shipped(target.config.name, a.kind)
-    if a.kind == "eagle3":
-        from .models.eagle3 import Eagle3Head
+    out_dir = Path(a.out_dir)
+    fresh = not out_dir.exists()
+    check_out(out_dir, a.overwrite)
+    try:
+        target = _target(a.model)
+        weights = Path(a.weights) if a.weights else shipped(target.config.name, a.kind)
+        if a.kind == "eagle3":
+            from .models.eagle3 import Eagle3Head
 
-        out = export_eagle3(Eagle3Head.load(weights, target), a.format, Path(a.out_dir), a.overwrite)
-    else:
-        from .models.medusa import MedusaHeads
+            out = export_eagle3(Eagle3Head.load(weights, target), a.format, out_dir, a.overwrite)
+        else:
+            from .models.medusa import MedusaHeads
 
-        out = export_medusa(MedusaHeads.load(weights, target), a.format, Path(a.out_dir), a.overwrite)
+            out = export_medusa(MedusaHeads.load(weights, target), a.format, out_dir, a.overwrite)
+    except BaseException:
+        if fresh and out_dir.is_dir() and not any(out_dir.iterdir()):
+            out_dir.rmdir()                                 # a failed export leaves no empty directory it made
+        raise
     print(f"wrote {out / 'config.json'} and {out / 'model.safetensors'} ({a.format} layout)")
     return 0
 

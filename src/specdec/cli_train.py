@@ -23,6 +23,12 @@ def _check_args(a: argparse.Namespace) -> None:
         value = getattr(a, name, 1)
         if not value > 0:
             raise SpecdecError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+    for name in ("window", "max_seq"):                  # a window needs positions to draft from and to draft
+        if getattr(a, name, 4) < 4:
+            raise SpecdecError(f"--{name.replace('_', '-')} must be >= 4, got {getattr(a, name)}")
+    if hasattr(a, "window") and hasattr(a, "steps") and a.window < a.steps + 2:
+        raise SpecdecError(f"--window {a.window} leaves no position for draft position {a.steps} (--steps); "
+                           f"use --window {a.steps + 2} or more")
     if not 0 <= getattr(a, "greedy_fraction", 0) <= 1:
         raise SpecdecError(f"--greedy-fraction must be in [0, 1], got {a.greedy_fraction}")
     if not getattr(a, "prompt_weight", 0) >= 0:
@@ -212,7 +218,8 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     e.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (cosine to 10%%)")
     e.add_argument("--max-seq", type=int, default=384, help="keep the last N tokens of each example")
     e.add_argument("--max-rows", type=int, default=0, help="use at most N examples (0 = all)")
-    e.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    e.add_argument("--overwrite", action="store_true", help="replace an existing output file and start "
+                   "afresh (an interrupted run's checkpoint beside it is discarded)")
     _dtype_option(e)
     e.set_defaults(func=cmd_eagle)
 
@@ -232,7 +239,8 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     e3.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (cosine to 10%%)")
     e3.add_argument("--max-seq", type=int, default=640, help="keep the first N tokens of each conversation")
     e3.add_argument("--max-rows", type=int, default=0, help="use at most N conversations (0 = all)")
-    e3.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    e3.add_argument("--overwrite", action="store_true", help="replace an existing output file and start afresh "
+                    "(an interrupted run's checkpoint beside it is discarded)")
     e3.add_argument("--features", default=None, help="feature cache directory, one file per data shard "
                     "(default: the data directory)")
     e3.add_argument("--report-minutes", type=float, default=10.0, help="validation on a fixed sample every N "
@@ -290,7 +298,8 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     m.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (cosine to 10%%)")
     m.add_argument("--max-seq", type=int, default=384, help="keep the last N tokens of each example")
     m.add_argument("--max-rows", type=int, default=0, help="use at most N examples (0 = all)")
-    m.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    m.add_argument("--overwrite", action="store_true", help="replace an existing output file and start "
+                   "afresh (an interrupted run's checkpoint beside it is discarded)")
     _dtype_option(m)
     m.set_defaults(func=cmd_medusa)
 
@@ -308,6 +317,7 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     r.add_argument("--lr", type=float, default=3e-4, help="peak AdamW learning rate (cosine to 10%%)")
     r.add_argument("--max-seq", type=int, default=256, help="keep the last N tokens of each example")
     r.add_argument("--max-rows", type=int, default=0, help="use at most N examples (0 = all)")
-    r.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    r.add_argument("--overwrite", action="store_true", help="replace an existing output file and start "
+                   "afresh (an interrupted run's checkpoint beside it is discarded)")
     _dtype_option(r)
     r.set_defaults(func=cmd_draft)

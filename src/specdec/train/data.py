@@ -148,7 +148,11 @@ def generate_data(model: str, out: Path, max_prompts: int, max_new_tokens: int, 
     for si, shard in enumerate(shards):
         path = out / f"shard-{si:04d}.jsonl"
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-        if [r["prompt"] for r in rows] != shard[:len(rows)]:
+        have = [r["prompt"] for r in rows]
+        if len(have) > len(shard) and have[:len(shard)] == shard:
+            bar.update(len(shard))
+            continue                                         # a smaller --max-prompts than written: nothing to do
+        if have != shard[:len(rows)]:
             raise SpecdecError(f"{path} holds other prompts than --seed {seed} gives; use its seed or another --out")
         bar.update(min(len(rows), len(shard)))
         if len(rows) >= len(shard):

@@ -25,7 +25,7 @@ from ..errors import SpecdecError
 from ..models.decoder import Transformer
 from ..models.eagle import read_weights
 from ..models.eagle3 import Eagle3Config, Eagle3Head
-from .features import begin, vocab_subset, windows
+from .features import begin, sequences_digest, vocab_subset, windows
 from .loop import Checkpoint, autocast, train_loop
 from .magpie import Row, read_shards
 
@@ -188,7 +188,8 @@ def served_agreement(head: Eagle3Head, rows: list[Row], seqs: list[list[int]], f
 def shard_features(target: Transformer, rows: list[Row], seqs: list[list[int]], layers: tuple[int, ...],
                     cache: Path, max_seq: int, deadline: float) -> list[Tensor]:
     """The target's features of every sequence, extracted once per data shard and kept in `cache` as
-    `features3-SHARD-ROWS-MAXSEQ-LAYERS.pt` (an interrupted extraction resumes at the first missing shard).
+    `features3-SHARD-ROWS-MAXSEQ-LAYERS-DIGEST.pt` (DIGEST: of the rows' tokens; an interrupted extraction
+    resumes at the first missing shard).
 
     No shard is started after `deadline` (time.time()) once one has features: the rows of the shards left
     get empty tensors [0] (a later run extracts them)."""
@@ -200,7 +201,7 @@ def shard_features(target: Transformer, rows: list[Row], seqs: list[list[int]], 
     tag = "-".join(map(str, layers))
     some = False
     for shard, idx in by_shard.items():
-        f = cache / f"features3-{shard}-{len(idx)}-{max_seq}-{tag}.pt"
+        f = cache / f"features3-{shard}-{len(idx)}-{max_seq}-{tag}-{sequences_digest([seqs[i] for i in idx])}.pt"
         if f.exists():
             part = torch.load(f, weights_only=True)
         elif some and time.time() >= deadline:
@@ -248,14 +249,26 @@ class Eagle3Options:
 class Curve:
     """The learning curve, `OUT.curve.jsonl`: per progress report, training tokens seen, steps, minutes and
     validation top-1 agreement per category and draft position. A fresh run starts a new one; a resumed
-    run appends (`benchmarks/plot_learning_curve.py` draws it)."""
+    run appends after the points up to its checkpoint (`benchmarks/plot_learning_curve.py` draws it)."""
 
-    def __init__(self, out: Path, resumed: bool) -> None:
+    def __init__(self, out: Path, ckpt: Checkpoint) -> None:
         self.path = Path(out).with_suffix(".curve.jsonl")
-        if not resumed:
+        self.ckpt, self.trimmed = ckpt, False
+        if not ckpt.path.exists():
             self.path.unlink(missing_ok=True)
 
+    def since(self, step: int) -> None:
+        """A resumed run continues from `step`: points a killed run appended after its last checkpoint go."""
+        if self.path.exists():
+            lines = [line for line in self.path.read_text().splitlines() if line.strip()]
+            kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+            if len(kept) < len(lines):
+                self.path.write_text("".join(line + "\n" for line in kept))
+
     def add(self, step: int, tokens: int, minutes: float, agreement: dict[str, list[float]]) -> None:
+        if not self.trimmed:                           # the first point after the checkpoint was read
+            self.since(self.ckpt.resumed_at)
+            self.trimmed = True
         n = len(next(iter(agreement.values()), []))
         mean = [round(sum(a[k] for a in agreement.values()) / len(agreement), 4) for k in range(n)]
         line = {"step": step, "tokens": tokens, "run_minutes": round(minutes, 2), "mean": mean, "agreement": agreement}
@@ -294,7 +307,9 @@ def initial_head(target: Transformer, seqs: list[list[int]], opts: Eagle3Options
         if opts.head_layers and opts.head_layers != 1 + cfg.extra_layers:
             head = deepened(head, opts.head_layers, opts.seed)
         return head
-    cfg = Eagle3Config.for_target(target, min(opts.vocab_size, target.vocab_size))
+    if opts.vocab_size > target.vocab_size:
+        raise SpecdecError(f"--vocab-size {opts.vocab_size} exceeds the target's vocabulary ({target.vocab_size})")
+    cfg = Eagle3Config.for_target(target, opts.vocab_size)
     if opts.mlp_width:
         cfg = replace(cfg, hidden_dim=opts.mlp_width)
     if opts.head_layers:
@@ -371,7 +386,7 @@ def fit_eagle3(target: Transformer, name: str, rows: list[Row], out: Path, opts:
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.0)
     ckpt = Checkpoint(out, head, opt)
-    curve = Curve(out, ckpt.path.exists())
+    curve = Curve(out, ckpt)
 
     def step_fn() -> tuple[Tensor, dict[str, str]]:
         idx = rng.sample(train_idx, min(opts.batch, len(train_idx)))

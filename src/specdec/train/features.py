@@ -77,11 +77,14 @@ def split_heldout(n: int) -> tuple[list[int], list[int]]:
 
 def begin(model: str, out: Path, overwrite: bool, seed: int) -> tuple[Transformer, str, random.Random]:
     """The common start of a training run: refuse to overwrite `out` (unless a checkpoint beside it says the run
-    resumes: runs refresh `out` while they train), seed, load the target (dtype auto)."""
+    resumes: runs refresh `out` while they train; with `overwrite` the checkpoint goes: a fresh run), seed, load
+    the target (dtype auto)."""
     from ..api import load_model
     from ..errors import SpecdecError
 
     check_output(out, overwrite)
+    if overwrite:
+        out.with_suffix(".ckpt").unlink(missing_ok=True)     # --overwrite starts afresh: no old run resumes
     torch.manual_seed(seed)
     target, _, name = load_model(model, "auto")
     return target, name, random.Random(seed)
@@ -95,6 +98,18 @@ def vocab_subset(seqs: list[list[int]], size: int, vocab: int) -> Tensor:
     return counts.topk(min(size, vocab)).indices.sort().values
 
 
+def sequences_digest(seqs: list[list[int]]) -> str:
+    """A short digest of token sequences: part of a feature cache's name, so that other data of the same shape
+    (another --data with the same shard names) never reads these features."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for s in seqs:
+        h.update(len(s).to_bytes(4, "little"))
+        h.update(torch.tensor(s, dtype=torch.int32).numpy().tobytes())
+    return h.hexdigest()[:12]
+
+
 def training_set(target: Transformer, data, max_rows: int, max_seq: int, rng) -> tuple[list[list[int]], list[Tensor]]:
     """The self-distillation sequences (last `max_seq` tokens, shuffled by `rng`) and their target features.
 
@@ -106,7 +121,7 @@ def training_set(target: Transformer, data, max_rows: int, max_seq: int, rng) ->
     rows = rows[:max_rows] if max_rows > 0 else rows
     seqs = [r["tokens"][-max_seq:] for r in rows]
     rng.shuffle(seqs)
-    cache_file = Path(data) / f"features-{len(seqs)}-{max_seq}.pt"
+    cache_file = Path(data) / f"features-{len(seqs)}-{max_seq}-{sequences_digest(seqs)}.pt"
     if cache_file.exists():
         feats = torch.load(cache_file, weights_only=True)
     else:

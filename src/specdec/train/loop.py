@@ -29,6 +29,7 @@ class Checkpoint:
         self.last_save = time.time()
         self.tokens = 0                                        # training tokens seen (the step function counts)
         self.setup = 0.0                                       # seconds of the budget spent before the first step
+        self.resumed_at = 0                                    # the step a resumed run continues from
 
     def resume(self) -> tuple[int, float]:
         """Load the state if a checkpoint exists. -> (step, seconds already spent); (0, 0.0) for a fresh run."""
@@ -36,14 +37,22 @@ class Checkpoint:
             return 0, 0.0
         try:
             state = torch.load(self.path, weights_only=True)
+            for name, buf in self.module.named_buffers():
+                kept = state["module"].get(name)
+                if kept is not None and not (kept.shape == buf.shape and torch.equal(kept.to(buf.dtype), buf)):
+                    raise SpecdecError(f"{self.path} holds a run over another {name} than this command's (the data or "
+                                       "--max-rows changed?); rerun with what it started with, or --overwrite to "
+                                       "start over")
             self.module.load_state_dict(state["module"])
             self.opt.load_state_dict(state["opt"])
         except (RuntimeError, ValueError, KeyError, OSError) as e:
-            last = (str(e).strip().splitlines() or [""])[-1].strip()[:160]
+            last = (str(e).strip().splitlines() or [""])[-1].strip()
+            last = last if len(last) <= 160 else last[:157] + "..."
             raise SpecdecError(f"{self.path} holds a run this command cannot resume (other settings? {last}); rerun "
-                               "with the settings it was started with, or delete it to start over") from None
+                               "with the settings it was started with, or --overwrite to start over") from None
         self.tokens = int(state.get("tokens", 0))
         self.setup = float(state.get("setup", 0.0))
+        self.resumed_at = int(state["step"])
         print(f"resumed from {self.path} at step {state['step']} ({state['seconds'] / 60:.1f} min spent)")
         return int(state["step"]), float(state["seconds"])
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 import re
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,8 +126,8 @@ class MagpieWriter:
         self.tok = gen.tokenizer
         self.dedup = Dedup()
         self.seeded = seeded_prompts(seed)
-        for f in sorted(out.glob("magpie-[0-9]*.npz")):      # questions already kept stay kept
-            with np.load(f, allow_pickle=False) as z:
+        for f in shard_files(out):                             # questions already kept stay kept
+            with open_shard(f) as z:
                 for qs in z["questions"]:
                     for q in str(qs).split(QSEP):
                         self.dedup.admit(q)
@@ -219,12 +220,42 @@ class Row:
         return zlib.crc32(self.key.encode()) % 20 == 0
 
 
+SHARD_NAME = re.compile(r"magpie-(\d+)\.npz")     # magpie-0007.npz (not a writer's magpie-0007.tmp.npz)
+
+
+def shard_files(path: Path) -> list[Path]:
+    """The shard files in `path`, by number."""
+    found = [f for f in Path(path).glob("magpie-*.npz") if SHARD_NAME.fullmatch(f.name)]
+    return sorted(found, key=lambda f: int(SHARD_NAME.fullmatch(f.name)[1]))
+
+
+def next_shard(path: Path) -> int:
+    """The number of the next shard written to `path`: after the last one (gaps are never filled)."""
+    kept = shard_files(path)
+    return int(SHARD_NAME.fullmatch(kept[-1].name)[1]) + 1 if kept else 0
+
+
+def open_shard(f: Path):
+    """np.load of a shard, or a one-line error naming it (truncated, not a shard)."""
+    try:
+        return np.load(f, allow_pickle=False)
+    except (OSError, ValueError, zipfile.BadZipFile) as e:
+        raise unreadable(f, e) from None
+
+
+def unreadable(f: Path, e: Exception) -> SpecdecError:
+    return SpecdecError(f"{f} is not a readable shard ({type(e).__name__}: {e}); move it away or delete it")
+
+
 def read_shards(path: Path) -> list[Row]:
     """Every row of the `magpie-*.npz` shards in `path` (none: an empty list)."""
     rows: list[Row] = []
-    for f in sorted(Path(path).glob("magpie-[0-9]*.npz")):
-        with np.load(f, allow_pickle=False) as z:
-            toks, mask, off, cat = z["tokens"].astype(np.int64), z["answer_mask"], z["offsets"], z["category"]
+    for f in shard_files(Path(path)):
+        with open_shard(f) as z:
+            try:
+                toks, mask, off, cat = z["tokens"].astype(np.int64), z["answer_mask"], z["offsets"], z["category"]
+            except (KeyError, ValueError, OSError, zipfile.BadZipFile) as e:
+                raise unreadable(f, e) from None
         for i in range(len(cat)):
             a, b = int(off[i]), int(off[i + 1])
             rows.append(Row(toks[a:b].tolist(), mask[a:b].tolist(), str(cat[i]), f"{f.stem}/{i}"))
@@ -245,7 +276,7 @@ def generate_magpie(model: str, out: Path, shards: int, rows_per_shard: int, bat
     if not gen.tokenizer.has_chat_template:
         raise SpecdecError(f"{model} has no chat template: Magpie-style data needs an instruct model")
     writer = MagpieWriter(gen, out, batch, seed)
-    first = len(list(out.glob("magpie-[0-9]*.npz")))
+    first = next_shard(out)
     bar = tqdm(total=shards * rows_per_shard, desc="conversations", unit="conv")
     for i in range(first, first + shards):
         path = writer.write_shard(i, rows_per_shard, bar)
