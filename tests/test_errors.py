@@ -293,3 +293,87 @@ def test_truncate_must_be_a_bool_and_a_closed_stream_keeps_its_result_so_far():
     first = next(stream)
     stream.close()                                           # the reader stops after one piece
     assert gen.last_result.text == first and len(gen.last_result.tokens) >= 1
+
+
+def test_a_closed_stream_is_cancelled_and_each_call_resets_last_result():
+    gen = tiny_generator(tiny_model())
+    assert gen.last_result.text == "" and gen.last_result.finish_reason == ""          # nothing generated yet
+    stream = gen.stream([1, 2, 3], max_new_tokens=20)
+    next(stream)
+    stream.close()
+    r = gen.last_result
+    assert r.finish_reason == "cancelled" and r.metrics["wall_seconds"] > 0 and r.metrics["tokens_per_second"] > 0
+    full = gen.generate([4, 5, 6], max_new_tokens=5)
+    assert gen.last_result == full
+    with pytest.raises(SpecdecError):
+        next(gen.stream([], max_new_tokens=5))
+    assert gen.last_result.tokens == []                                                # not the earlier call's
+
+
+def test_a_dropped_stream_held_by_a_reference_cycle_does_not_block_the_generator():
+    """A consumer that keeps the exception it raised inside `for piece in stream` keeps the suspended stream
+    alive in a reference cycle; the next call (this thread or another) collects it instead of waiting forever
+    or refusing."""
+    import gc
+    import threading
+
+    gen = tiny_generator(tiny_model())
+    want = gen.generate([7, 8, 9], max_new_tokens=6).tokens
+
+    def consume_and_fail() -> None:
+        kept = []
+        try:
+            for _ in gen.stream([1, 2, 3], max_new_tokens=30):
+                raise ValueError("the consumer fails")
+        except ValueError as e:
+            kept.append(e)                               # frame -> exception -> traceback -> frame: a cycle
+        kept.append(kept)
+
+    gc.disable()
+    try:
+        consume_and_fail()
+        got: list = []
+        other = threading.Thread(target=lambda: got.append(gen.generate([7, 8, 9], max_new_tokens=6).tokens))
+        other.start()
+        other.join(30)
+        assert got == [want]                                                          # another thread: served
+        consume_and_fail()
+        assert gen.generate([7, 8, 9], max_new_tokens=6).tokens == want              # this thread: served
+    finally:
+        gc.enable()
+
+
+def test_a_stale_running_marker_without_the_turn_is_ignored():
+    """An interrupt between releasing the turn and clearing the marker must not lock the thread out."""
+    import threading
+
+    gen = tiny_generator(tiny_model())
+    gen._running_in = threading.get_ident()
+    assert gen.generate([1, 2], max_new_tokens=3).tokens
+
+
+def test_an_open_stream_refuses_a_call_from_its_own_thread():
+    gen = tiny_generator(tiny_model())
+    stream = gen.stream([1, 2, 3], max_new_tokens=30)
+    next(stream)
+    with pytest.raises(SpecdecError, match="already generating in this thread"):
+        gen.generate([1, 2], max_new_tokens=3)
+    stream.close()
+    assert gen.generate([1, 2], max_new_tokens=3).tokens
+
+
+def test_a_bad_prompt_in_a_list_is_named_by_its_index():
+    gen = tiny_generator(tiny_model())
+    with pytest.raises(SpecdecError, match="prompt 1 of the list: empty prompt"):
+        gen.generate([[1, 2], []], max_new_tokens=3)
+
+
+def test_a_generator_says_what_it_is_and_the_package_lists_its_public_names():
+    import specdec
+    from specdec.names import unknown
+
+    gen = tiny_generator(tiny_model())
+    assert repr(gen).startswith("Generator('tiny', method='none', draft_policy='fixed', num_draft_tokens=4")
+    assert {"load", "Generator", "Result", "SamplingParams", "SpecdecError", "METHODS", "__version__"} <= set(dir(specdec))
+    assert not {"importlib", "TYPE_CHECKING", "_LAZY", "apply_isa_limit", "annotations"} & set(dir(specdec))
+    assert "did you mean" not in unknown("method", ["none"], ["none", "suffix"])

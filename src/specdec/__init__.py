@@ -52,4 +52,5 @@ def __getattr__(name: str) -> object:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY, "__version__"})
+    """The public names (and the dunders), not this module's helpers."""
+    return sorted({*__all__, "version", *(n for n in globals() if n.startswith("__") and n.endswith("__"))})

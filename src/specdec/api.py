@@ -1,9 +1,11 @@
 """Public API: `load()` a target with a speculative method, then `generate` / `stream`."""
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import threading
+import time
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -13,6 +15,7 @@ import torch
 
 from .draft_length import MAX_DRAFT_TOKENS, POLICIES, make_policy
 from .engine import Engine, Request, scratch_slots
+from .metrics import Counters
 from . import names
 from .errors import SpecdecError
 from .models.base import CausalLM
@@ -57,8 +60,12 @@ class Result:
     text: str
     tokens: list[int]               # generated token ids (EOS included when it ended the text)
     metrics: dict
-    finish_reason: str              # "stop" (EOS or stop string) or "length"
+    finish_reason: str              # "stop" (EOS or stop string), "length"; "cancelled": a stream closed early
     prompt_tokens: int
+
+
+EMPTY_RESULT = Result("", [], Counters().as_dict(), "", 0)     # nothing generated yet
+TURN_WAIT_SECONDS = 0.5        # a call waiting for another's turn collects garbage this often (a dropped stream)
 
 
 def unicode_text(text: str, what: str) -> str:
@@ -183,6 +190,12 @@ class Generator:
         self.method = proposer.name
         self._turn = threading.Lock()          # one generation at a time: the proposer's state is per generator
         self._running_in = 0                   # the thread id of the generation running (0: none)
+        self.last_result = EMPTY_RESULT        # the last stream's or single-prompt generate's Result
+
+    def __repr__(self) -> str:
+        dtype = getattr(self.target, "compute", str(getattr(self.target, "dtype", "")).removeprefix("torch."))
+        return (f"Generator({self.name!r}, method={self.method!r}, draft_policy={self.policy_name!r}, "
+                f"num_draft_tokens={self.num_draft_tokens}, dtype={dtype!r})")
 
     # ---- input handling -------------------------------------------------------------
     @staticmethod
@@ -266,17 +279,27 @@ class Generator:
         if limit <= 0:
             raise SpecdecError(f"max_new_tokens={max_new_tokens} leaves no room in the context of {self.target.max_seq_len}")
         reqs = []
-        for p, sampling, pred in zip(prompts, params, predictions):
-            ids = self._encode(p, chat)
-            if len(ids) > limit:
-                if not truncate:
-                    raise SpecdecError(f"prompt of {len(ids)} tokens is longer than the {limit} the context window "
-                                       f"({self.target.max_seq_len}) allows with max_new_tokens={max_new_tokens}; "
-                                       "shorten it or ask for truncation (truncate=True / --truncate)")
-                keep = 1 if ids[0] == self.tokenizer.bos_id else 0     # the BOS a model needs stays in front
-                ids = ids[:keep] + ids[len(ids) - limit + keep:]
-            reqs.append(Request(ids, max_new_tokens, sampling, stop, prediction=self.prediction_ids(pred)))
+        for i, (p, sampling, pred) in enumerate(zip(prompts, params, predictions)):
+            try:
+                reqs.append(Request(self._prompt_ids(p, chat, limit, truncate, max_new_tokens), max_new_tokens,
+                                    sampling, stop, prediction=self.prediction_ids(pred)))
+            except SpecdecError as e:
+                if len(prompts) == 1:
+                    raise
+                raise SpecdecError(f"prompt {i} of the list: {e}") from None
         return reqs
+
+    def _prompt_ids(self, p: Prompt, chat: bool, limit: int, truncate: bool, max_new_tokens: int) -> list[int]:
+        """A prompt's token ids, within `limit` (cut at the front, BOS kept, where `truncate`)."""
+        ids = self._encode(p, chat)
+        if len(ids) > limit:
+            if not truncate:
+                raise SpecdecError(f"prompt of {len(ids)} tokens is longer than the {limit} the context window "
+                                   f"({self.target.max_seq_len}) allows with max_new_tokens={max_new_tokens}; "
+                                   "shorten it or ask for truncation (truncate=True / --truncate)")
+            keep = 1 if ids[0] == self.tokenizer.bos_id else 0     # the BOS a model needs stays in front
+            ids = ids[:keep] + ids[len(ids) - limit + keep:]
+        return ids
 
     def engine(self, rows: int, slots: int, prefix_cache: PrefixCache | None = None,
                prefill_budget: int = 512) -> Engine:
@@ -299,21 +322,26 @@ class Generator:
         reqs = self._requests(prompts, max_new_tokens, params, stop, chat, truncate,
                               self._predictions(prediction, len(prompts), single))
         slots = max(len(r.prompt) for r in reqs) + max_new_tokens + scratch_slots(self.num_draft_tokens)
-        if self._running_in == threading.get_ident():
-            raise SpecdecError("this generator is already generating in this thread (a stream not yet finished or "
-                               "closed): finish it first, or load another generator")
-        with self._turn:                       # calls from other threads wait for their turn
-            self._running_in = threading.get_ident()
-            try:
-                eng = self.engine(len(reqs), slots)
-                seqs = [eng.add(r) for r in reqs]
-                index = {id(s): i for i, s in enumerate(seqs)}
-                with torch.inference_mode():
-                    while eng.busy:
-                        for seq, piece in eng.step():
-                            yield index[id(seq)], piece, eng, seqs
-            finally:
-                self._running_in = 0
+        me = threading.get_ident()
+        if self._running_in == me and self._turn.locked():
+            gc.collect()                       # a stream dropped inside a reference cycle: its close frees the turn
+            if self._running_in == me and self._turn.locked():
+                raise SpecdecError("this generator is already generating in this thread (a stream started here, "
+                                   "not yet finished or closed): finish or close it first, or load another generator")
+        while not self._turn.acquire(timeout=TURN_WAIT_SECONDS):   # calls from other threads wait for their turn
+            gc.collect()                       # ... unless the turn is held by a dropped stream nobody can close
+        try:
+            self._running_in = me
+            eng = self.engine(len(reqs), slots)
+            seqs = [eng.add(r) for r in reqs]
+            index = {id(s): i for i, s in enumerate(seqs)}
+            with torch.inference_mode():
+                while eng.busy:
+                    for seq, piece in eng.step():
+                        yield index[id(seq)], piece, eng, seqs
+        finally:
+            self._running_in = 0               # (a stale marker without the lock held is ignored above)
+            self._turn.release()
 
     # ---- public -----------------------------------------------------------------------
     def generate(self, prompt: Prompt | list[Prompt], max_new_tokens: int = 128, temperature: float = 0.0,
@@ -335,6 +363,7 @@ class Generator:
         the EAGLE chains of eagle, eagle3 and hybrid at temperatures where `sample_drafts` is on) are exact in
         distribution, but their output for a seed depends on the draft length: it repeats only with the `fixed`
         draft policy (`auto` picks lengths from timings)."""
+        self.last_result = EMPTY_RESULT
         prompts, single = self._prompts(prompt)
         params = SamplingParams(temperature, top_k, top_p, seed)
         per_prompt = [params] if single else [replace(params, seed=derive_seed(seed, i)) for i in range(len(prompts))]
@@ -342,22 +371,37 @@ class Generator:
         for _, _, _, seqs in self._run(prompts, single, max_new_tokens, per_prompt, stop, chat, truncate, prediction):
             pass
         results = [self._result(s) for s in seqs]
+        if single:
+            self.last_result = results[0]
         return results[0] if single else results
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, seed: int = 0, stop: Seq[str] = (), chat: bool | Literal["auto"] = "auto",
                truncate: bool = False, prediction: str = "") -> Iterator[str]:
         """Yield text pieces as tokens are committed. `last_result` holds the Result so far (all of it once the
-        stream is exhausted; what was committed up to the last piece if it is closed early)."""
+        stream is exhausted; closed early: what was committed, finish_reason "cancelled").
+
+        A stream holds this generator until it ends or is closed: calls from other threads wait for it, a call
+        from the thread that started it is refused (it would wait for itself). A stream dropped without
+        `close()` is closed when Python collects it (a waiting call makes it collect)."""
+        self.last_result = EMPTY_RESULT
         if not _one_prompt(prompt):
             raise SpecdecError(f"stream takes one prompt (a string or a list of token ids), got "
                                f"{type(prompt).__name__}; generate takes a list of prompts")
         params = SamplingParams(temperature, top_k, top_p, seed)
-        for _, piece, _, seqs in self._run([prompt], True, max_new_tokens, [params], stop, chat, truncate,
-                                           prediction):
-            self.last_result = self._result(seqs[0])
-            if piece:
-                yield piece
+        seqs: list = []
+        try:
+            for _, piece, eng, seqs in self._run([prompt], True, max_new_tokens, [params], stop, chat, truncate,
+                                                 prediction):
+                self.last_result = self._result(seqs[0])
+                if piece:
+                    yield piece
+        except GeneratorExit:                  # closed early: what was committed, "cancelled", timed until now
+            if seqs and not seqs[0].done:
+                eng.cancel(seqs[0])
+                seqs[0].counters.wall_seconds = time.perf_counter() - seqs[0].started
+                self.last_result = self._result(seqs[0])
+            raise
 
     def _result(self, s) -> Result:
         return Result(s.text, s.generated, s.counters.as_dict(), s.finish_reason,

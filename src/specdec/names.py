@@ -32,13 +32,15 @@ EXPORT_FORMATS: tuple[str, ...] = ("vllm", "sglang")
 BENCH_FALLBACK_DRAFT = "self:10"
 
 
-def did_you_mean(word: str, options: Iterable[str]) -> str:
+def did_you_mean(word: object, options: Iterable[str]) -> str:
     """"did you mean 'x'? " for the closest of `options` to a mistyped `word`, else ""."""
-    close = difflib.get_close_matches(str(word), list(options), n=1, cutoff=0.6)
+    if not isinstance(word, str):
+        return ""                                     # ['none'] is not a typo of 'none'
+    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
     return f"did you mean {close[0]!r}? " if close else ""
 
 
 def unknown(kind: str, word: object, options: Iterable[str]) -> str:
     """One line for an unknown name: "unknown method 'eagel'; did you mean 'eagle'? choose one of: ..."."""
     options = list(options)
-    return f"unknown {kind} {word!r}; {did_you_mean(str(word), options)}choose one of: {', '.join(options)}"
+    return f"unknown {kind} {word!r}; {did_you_mean(word, options)}choose one of: {', '.join(options)}"
