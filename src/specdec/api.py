@@ -496,7 +496,7 @@ def _staged_proposer(x: ProposerInputs) -> Proposer:
     return StagedProposer(draft)
 
 
-SELF_MIN_CONFIDENCE = 0.1   # the exit stops drafting below this top probability (as the EAGLE chain does)
+SELF_MIN_CONFIDENCE = 0.1   # the exit stops drafting below this top probability per token (the EAGLE chain: 0.3, cumulative)
 
 
 def _self_proposer(x: ProposerInputs) -> Proposer:

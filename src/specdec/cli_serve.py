@@ -62,7 +62,8 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
                    help="with --learn: the learnt head's file, written every 5 minutes and at shutdown and drafted with "
                         "at the next start (default: $SPECDEC_CACHE/learn/MODEL-eagle3.safetensors)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
-                   help="uvicorn's log level (its messages on stderr)")
+                   help="log level on stderr of uvicorn and of the server's own log (the specdec logger: refused "
+                        "requests at info (4xx) or warning (5xx), failed generations at error)")
     p.set_defaults(func=cmd_serve)
 
 
