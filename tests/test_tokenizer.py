@@ -45,6 +45,14 @@ def test_encode_decode_and_chat_equal_transformers(pair):
     assert lean.eos_ids and all(0 <= i < n for i in lean.eos_ids)
 
 
+def test_generation_ends_where_llama_cpp_ends_it(pair):
+    """The eos_token and the end-of-turn / end-of-text tokens (llama.cpp's end-of-generation set for these
+    models): smollm2 ends at <|im_end|> and <|endoftext|>, gemma3 at <eos> and <end_of_turn>."""
+    lean, _ = pair
+    ends = {lean.backend.id_to_token(i) for i in lean.eos_ids}
+    assert ends in ({"<|im_end|>", "<|endoftext|>"}, {"<eos>", "<end_of_turn>"})
+
+
 def test_control_tokens_typed_in_a_message_are_plain_text(pair):
     """A message cannot open or close turns: `<|im_end|>` typed in it is encoded as text (OpenAI's reading),
     while a raw prompt keeps control tokens; the ids still decode to the rendered chat."""

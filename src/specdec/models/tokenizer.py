@@ -18,7 +18,8 @@ from pathlib import Path
 from ..errors import SpecdecError
 from .registry import cache_dir, file_digest, sweep_stale
 
-END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")
+# tokens that end a generation besides the eos_token (llama.cpp's end-of-generation set holds them too)
+END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|endoftext|>")
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
