@@ -61,3 +61,21 @@ def test_staged_sampling_matches_exact_distribution():
     prompt = [1, 2, 1, 2, 1]
     samples = sample_engine(target, StagedProposer(DraftModelProposer(draft)), params, prompt, n=20_000, k=3)
     assert check_joint(samples, exact_joint(target, prompt, params)) > 1e-3
+
+
+@pytest.mark.parametrize("k", [8, 12])
+def test_a_batch_at_the_end_of_the_context_stays_inside_the_draft_cache(k):
+    """Repetitive prompts that fill the context: one forward of the draft model feeds every row as many slots
+    as the longest guess, so near the end of the cache a batch-mate's long guesses must not run a row past it
+    ('context full' from the draft's forward)."""
+    import random
+
+    target = tiny_model(seed=7, layers=4, vocab=16, std=0.5)
+    r, new = random.Random(0), 49
+    prompts = []
+    for _ in range(3):
+        pat = [r.randrange(16) for _ in range(r.randint(1, 6))]
+        prompts.append([pat[j % len(pat)] for j in range(target.max_seq_len - new - 1)])
+    gen = tiny_generator(target, StagedProposer(DraftModelProposer(perturbed_copy(target, 0.02, seed=86))), "fixed", k)
+    for p, res in zip(prompts, gen.generate(prompts, max_new_tokens=new)):
+        assert res.tokens == reference_greedy(target, p, new)

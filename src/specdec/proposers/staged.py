@@ -75,7 +75,12 @@ class StagedProposer:
             room = [k - len(x) for x in drafts]
             if max(room) <= 0:
                 break
-            guesses = self._guesses(rl, batch.tokens, drafts, room)
+            # a forward writes T scratch slots in every row's draft cache, so T is bounded by the fullest row's room
+            # (near the end of the context a batch-mate's long guesses must not run it past its cache)
+            free = int((d.cache.slots - d.cache.lengths[rows]).min())
+            if free <= 0:
+                break
+            guesses = [g[:free - 1] for g in self._guesses(rl, batch.tokens, drafts, room)]
             T = 1 + max(len(g) for g in guesses)
             inp = torch.zeros(B, T, dtype=torch.long, device=dev)
             for i in range(B):
