@@ -33,6 +33,23 @@ def test_eagle_greedy_equals_plain(topk, depth, budget, batch):
         assert r.tokens == reference_greedy(target, p, 30)
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("new", [4, 20])
+def test_a_tree_at_the_end_of_the_context_fits_the_heads_cache(kind, new):
+    """The head's cache holds a tree's nodes past the rows' slots; a target cache that reaches the end of the
+    context capped that scratch away ('context full' from the head where plain decoding finished)."""
+    target = tiny_model(seed=7, layers=4)
+    if kind == "eagle":
+        head = head_for(target)
+    else:
+        torch.manual_seed(0)
+        head = Eagle3Head(target, Eagle3Config.for_target(target, 40), torch.arange(0, 80, 2)).init_from_target()
+        head = head.eval().prepare(target.dtype)
+    prompt = ([3, 5, 7] * 100)[:target.max_seq_len - new - 1]           # the longest prompt generate() takes
+    gen = tiny_generator(target, EagleProposer(head, 4, 64, 16), "fixed", 8)
+    assert gen.generate(prompt, max_new_tokens=new).tokens == reference_greedy(target, prompt, new)
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_eagle_chain_confidence_cutoff_is_lossless_and_drafts_less(batch):
     target = tiny_model(seed=7)

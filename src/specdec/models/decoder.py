@@ -234,10 +234,12 @@ class Transformer(nn.Module):
         prefill one prompt piece per forward."""
         return INVARIANT_MAX_T if self.packed and not self.int4 else 0
 
-    def new_cache(self, rows: int, slots: int) -> KVCache:
+    def new_cache(self, rows: int, slots: int, past_context: int = 0) -> KVCache:
+        """A cache of `slots` per row, at most the context and `past_context` more (a draft head's scratch for a
+        token tree at the end of the context)."""
         c = self.config
         # float32 cache even for bfloat16 weights: CPU attention is faster and exact-er in fp32
-        n = -(-min(slots, c.max_seq_len) // KV_BLOCK) * KV_BLOCK                # whole key blocks
+        n = -(-min(slots, c.max_seq_len + past_context) // KV_BLOCK) * KV_BLOCK   # whole key blocks
         return KVCache(c.n_layers, rows, c.n_kv_heads, n, c.head_dim, torch.float32, self.device)
 
     def embed_tokens(self, tokens: Tensor) -> Tensor:

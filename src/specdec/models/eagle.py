@@ -61,8 +61,8 @@ class EagleHead(nn.Module):
         w = t.output if t.output.numel() else t.embed
         return w[self.vocab_ids.to(w.device)]                  # [V', H]
 
-    def new_cache(self, rows: int, slots: int) -> KVCache:
-        return self.core.new_cache(rows, slots)
+    def new_cache(self, rows: int, slots: int, past_context: int = 0) -> KVCache:
+        return self.core.new_cache(rows, slots, past_context)
 
     def input_features(self, target_hidden: Tensor) -> Tensor:
         """The target's output (wider when it returns features) -> its final hidden state [.., H]."""

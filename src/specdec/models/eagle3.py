@@ -193,10 +193,11 @@ class Eagle3Head(nn.Module):
         return self._lin(self.norm(h), self.lm_head, "lm_head").float()
 
     # ---- inference with a cache ------------------------------------------------------
-    def new_cache(self, rows: int, slots: int) -> KVCache:
+    def new_cache(self, rows: int, slots: int, past_context: int = 0) -> KVCache:
+        """A cache of `slots` per row, at most the context and `past_context` more (tree scratch at its end)."""
         c = self.cfg
-        return KVCache(1 + c.extra_layers, rows, c.n_kv_heads, min(slots, c.max_seq_len), c.head_dim, torch.float32,
-                       self.fc.weight.device)
+        return KVCache(1 + c.extra_layers, rows, c.n_kv_heads, min(slots, c.max_seq_len + past_context), c.head_dim,
+                       torch.float32, self.fc.weight.device)
 
     def forward(self, tokens: Tensor, hidden: Tensor, positions: Tensor, cache: KVCache, rows: Tensor,
                 tree_mask: Tensor | None = None) -> Tensor:

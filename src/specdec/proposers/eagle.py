@@ -55,7 +55,8 @@ class EagleProposer:
         self.unfed: dict[int, tuple[list[int], list[Tensor]]] = {}   # row -> committed tokens, target features
 
     def allocate(self, rows: int, slots: int) -> None:
-        self.cache = self.head.new_cache(rows, slots + self.topk * self.depth + 2)
+        scratch = self.topk * self.depth + 2                  # a tree's nodes past the rows' slots, at the context's end too
+        self.cache = self.head.new_cache(rows, slots + scratch, past_context=scratch)
 
     def _feed(self, rows: Tensor, tokens: list[list[int]], target_feats: list[Tensor]) -> None:
         """Commit pairs (the head's input feature of target_feats[i], tokens[i]) after each row's head
