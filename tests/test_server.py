@@ -515,9 +515,15 @@ BAD = [  # (what, path, body, status, param)
 
 
 @pytest.mark.parametrize("what,path,body,status,param", BAD, ids=[b[0] for b in BAD])
-def test_bad_input_gets_a_clear_error(server, what, path, body, status, param):
-    r = post(server.url, body, path)
+def test_bad_input_gets_a_clear_error(server, what, path, body, status, param, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="specdec"):
+        r = post(server.url, body, path)
     assert r.status_code == status, r.text
+    logged = [rec.getMessage() for rec in caplog.records if rec.name == "specdec"]
+    assert len(logged) == 1 and logged[0].startswith(f"POST {path} -> {status}")
+    logged[0].encode("utf-8")                           # a client's lone surrogate is escaped, not logged raw
     err = r.json()["error"]
     assert err["message"] and err["type"] == "invalid_request_error" and err["param"] == param
     assert set(err) == {"message", "type", "param", "code"}

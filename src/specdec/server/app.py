@@ -450,8 +450,10 @@ class Routes:
                        code: str | None = None) -> JSONResponse:
         self.count(request, status)
         # one line per refused request (info: a client's mistake; warning: the server's own trouble)
-        log.log(logging.INFO if status < 500 else logging.WARNING, "%s %s -> %d %s", request.method,
-                request.url.path, status, message[:300])
+        # (a client's text may hold lone surrogates, which no log stream can encode: escaped)
+        line = f"{request.method} {request.url.path} -> {status} {message[:300]}"
+        log.log(logging.INFO if status < 500 else logging.WARNING, "%s",
+                line.encode("utf-8", "backslashreplace").decode("utf-8"))
         headers = {"WWW-Authenticate": "Bearer"} if status == 401 else ({"Retry-After": "1"} if status == 429 else None)
         return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
