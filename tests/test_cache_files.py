@@ -172,3 +172,12 @@ def test_a_damaged_converted_tokenizer_is_converted_again(damage, tmp_path, monk
     again = Tokenizer.from_gguf(gguf)
     assert (again.encode_chat(chat), again.encode("Hello there", False)) == want
     assert again.has_chat_template
+
+
+def test_a_kernel_book_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "_BOOKS", {})
+    (tmp_path / "kernel-checks").write_text("a file where the folder goes")
+    w = torch.randn(8, 16)
+    with pytest.raises(SpecdecError, match="cannot write .*kernel-checks"):
+        kernels.checked(("x", 8, 16), lambda x: x @ w.T, 16, torch.float32)

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..errors import SpecdecError
+
 PACK_ROWS = 8             # oneDNN's row hint when prepacking: 1 makes a lone row take a gemv path
 CHECK_COUNTS = (2, 3, 5, 8, 17, 33)  # row counts compared against a forward of `max_rows` rows
 CHECK_ROWS = 64           # the most rows per call a check can prove; larger calls go in chunks
@@ -154,8 +156,12 @@ def _locked_book() -> Iterator[dict[str, list]]:
         yield _book()
         return
     path = book_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "a") as lock:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_suffix(".lock"), "a")
+    except OSError as e:
+        raise SpecdecError(f"cannot write {path} (the cache: $SPECDEC_CACHE): {e.strerror or e}") from None
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         _HELD.append(True)
         try:
