@@ -9,7 +9,7 @@
  * and one [49152 x 576] head; 1 thread, best of 7.
  *
  *   gcc -O3 -march=native -mno-avx512f -ffp-contract=off -fno-trapping-math -pthread \
- *       -o /tmp/amx_rows benchmarks/amx_rows.c -lm && /tmp/amx_rows
+ *       -o amx_rows benchmarks/amx_rows.c -lm && ./amx_rows
  *
  * Needs a CPU with AMX-INT8 and Linux 5.16 or later (the tile state is granted per process). */
 #include "../src/specdec/models/attend.c"
