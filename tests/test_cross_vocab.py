@@ -76,3 +76,18 @@ def test_cross_vocab_sampling_matches_exact_distribution():
     reqs = [Request(list(prompt), 4, SamplingParams(1.0, 6, 0.95, seed)) for seed in range(20_000)]
     samples = [tuple(s.generated) for s in run_engine(target, prop, reqs, "fixed", 3)]
     assert check_joint(samples, exact_joint(target, prompt, params)) > 1e-3
+
+
+def test_a_draft_with_a_shorter_context_than_the_output_reads_a_recent_window():
+    """The draft's cache is bounded by its own context; an output that outgrows it ('context full' from the
+    draft) makes the row read its last tokens afresh, and the output is still the plain one."""
+    from helpers import init_random, tiny_config
+    from specdec.models.decoder import Transformer
+
+    target = tiny_model(seed=7, vocab=len(TARGET_WORDS))
+    draft = init_random(Transformer(tiny_config(len(DRAFT_WORDS), 2, max_seq_len=64)), 8, 0.3).eval()
+    prop = CrossVocabProposer(draft.requires_grad_(False), word_tokenizer(DRAFT_WORDS), word_tokenizer(TARGET_WORDS),
+                              len(TARGET_WORDS))
+    gen = tiny_generator(target, prop, "fixed", 4)
+    prompt = [0, 1, 2, 3]
+    assert gen.generate(prompt, max_new_tokens=150).tokens == reference_greedy(target, prompt, 150)

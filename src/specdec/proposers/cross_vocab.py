@@ -120,14 +120,16 @@ class CrossVocabProposer:
         text = self.target_tok.decode(target_ids)
         return self.draft_tok.encode_text(text) or [0]
 
-    def _sync(self, rows: Tensor, histories: list[list[int]]) -> Tensor:
-        """Bring every row's cache to its committed text; the draft's logits [B, V_draft] after it."""
+    def _sync(self, rows: Tensor, histories: list[list[int]], room: int) -> Tensor:
+        """Bring every row's cache to its committed text, leaving `room` slots for the step's drafts; the draft's
+        logits [B, V_draft] after it. A row whose text outgrows the draft's cache reads its last `context`
+        tokens afresh (the draft's own context may be shorter than the target's)."""
         dev = self.draft.device
         feeds = []
         for i, (r, h) in enumerate(zip(rows.tolist(), histories)):
             want = self._retokenize(h)
-            if self.skip[r] < 0:
-                self.skip[r] = max(0, len(want) - self.context)
+            if self.skip[r] < 0 or len(want) - self.skip[r] + room > self.cache.slots:
+                self.skip[r] = max(0, len(want) - min(self.context, self.cache.slots - room))
             want, have = want[self.skip[r]:] or want[-1:], self.fed[r]
             n = 0
             while n < min(len(want), len(have)) and want[n] == have[n]:
@@ -169,7 +171,7 @@ class CrossVocabProposer:
         dev = self.draft.device
         rows = batch.rows.to(dev)
         B = rows.numel()
-        logits = self._sync(rows, batch.tokens)                                # [B, V_draft]
+        logits = self._sync(rows, batch.tokens, k + 1)                         # [B, V_draft]
         sampled = bool((batch.sampling.temperature > 0).any())
         first = torch.tensor([len(t) for t in batch.tokens], device=dev)
         u = position_uniforms(step_seeds(batch.seeds.to(dev), first), first[:, None] + torch.arange(k, device=dev),
