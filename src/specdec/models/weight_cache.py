@@ -11,7 +11,6 @@ Delete `$SPECDEC_CACHE/weights` (default `~/.cache/specdec/weights`) to reclaim 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import signal
 import threading
@@ -23,7 +22,7 @@ import torch
 
 from .config import ModelConfig
 from .int4 import Int4Linear
-from .registry import cache_dir, write_atomic
+from .registry import cache_dir, file_digest, write_atomic
 
 FORMAT = 6               # 2: the 4-bit kernels' `copies` (an 8-bit LM head as two 4-bit halves); 3: the Q8_0 head;
                          # 4: the native 4-bit layout; 5: layers of 8-bit codes, Q4_0 as 4-bit; 6: Q6_K as 8-bit codes
@@ -45,11 +44,7 @@ def file_sha256(path: Path) -> str:
     if not isinstance(known, dict) or not isinstance(known.get(stamp, ""), str):
         known = {}                                   # not a book this code wrote: computed again
     if stamp not in known:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                h.update(chunk)
-        known[stamp] = h.hexdigest()
+        known[stamp] = file_digest(path)
         write_atomic(book, json.dumps(known, indent=1).encode())
     return known[stamp]
 

@@ -377,13 +377,8 @@ class Scheduler:
             self.looping = False
             with self.lock:
                 self.closed = True                   # later submits raise Closed; earlier ones are in the inbox
-            while True:
-                try:
-                    cmd, job = self.inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if cmd == "submit":
-                    self.waiting.append(job)
+            while not self._drain(block=False):      # what reached the inbox before: a stop ends a drain early
+                pass
             for job in list(self.waiting) + list(self.running.values()):
                 self._fail(job, "the server is shutting down", 503)
             self._learn(lambda: self.learner.close())
