@@ -115,6 +115,39 @@ def test_byte_fallback_stream_equals_full_decode(seed):
     assert "".join(pieces) == byte_fallback_decode(ids)
 
 
+def test_a_stop_string_in_a_byte_run_ends_the_output_at_the_token_completing_it():
+    """ "é" as two byte tokens: the stop string is complete at its second byte; the output ends there, not at
+    the token that happens to end the run (usage counts the tokens up to the one completing a stop)."""
+    out = TextOutput(byte_fallback_decode, ("é",), frozenset(range(256)))
+    assert out.feed([257, 0xC3, 0xA9, 0xC3, 0xA9, 258], final=False) == (" cat", 3) and out.stopped
+    one_by_one = TextOutput(byte_fallback_decode, ("é",), frozenset(range(256)))
+    assert [one_by_one.feed([t], final=False) for t in (257, 0xC3, 0xA9)] == [(" cat", 1), ("", 1), ("", 1)]
+    assert one_by_one.stopped
+    cut = TextOutput(byte_fallback_decode, ("é",), frozenset(range(256)))   # an incomplete character: not yet
+    assert cut.feed([257, 0xC3], final=False) == (" cat", 2) and not cut.stopped
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_stop_ends_the_output_at_the_first_token_whose_decode_holds_it(seed):
+    """The token that ends the output is the first n with the stop string in decode(ids[:n]) (the text a
+    sequence ended there would have), whatever the byte runs and however the tokens arrive."""
+    r = random.Random(seed)
+    pool = list("héllo あ🙂".encode()) + [0xE3, 0xFF] + list(WORDS)
+    ids = [r.choice(pool) for _ in range(r.randint(1, 30))]
+    stop = r.choice(["é", "あ", "🙂", "l", " cat", "s é", "o"])
+    expected = next((n for n in range(1, len(ids) + 1) if stop in byte_fallback_decode(ids[:n])), len(ids))
+    out = TextOutput(byte_fallback_decode, (stop,), frozenset(range(256)))
+    used, text = 0, ""
+    for step in chunks(ids, seed, 4):
+        piece, n = out.feed(step, final=False)
+        used, text = used + n, text + piece
+        if out.stopped:
+            break
+    assert used == expected
+    if out.stopped:
+        assert text == byte_fallback_decode(ids[:used]).split(stop)[0]
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("most", [1, 3])
 def test_gemma_byte_tokens_stream_equals_full_decode(most):
@@ -259,3 +292,16 @@ def test_counters_keep_only_the_drafts_of_tokens_the_output_keeps():
         assert c.accepted < c.new_tokens and c.new_tokens - c.accepted <= c.target_forwards
         assert sum(c.accepted_at) == c.accepted and sum(c.drafted_at) == c.drafted
         assert c.accepted == c.drafted                 # every draft kept was accepted (the draft is the target)
+
+
+@pytest.mark.integration
+def test_gemma_stop_string_spelled_in_byte_tokens_ends_at_its_last_byte():
+    from specdec.models.registry import resolve
+    from specdec.models.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(resolve("gemma3-270m")[1])
+    ids = tok.encode_text(" 𐀀𐀁𐀂 x")                          # no BOS
+    assert all(t in tok.byte_ids for t in ids[1:13])             # " ", three 4-byte characters, " x"
+    out = TextOutput(tok.decode, ("𐀀",), tok.byte_ids)
+    assert out.feed(ids, final=False) == (" ", 5) and out.stopped
+

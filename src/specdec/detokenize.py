@@ -42,6 +42,20 @@ class IncrementalDetokenizer:
         """The text of every token not emitted yet, an incomplete character shown as U+FFFD."""
         return self._advance(hold_partial=False)
 
+    @property
+    def in_byte_run(self) -> bool:
+        """The last token is a byte-fallback token: the text of its run is held back."""
+        return bool(self.ids) and self.ids[-1] in self.byte_ids
+
+    def peek(self) -> str:
+        """The text `flush` would give now, without giving it; "" where it holds U+FFFD (the bytes of a
+        character still incomplete). Ending the sequence here makes exactly this text final."""
+        if self.read_offset == len(self.ids):
+            return ""
+        window = self.decode(self.ids[self.prefix_offset:self.read_offset])
+        rest = self.decode(self.ids[self.prefix_offset:])[len(window) + self.shown:]
+        return "" if REPLACEMENT in rest else rest
+
     def _advance(self, hold_partial: bool) -> str:
         upto = len(self.ids)
         while hold_partial and upto > self.read_offset and self.ids[upto - 1] in self.byte_ids:

@@ -3,6 +3,9 @@
 Each step looks at the new text only. Text that could still begin a stop string (a proper prefix of
 one at the end) is held back until the next tokens decide; a stop string may straddle the boundary
 between what was held and what is new, so the search starts len(stop) - 1 characters before it.
+The text of a run of byte-fallback tokens is held back by the detokenizer until the run ends; a stop
+string is still found at the byte token that completes it, in the run's text as it would stand if the
+sequence ended there.
 """
 from __future__ import annotations
 
@@ -62,6 +65,13 @@ class TextOutput:
             new += self.detokenizer.flush()
         text = self.held + new
         at = find_stop(text, len(self.held), self.stops)
+        if at == len(text) and not final and self.detokenizer.in_byte_run:
+            ahead = text + self.detokenizer.peek()     # a stop spelled in the run's bytes ends the output here
+            at = find_stop(ahead, len(self.held), self.stops)
+            if at < len(ahead):
+                self.stopped, self.held = True, ""
+                return ahead[:at]
+            at = len(text)
         if at < len(text):
             self.stopped, self.held = True, ""
             return text[:at]
