@@ -65,7 +65,7 @@ class TextOutput:
             new += self.detokenizer.flush()
         text = self.held + new
         at = find_stop(text, len(self.held), self.stops)
-        if at == len(text) and not final and self.detokenizer.in_byte_run:
+        if self.stops and at == len(text) and not final and self.detokenizer.in_byte_run:
             ahead = text + self.detokenizer.peek()     # a stop spelled in the run's bytes ends the output here
             at = find_stop(ahead, len(self.held), self.stops)
             if at < len(ahead):
