@@ -829,3 +829,109 @@ def test_run_server_steps_engines_in_the_calling_thread(gen, monkeypatch):
     assert answers == [3]
     assert stepped_in == {threading.current_thread().name}
     assert not state.scheduler.alive
+
+
+def serve_until_stopped(state: ServerState, drive) -> tuple[int, float]:
+    """run_server (what `specdec serve` runs) on a free port while `drive(url)` runs in another thread;
+    (its return code, seconds it took)."""
+    from specdec.cli_serve import run_server
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning"))
+
+    def driver() -> None:
+        deadline = time.monotonic() + 60
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        drive(f"http://127.0.0.1:{port}")
+
+    thread = threading.Thread(target=driver, name="test-client")
+    thread.start()
+    t0 = time.monotonic()
+    code = run_server(server, state.scheduler)
+    took = time.monotonic() - t0
+    thread.join()
+    return code, took
+
+
+def test_a_signal_while_a_requests_engine_is_built_still_answers_it(gen, monkeypatch):
+    """A stop signal that lands while the loop builds the engine a request named (the request has left the
+    waiting list and is not running yet) still answers that request with a 503, and the server stops promptly."""
+    import os
+    import signal
+
+    from specdec.server.scheduler import EnginePool
+
+    state = ServerState(gen, ServeConfig(max_batch=2, max_tokens=16))
+    build = EnginePool._build
+
+    def build_with_a_signal(self, spec):
+        if spec.method == "suffix":
+            os.kill(os.getpid(), signal.SIGTERM)     # the operator stops the server while the engine is built
+            time.sleep(0.2)
+        return build(self, spec)
+
+    monkeypatch.setattr(EnginePool, "_build", build_with_a_signal)
+    answers: list = []
+
+    def drive(url: str) -> None:
+        try:
+            r = requests.post(url + "/v1/completions", timeout=20, json={
+                "model": MODEL, "prompt": PROMPT, "max_tokens": 4, "speculative": {"method": "suffix"}})
+            answers.append((r.status_code, r.json()["error"]["message"], r.json()["error"]["code"]))
+        except requests.RequestException as e:
+            answers.append(type(e).__name__)
+
+    code, took = serve_until_stopped(state, drive)
+    assert answers == [(503, "the server is shutting down", "server_shutting_down")]
+    assert code == 0 and took < 10
+    assert state.scheduler.outstanding == 0
+
+
+def test_a_second_signal_while_the_server_stops_still_ends_open_streams(gen, monkeypatch):
+    """Ctrl-C pressed twice (or SIGTERM repeated by a supervisor): the second signal, arriving while the loop
+    fails its open jobs, does not cut that short: the open stream still ends with its error event."""
+    import os
+    import signal
+
+    from specdec.server.scheduler import Scheduler
+
+    state = ServerState(gen, ServeConfig(max_batch=2, max_tokens=200))
+    fail = Scheduler._fail
+    again: list[bool] = []
+
+    def fail_after_a_second_signal(self, job, message, status, code=None):
+        if status == 503 and not again:
+            again.append(True)
+            os.kill(os.getpid(), signal.SIGINT)      # the second Ctrl-C lands during the clean-up
+            time.sleep(0.05)
+        return fail(self, job, message, status, code)
+
+    monkeypatch.setattr(Scheduler, "_fail", fail_after_a_second_signal)
+    rest: list[bytes] = []
+
+    def drive(url: str) -> None:
+        try:
+            with requests.post(url + "/v1/completions", stream=True, timeout=20, json={
+                    "model": MODEL, "prompt": "1, 2, 3, 4,", "max_tokens": 200, "temperature": 0,
+                    "stream": True}) as r:
+                lines = r.iter_lines()
+                next(line for line in lines if line.startswith(b"data: "))
+                os.kill(os.getpid(), signal.SIGINT)      # the first Ctrl-C
+                rest.extend(line for line in lines if line.startswith(b"data: "))
+        except requests.RequestException as e:
+            rest.append(type(e).__name__.encode())
+
+    code, took = serve_until_stopped(state, drive)
+    assert again and rest and b"shutting down" in rest[-1], rest[-2:]
+    assert b"server_shutting_down" in rest[-1]
+    assert code == 0 and took < 10
+
+
+def test_a_wrong_method_is_a_405_that_names_the_allowed_methods(server):
+    """RFC 9110: a 405 carries Allow; the OpenAI-shaped body keeps Starlette's header."""
+    r = requests.options(server.url + "/v1/chat/completions", timeout=10)
+    assert r.status_code == 405 and r.json()["error"]["message"] == "Method Not Allowed"
+    assert r.headers.get("allow") == "POST"
+    r = requests.get(server.url + "/v1/completions", timeout=10)
+    assert r.status_code == 405 and r.headers.get("allow") == "POST"

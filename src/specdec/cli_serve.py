@@ -178,7 +178,8 @@ def run_server(server: Server, scheduler: Scheduler) -> int:
             scheduler.stop()                  # e.g. the port was taken: end the loop too
 
     def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
+        scheduler.request_stop()              # a flag read at the loop's next boundary: no step cut in half,
+                                              # no request lost between the loop's lists; repeated signals too
 
     # explicit handlers, as uvicorn installs in the main thread (a shell's background job ignores SIGINT)
     previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -187,8 +188,6 @@ def run_server(server: Server, scheduler: Scheduler) -> int:
     web.start()
     try:
         scheduler.run()
-    except KeyboardInterrupt:
-        pass
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

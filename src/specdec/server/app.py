@@ -16,7 +16,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Mapping
 
 import torch
 from fastapi import Depends, FastAPI, Request as HttpRequest
@@ -447,14 +447,15 @@ class Routes:
         self.metrics.requests.labels(endpoint_label(request), str(status)).inc()
 
     def error_response(self, request: HttpRequest, status: int, message: str, param: str | None = None,
-                       code: str | None = None) -> JSONResponse:
+                       code: str | None = None, headers: Mapping[str, str] | None = None) -> JSONResponse:
         self.count(request, status)
         # one line per refused request (info: a client's mistake; warning: the server's own trouble)
         # (a client's text may hold lone surrogates, which no log stream can encode: escaped)
         line = f"{request.method} {request.url.path} -> {status} {message[:300]}"
         log.log(logging.INFO if status < 500 else logging.WARNING, "%s",
                 line.encode("utf-8", "backslashreplace").decode("utf-8"))
-        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else ({"Retry-After": "1"} if status == 429 else None)
+        headers = dict(headers or {}) | ({"WWW-Authenticate": "Bearer"} if status == 401 else
+                                         {"Retry-After": "1"} if status == 429 else {})
         return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
     def user_input(self, parse: Callable[[Any, ServerState], Parsed], body: CommonRequest) -> Parsed:
@@ -489,7 +490,7 @@ class Routes:
         try:
             first = await watch.next_event(job)
             if isinstance(first, Failed):
-                raise ApiError(first.status, first.message)
+                raise ApiError(first.status, first.message, None, first.code)
             if parsed.stream:
                 return StreamingResponse(self.stream(request, job, first, out), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -497,7 +498,7 @@ class Routes:
             while not isinstance(event, Done):
                 event = await watch.next_event(job)
                 if isinstance(event, Failed):
-                    raise ApiError(event.status, event.message)
+                    raise ApiError(event.status, event.message, None, event.code)
         except ClientGone:
             scheduler.cancel(job)
             self.count(request, 499)
@@ -525,7 +526,7 @@ class Routes:
                     return
                 else:
                     status = event.status
-                    yield sse(error_body(event.status, event.message))
+                    yield sse(error_body(event.status, event.message, None, event.code))
                     return
                 event = await job.events.get()
         finally:
@@ -577,7 +578,7 @@ def add_error_handlers(app: FastAPI, routes: Routes) -> None:
         if e.status_code == 400 and detail == "There was an error parsing the body":      # FastAPI's words
             detail = ("the request body could not be parsed: send one JSON object as UTF-8 text, uncompressed "
                       "(no Content-Encoding), nested less than 1000 levels deep")
-        return routes.error_response(request, e.status_code, detail, None, code)
+        return routes.error_response(request, e.status_code, detail, None, code, e.headers)    # 405: Allow
 
     @app.exception_handler(Exception)
     async def internal_error(request: HttpRequest, e: Exception) -> JSONResponse:

@@ -99,6 +99,7 @@ class TextPiece:
 class Failed:
     message: str
     status: int = 500
+    code: str | None = None        # OpenAI's error code, where one names the cause
 
 
 Event = TextPiece | Done | Failed
@@ -317,6 +318,7 @@ class Scheduler:
         self.in_caller = False                       # True: the owner calls run(); start() spawns no thread
         self.looping = False                         # run() is in its loop
         self.closed = False                          # run() has ended: submit refuses (guarded by lock)
+        self.stop_requested = False                  # set by a signal handler: the loop ends at its next boundary
 
     # ---- asyncio side --------------------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -345,6 +347,11 @@ class Scheduler:
     def alive(self) -> bool:
         return self.looping
 
+    def request_stop(self) -> None:
+        """End the loop at its next step boundary. Safe in a signal handler (no lock, nothing raised, so no
+        step or bookkeeping is cut in half) and repeatable."""
+        self.stop_requested = True
+
     def stop(self, timeout: float = 10.0) -> None:
         """End the loop after its current step; wait for its thread when it has one of its own."""
         if self.thread is not None or self.in_caller:
@@ -366,7 +373,9 @@ class Scheduler:
                         trim_heap()
                         trimmed = time.monotonic()
                     was_idle = idle
-                    if not self._drain(block=idle and not self.learner.wants_time()):
+                    if self.stop_requested or not self._drain(block=idle and not self.learner.wants_time()):
+                        break
+                    if self.stop_requested:              # arrived during the wait
                         break
                     self._admit()
                     self._step_all()
@@ -380,7 +389,7 @@ class Scheduler:
             while not self._drain(block=False):      # what reached the inbox before: a stop ends a drain early
                 pass
             for job in list(self.waiting) + list(self.running.values()):
-                self._fail(job, "the server is shutting down", 503)
+                self._fail(job, "the server is shutting down", 503, "server_shutting_down")
             self._learn(lambda: self.learner.close())
 
     def _learn(self, call: Callable[[], None]) -> None:
@@ -394,8 +403,8 @@ class Scheduler:
     def _drain(self, block: bool) -> bool:
         """Handle every inbox command (waiting up to IDLE_WAKE_SECONDS for one when idle); False on stop.
 
-        The wait is bounded so that a loop in the main thread sees SIGINT: a signal that the kernel hands
-        to another thread does not interrupt the main thread's wait on a lock."""
+        The wait is bounded so that a loop in the main thread sees a stop a signal handler requested: a
+        signal that the kernel hands to another thread does not interrupt the main thread's wait on a lock."""
         while True:
             try:
                 cmd, job = self.inbox.get(block=block, timeout=IDLE_WAKE_SECONDS if block else None)
@@ -503,10 +512,10 @@ class Scheduler:
             self._fail(job, message, 500)
         self.pool.reset(eng)
 
-    def _fail(self, job: Job, message: str, status: int) -> None:
+    def _fail(self, job: Job, message: str, status: int, code: str | None = None) -> None:
         if job in self.waiting:
             self.waiting.remove(job)
-        self._send(job, Failed(message, status))
+        self._send(job, Failed(message, status, code))
         self._close(job)
 
     def _close(self, job: Job) -> None:
