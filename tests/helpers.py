@@ -236,3 +236,18 @@ class Recording:
     def propose(self, batch, k):
         self.drafts.append(self.inner.propose(batch, k))
         return self.drafts[-1]
+
+
+def target_shaped(seed: int, dtype: torch.dtype, shape: str = "smollm2"):
+    """A random, packed 2-layer model with smollm2-135m's or gemma3-270m's layer shapes (CPU GEMMs pick
+    kernels by shape: MKL on an Intel Xeon switched by row count for Gemma's head_dim 256 attention)."""
+    needs_bf16(dtype)
+    if shape == "gemma3":
+        cfg = ModelConfig(vocab_size=512, dim=640, n_layers=2, n_heads=4, n_kv_heads=1, head_dim=256,
+                          hidden_dim=2048, max_seq_len=512, embed_scale=640 ** 0.5, qk_norm=True,
+                          sandwich_norm=True, gelu=True, sliding_window=256, sliding_pattern=2,
+                          name="gemma3-shaped")
+    else:
+        cfg = ModelConfig(vocab_size=512, dim=576, n_layers=2, n_heads=9, n_kv_heads=3, head_dim=64,
+                          hidden_dim=1536, max_seq_len=512, name="smollm2-shaped")
+    return init_random(Transformer(cfg), seed=seed, std=0.05).to(dtype).eval().requires_grad_(False).pack()

@@ -9,8 +9,7 @@ import torch
 from specdec.models import native
 from specdec.tree import TokenTree
 
-from helpers import same_bits_on_one_and_two_threads
-from test_model import target_shaped
+from helpers import same_bits_on_one_and_two_threads, target_shaped
 
 pytestmark = pytest.mark.exactness
 

@@ -410,8 +410,8 @@ class Generator:
 
 DraftSource = str | CausalLM | None
 """What a method drafts with: for `draft` a draft model (loaded, a registered name or GGUF path, `self:N`
-layers of the target, or a distilled `.safetensors`); for `eagle`, `hybrid`, `medusa` a head's weights
-file; for `lookahead` its shape "W,N,G"; None: the one shipped for the target (lookahead: its default shape).
+layers of the target, or a distilled `.safetensors`; `staged` likewise); for `eagle`, `eagle3`, `hybrid`,
+`medusa` a head's weights file, for `self` an exit's; for `lookahead` its shape "W,N,G"; None: the one shipped for the target (lookahead: its default shape).
 (The public flag keeps its name: `draft_model`.)"""
 
 
@@ -433,8 +433,8 @@ AUTO_SAMPLE_FROM = names.AUTO_SAMPLE_FROM   # `auto` samples the EAGLE chains' d
 
 def sample_drafts_from(setting: str, method: str, tree: TreeShape = TreeShape()) -> float:
     """The lowest temperature at which `method`'s rows draw their drafts from its own q (math.inf: none) for
-    the setting `sample_drafts` (names.SAMPLE_DRAFTS): `on` every row that samples, for the chains of eagle
-    and eagle3 (an error for any other method or a tree); `off` none (point masses: the head's argmax);
+    the setting `sample_drafts` (names.SAMPLE_DRAFTS): `on` every row that samples, for the chains of eagle,
+    eagle3 and hybrid (an error for any other method or a tree); `off` none (point masses: the head's argmax);
     `auto` (the default) where it was measured to pay: the EAGLE chains' rows (eagle, eagle3, hybrid) at AUTO_SAMPLE_FROM
     and above. Greedy rows draft point masses whatever the setting."""
     if setting not in names.SAMPLE_DRAFTS:

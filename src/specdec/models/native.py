@@ -7,7 +7,8 @@ composite F.rms_norm about 10 us per call. The C kernels take one call each: `At
 rope, cache writes and attention, each query over its own keys in slot order, so its bits depend on
 its keys alone, trees included; its shared arguments checked once per forward), `add_rms_norm`, and
 `Q8Head`, an 8-bit LM head as the GGUF stores it (float inputs, or inputs quantized to 8 bits as well:
-exact integer block sums).
+exact integer block sums), and the row kernels `Q4Linear` (4-bit layers, 8-bit activations) and `Q8Rows`
+(8-bit codes with a scale per 32 or 16 inputs); `LayerLoop` runs a whole q4 layer stack in C++ (`layers.cpp`).
 
 Built with `cc -O3 -march=native -mno-avx512f` into $SPECDEC_CACHE/native, keyed by the source, the CPU,
 the compiler and its flags; where no compiler is found, the build fails or $SPECDEC_NATIVE=0, `available()` is False

