@@ -182,8 +182,61 @@ def test_each_row_of_the_transform_depends_only_on_its_own_logits_and_parameters
 
 
 # ---- counter-based random streams -------------------------------------------------------------------
+def test_inverse_cdf_reaches_every_token_of_a_long_tail():
+    """A 262,144-token distribution with a few likely tokens and a long tail (an LM's shape): the uniform at the
+    middle of each token's interval of the cumulative mass draws that very token, the least likely included
+    (a float32 cumulative sum, or uniforms of 24 bits, leave much of such a tail unreachable), and the largest
+    uniform never draws a token of probability zero."""
+    V = 262144
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(V, generator=g) * 2.5
+    logits[torch.randperm(V, generator=g)[:5]] += 12
+    logits[-7:] = float("-inf")                                             # zero mass at the end
+    p = to_probs(logits[None, None], BatchSampling.of([SamplingParams(1.0)]))[0, 0]   # [V] float32
+    live = torch.nonzero(p > 0)[:, 0]
+    p64 = p.double()
+    cdf = p64.cumsum(0)
+    mid = (cdf - p64 / 2) / cdf[-1]
+    u = torch.floor(mid * 2.0 ** 53) * 2.0 ** -53                          # on the grid position_uniforms draws
+    assert torch.equal(sample(p, u[live]), live)
+    assert int(sample(p, torch.tensor([1 - 2.0 ** -53], dtype=torch.float64))) == int(live[-1])
+
+
+@pytest.fixture
+def two_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)          # torch splits a lone row's reduction across threads, not a batch's rows
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_the_transform_is_row_invariant_at_a_real_vocabulary_on_two_threads(two_threads):
+    """Bit for bit: a row of plain decoding ([1, 1, V]) and the same row in a verification forward or a batch
+    ([B, T, V]), at smollm2's vocabulary, with top-p rows (their renormalisation sums a whole row)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 49152, generator=g) * 3
+    params = [SamplingParams(1.0, 0, 0.95), SamplingParams(0.7, 40, 0.9), SamplingParams(1.0, 0, 0.5)]
+    batch = to_probs(logits, BatchSampling.of(params))
+    for b, sp in enumerate(params):
+        for t in range(5):
+            assert torch.equal(to_probs(logits[b:b + 1, t:t + 1], BatchSampling.of([sp]))[0, 0], batch[b, t]), (sp, t)
+
+
+def test_the_residual_is_row_invariant_at_a_real_vocabulary_on_two_threads(two_threads):
+    """A sampled draft's recovered token does not depend on its batch-mates."""
+    from specdec.verify import residual
+
+    g = torch.Generator().manual_seed(1)
+    s = BatchSampling.of([SamplingParams(1.0)] * 3)
+    for _ in range(10):
+        p = to_probs(torch.randn(3, 1, 49152, generator=g), s)[:, 0]
+        q = to_probs(torch.randn(3, 1, 49152, generator=g), s)[:, 0]
+        assert torch.equal(residual(p[:1], q[:1])[0], residual(p, q)[0])
+
+
 def test_position_uniforms_are_a_fixed_function_of_seed_stream_and_position():
-    """Pinned values (uniforms are multiples of 2**-24): the same on every machine and device."""
+    """Pinned values (uniforms are multiples of 2**-53; their top 24 bits pinned, and the whole of the first
+    column): the same on every machine and device."""
     seeds = seed_tensor([0, 12345, -1, 2 ** 64 + 5])
     pos = torch.tensor([[0, 1, 1000]] * 4)
     pinned = {Stream.TARGET: [[16113010, 8154846, 3700396], [14429567, 2812827, 8284045],
@@ -192,10 +245,15 @@ def test_position_uniforms_are_a_fixed_function_of_seed_stream_and_position():
                               [7587889, 3436946, 4267941], [13759239, 14402131, 9375383]],
               Stream.DRAFT: [[14882988, 612396, 10081875], [4154511, 515608, 15332784],
                              [8253871, 4652974, 12592947], [1424048, 12756690, 10852649]]}
+    whole = {Stream.TARGET: [8650606541436692, 7746814959950593, 1071656643035291, 431669664793209],
+             Stream.ACCEPT: [5840031822642871, 3155956843306937, 4073717304280756, 7386935286827579],
+             Stream.DRAFT: [7990243349904502, 2230436157421767, 4431263618037849, 764530024732162]}
     for stream, want in pinned.items():
         u = position_uniforms(seeds, pos, stream)
-        assert u.dtype == torch.float32 and u.shape == (4, 3)
-        assert (u * 2 ** 24).long().tolist() == want, stream
+        assert u.dtype == torch.float64 and u.shape == (4, 3)
+        bits = (u * 2 ** 53).long()
+        assert torch.equal(bits.double() * 2.0 ** -53, u)                  # exactly on the grid
+        assert (bits >> 29).tolist() == want and bits[:, 0].tolist() == whole[stream], stream
     assert seed_tensor([2 ** 64 + 5, 5, -1, 2 ** 64 - 1]).tolist() == [5, 5, -1, -1]    # seeds modulo 2**64
 
 

@@ -104,7 +104,7 @@ def to_probs(logits: Tensor, s: BatchSampling) -> Tensor:
         drop[..., 0] = False                          # the most likely token stays (top_p may round to 0 in float32)
         sp = sp.masked_fill(drop, 0.0)
         cut = torch.zeros_like(probs).scatter_(-1, si, sp)
-        cut = cut / cut.sum(-1, keepdim=True)
+        cut = cut / row_total(cut)
         probs = torch.where(nucleus[:, None, None], cut, probs)                 # other rows untouched
     if bool(greedy.any()):
         onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
@@ -112,12 +112,21 @@ def to_probs(logits: Tensor, s: BatchSampling) -> Tensor:
     return probs
 
 
+def row_total(x: Tensor) -> Tensor:
+    """x [..., V] -> its sum over the last dim [..., 1], with the same bits for a row whatever the tensor's shape:
+    torch splits a lone row's `sum` across threads (a [1, 1, V] row of plain decoding) but not the rows of a
+    batch or a verification forward, so `sum` rounds a row differently alone; a cumulative sum runs along each
+    row in order."""
+    return x.cumsum(-1)[..., -1:]
+
+
 def sample(probs: Tensor, u: Tensor) -> Tensor:
     """Inverse-CDF sampling: probs [..., V] (need not sum to one), uniforms u [...] in [0, 1) -> indices [...].
 
     The first index whose cumulative mass exceeds u * total: never a token of probability zero (u < 1
-    has 24 bits, so u * total < total in float32)."""
-    cdf = probs.cumsum(-1)
+    has 53 bits, so u * total < total in float64). The cumulative mass is summed in float64: in float32 its
+    rounding, relative to the total, swallows a long tail (at 262,144 tokens, 1e-4 of the mass unreachable)."""
+    cdf = probs.cumsum(-1, dtype=torch.float64)
     idx = torch.searchsorted(cdf, (u * cdf[..., -1]).unsqueeze(-1).contiguous(), right=True).squeeze(-1)
     return idx.clamp(max=probs.shape[-1] - 1)
 
@@ -154,16 +163,16 @@ def _as_uint64(x: Tensor) -> np.ndarray:
 
 
 def position_uniforms(seeds: Tensor, positions: Tensor, stream: Stream) -> Tensor:
-    """seeds [B] int64, positions [B, n] int64 -> uniforms [B, n] float32 in [0, 1).
+    """seeds [B] int64, positions [B, n] int64 -> uniforms [B, n] float64 in [0, 1).
 
     A stateless hash of (seed, stream, position): output number position + 1 of splitmix64 started at
-    a key mixed from the seed and the stream, its top 24 bits as a float32 (exact). The same on every
+    a key mixed from the seed and the stream, its top 53 bits as a float64 (exact; finer than any token's probability a float32 softmax gives). The same on every
     machine and device, whatever else is computed: a sequence's draws depend on nothing but its seed
     and the positions asked for, not on its batch, the draft length or the order of calls.
     """
     keys = _mix(_mix(_as_uint64(seeds)) ^ np.uint64(_STREAM_SALT[stream]))       # [B]
     bits = _splitmix(keys[:, None], _as_uint64(positions))                        # [B, n]
-    u = (bits >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -24)
+    u = (bits >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
     return torch.from_numpy(u).to(positions.device)
 
 

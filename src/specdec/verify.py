@@ -45,7 +45,7 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
-from .sampling import sample
+from .sampling import row_total, sample
 from .tree import PAD, TokenTree
 
 ROOT = -1                 # Draft.parents: the draft hangs from the pending token (the tree's root)
@@ -245,7 +245,7 @@ def residual(p: Tensor, q: Tensor) -> Tensor:
     """norm(max(0, p - q)) [..., V]: what a rejection leaves of p. Where nothing is left (p == q cannot
     reject; only rounding gets here) p itself."""
     r = (p - q).clamp(min=0)
-    mass = r.sum(-1, keepdim=True)
+    mass = row_total(r)                               # the same bits alone or beside other rows
     return torch.where(mass > 0, r / mass.clamp(min=1e-30), p)
 
 
