@@ -11,8 +11,11 @@ from specdec.proposers.base import NoProposer
 from specdec.proposers.draft_model import DraftModelProposer
 from specdec.proposers.eagle import EagleProposer
 from specdec.proposers.hybrid import HybridProposer
+from specdec.proposers.lookahead import LookaheadProposer, LookaheadShape
 from specdec.proposers.medusa import MedusaProposer
 from specdec.proposers.ngram import NgramProposer
+from specdec.proposers.staged import StagedProposer
+from specdec.proposers.suffix import SuffixProposer
 from specdec.sampling import SamplingParams
 
 from helpers import V, close_draft, head_for, heads_for, run_engine, tiny_generator, tiny_model
@@ -43,13 +46,20 @@ def point_mass_proposer(method: str, target, k: int):
         return MedusaProposer(heads_for(target, 3, vocab=torch.arange(V)))
     if method == "draft_greedy":                                  # a draft model drafting its argmax
         return DraftModelProposer(close_draft(), sample_drafts=False, min_confidence=0.3)
+    if method == "suffix":
+        return SuffixProposer()
+    if method == "lookahead":
+        return LookaheadProposer(LookaheadShape(2, 3, 2))
+    if method == "staged":                                        # a draft for the draft (as `load` builds it)
+        return StagedProposer(DraftModelProposer(close_draft()))
     raise ValueError(method)
 
 
 POLICIES = [("fixed", k) for k in range(1, 7)] + [("heuristic", 2), ("auto", 3)]
 
 
-@pytest.mark.parametrize("method", ["ngram", "eagle", "eagle_tree", "hybrid", "medusa", "draft_greedy"])
+@pytest.mark.parametrize("method", ["ngram", "eagle", "eagle_tree", "hybrid", "medusa", "draft_greedy", "suffix",
+                                    "lookahead", "staged"])
 def test_point_mass_methods_sample_exactly_what_plain_sampling_does(method):
     """Same seed, temperature 1 with top-k and top-p: every draft length and policy (including `auto`,
     which reads the clock) gives plain sampling's tokens, for a batch of 4 ragged prompts."""
@@ -94,6 +104,21 @@ def test_draft_model_with_a_confidence_cutoff_samples_the_same_alone_and_batched
     target = target_v8()
     alone, batched, other = sampled_alone_and_in_batches(
         target, lambda: DraftModelProposer(close_draft(), min_confidence=0.5), 5, seed)
+    assert alone == batched == other
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("method", ["eagle", "hybrid"])
+def test_sampled_eagle_chains_sample_the_same_alone_and_batched(method, seed):
+    """EAGLE chains that draw their drafts from the head's q (sample_drafts on; `hybrid` beside prompt lookup):
+    a sequence's drafts and output do not depend on its batch-mates."""
+    target = target_v8()
+
+    def make():
+        chain = EagleProposer(head_for(target), 1, 6, 6, min_confidence=0.3, sample_from=0.0)
+        return chain if method == "eagle" else HybridProposer(chain, NgramProposer(1, 3), 2)
+
+    alone, batched, other = sampled_alone_and_in_batches(target, make, 6, seed)
     assert alone == batched == other
 
 
