@@ -411,8 +411,8 @@ class Generator:
 DraftSource = str | CausalLM | None
 """What a method drafts with: for `draft` a draft model (loaded, a registered name or GGUF path, `self:N`
 layers of the target, or a distilled `.safetensors`; `staged` likewise); for `eagle`, `eagle3`, `hybrid`,
-`medusa` a head's weights file, for `self` an exit's; for `lookahead` its shape "W,N,G"; None: the one shipped for the target (lookahead: its default shape).
-(The public flag keeps its name: `draft_model`.)"""
+`medusa` a head's weights file, for `self` an exit's; for `lookahead` its shape "W,N,G"; None: the one shipped
+for the target (lookahead: its default shape). (The public flag keeps its name: `draft_model`.)"""
 
 
 @dataclass(frozen=True)
