@@ -167,8 +167,8 @@ def position_uniforms(seeds: Tensor, positions: Tensor, stream: Stream) -> Tenso
 
     A stateless hash of (seed, stream, position): output number position + 1 of splitmix64 started at
     a key mixed from the seed and the stream, its top 53 bits as a float64 (exact). The same on every machine
-    and device, whatever else is computed: a sequence's draws depend on nothing but its seed and the positions asked for, not on its batch, the draft
-    length or the order of calls.
+    and device, whatever else is computed: a sequence's draws depend on nothing but its seed and the positions
+    asked for, not on its batch, the draft length or the order of calls.
     """
     keys = _mix(_mix(_as_uint64(seeds)) ^ np.uint64(_STREAM_SALT[stream]))       # [B]
     bits = _splitmix(keys[:, None], _as_uint64(positions))                        # [B, n]
