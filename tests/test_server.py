@@ -935,3 +935,22 @@ def test_a_wrong_method_is_a_405_that_names_the_allowed_methods(server):
     assert r.headers.get("allow") == "POST"
     r = requests.get(server.url + "/v1/completions", timeout=10)
     assert r.status_code == 405 and r.headers.get("allow") == "POST"
+
+
+def test_chat_messages_that_fill_the_context_say_so_without_naming_a_max_tokens_not_sent(gen):
+    """No max_tokens sent and no room left after the messages: the error says the messages fill the context
+    (not "max_tokens (1)", a value the client never sent)."""
+    from specdec.server.app import ApiError, parse_chat
+    from specdec.server.schema import ChatCompletionRequest
+
+    state = ServerState(gen, ServeConfig(max_batch=1, max_prompt_tokens=20_000, max_tokens=16))
+    context = gen.target.max_seq_len
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi " * context}]}
+    with pytest.raises(ApiError) as e:
+        parse_chat(ChatCompletionRequest(**body), state)
+    assert e.value.status == 400 and e.value.code == "context_length_exceeded" and e.value.param == "messages"
+    assert "leave no room for an answer" in e.value.message and "max_tokens" not in e.value.message
+    body["max_tokens"] = 8                                        # sent: the message names it
+    with pytest.raises(ApiError) as e:
+        parse_chat(ChatCompletionRequest(**body), state)
+    assert "max_tokens (8)" in e.value.message

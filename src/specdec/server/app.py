@@ -278,7 +278,11 @@ def parse_chat(req: ChatCompletionRequest, state: ServerState) -> Parsed:
                 for m in req.messages]
     ids = tok.encode_chat(messages)
     if not common["max_tokens"]:            # default: as much as the limits allow
-        room = state.generator.target.max_seq_len - len(ids) - 1
+        context = state.generator.target.max_seq_len
+        room = context - len(ids) - 1
+        if room < 1 and len(ids) <= state.config.max_prompt_tokens:
+            raise bad(f"the messages ({len(ids)} tokens) leave no room for an answer in the model's context of "
+                      f"{context} tokens", "messages", "context_length_exceeded")
         common["max_tokens"] = max(1, min(state.config.max_tokens, room))
     check_prompt_length(ids, common["max_tokens"], state, "messages")
     return Parsed(ids, **common)
