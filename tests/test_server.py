@@ -795,7 +795,6 @@ def test_run_server_steps_engines_in_the_calling_thread(gen, monkeypatch):
     import os
     import signal
 
-    from specdec.cli_serve import run_server
     from specdec.engine import Engine
 
     state = ServerState(gen, ServeConfig(max_batch=2, max_tokens=16))
@@ -807,25 +806,18 @@ def test_run_server_steps_engines_in_the_calling_thread(gen, monkeypatch):
         return step(self)
 
     monkeypatch.setattr(Engine, "step", recording_step)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning"))
     answers: list[int] = []
 
-    def drive() -> None:
+    def drive(url: str) -> None:
         try:
-            deadline = time.monotonic() + 60
-            while not server.started and time.monotonic() < deadline:
-                time.sleep(0.05)
-            c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
+            c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
             answers.append(c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
                            .usage.completion_tokens)
         finally:
             os.kill(os.getpid(), signal.SIGINT)
 
-    driver = threading.Thread(target=drive, name="test-client")
-    driver.start()
-    assert run_server(server, state.scheduler) == 0
-    driver.join()
+    code, _ = serve_until_stopped(state, drive)
+    assert code == 0
     assert answers == [3]
     assert stepped_in == {threading.current_thread().name}
     assert not state.scheduler.alive

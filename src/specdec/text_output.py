@@ -67,11 +67,9 @@ class TextOutput:
         at = find_stop(text, len(self.held), self.stops)
         if self.stops and at == len(text) and not final and self.detokenizer.in_byte_run:
             ahead = text + self.detokenizer.peek()     # a stop spelled in the run's bytes ends the output here
-            at = find_stop(ahead, len(self.held), self.stops)
-            if at < len(ahead):
-                self.stopped, self.held = True, ""
-                return ahead[:at]
-            at = len(text)
+            in_run = find_stop(ahead, len(text), self.stops)
+            if in_run < len(ahead):
+                text, at = ahead, in_run
         if at < len(text):
             self.stopped, self.held = True, ""
             return text[:at]

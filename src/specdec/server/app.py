@@ -207,11 +207,15 @@ def speculation(value: Speculative | None, state: ServerState) -> SpecChoice:
 
 
 def check_prompt_length(ids: list[int], max_tokens: int, state: ServerState, param: str) -> None:
+    """max_tokens 0: not sent (the answer takes the room left, at least one token)."""
     limit = state.config.max_prompt_tokens
     if len(ids) > limit:
         raise bad(f"the prompt has {len(ids)} tokens, more than this server's limit of {limit}", param,
                   "context_length_exceeded")
     context = state.generator.target.max_seq_len
+    if not max_tokens and len(ids) + 2 > context:
+        raise bad(f"the {param} ({len(ids)} tokens) leave no room for an answer in the model's context of "
+                  f"{context} tokens", param, "context_length_exceeded")
     if len(ids) + max_tokens + 1 > context:
         raise bad(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's context of "
                   f"{context} tokens", param, "context_length_exceeded")
@@ -277,14 +281,9 @@ def parse_chat(req: ChatCompletionRequest, state: ServerState) -> Parsed:
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": content_text(m.content)}
                 for m in req.messages]
     ids = tok.encode_chat(messages)
-    if not common["max_tokens"]:            # default: as much as the limits allow
-        context = state.generator.target.max_seq_len
-        room = context - len(ids) - 1
-        if room < 1 and len(ids) <= state.config.max_prompt_tokens:
-            raise bad(f"the messages ({len(ids)} tokens) leave no room for an answer in the model's context of "
-                      f"{context} tokens", "messages", "context_length_exceeded")
-        common["max_tokens"] = max(1, min(state.config.max_tokens, room))
     check_prompt_length(ids, common["max_tokens"], state, "messages")
+    if not common["max_tokens"]:            # default: as much as the limits allow (at least 1: checked above)
+        common["max_tokens"] = min(state.config.max_tokens, state.generator.target.max_seq_len - len(ids) - 1)
     return Parsed(ids, **common)
 
 

@@ -373,9 +373,7 @@ class Scheduler:
                         trim_heap()
                         trimmed = time.monotonic()
                     was_idle = idle
-                    if self.stop_requested or not self._drain(block=idle and not self.learner.wants_time()):
-                        break
-                    if self.stop_requested:              # arrived during the wait
+                    if not self._drain(block=idle and not self.learner.wants_time()) or self.stop_requested:
                         break
                     self._admit()
                     self._step_all()
