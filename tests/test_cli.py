@@ -154,7 +154,7 @@ def test_every_option_has_help_and_shows_its_default_once():
 
 @pytest.mark.parametrize("argv, message", [
     (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "argument --max-new-tokens: must be an integer >= 1, got 0"),
-    (["generate", "--prompt", "hi", "--top-p", "1.5"], "argument --top-p: must be a finite number in (0, 1], got 1.5"),
+    (["generate", "--prompt", "hi", "--top-p", "1.5"], "argument --top-p: must be a finite number in [0, 1], got 1.5"),
     (["generate", "--prompt", "hi", "--temperature", "-1"], "argument --temperature: must be a finite number >= 0"),
     (["generate", "--prompt", "hi", "--top-k", "-2"], "argument --top-k: must be an integer >= 0, got -2"),
     (["generate", "--prompt", "hi", "--num-draft-tokens", "0"], "argument --num-draft-tokens: must be an integer in [1, 64]"),

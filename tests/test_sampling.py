@@ -26,6 +26,9 @@ def test_transform_greedy_and_edge_cases():
     assert torch.equal(to_probs(logits, bs(0.8, k=1, n=3)), greedy)            # top_k=1 == greedy
     assert torch.equal(to_probs(logits, bs(1.3, p=1e-6, n=3)), greedy)         # tiny top_p == greedy
     assert torch.equal(to_probs(logits, bs(1.3, p=1e-300, n=3)), greedy)       # 0 in float32: the top token stays
+    assert torch.equal(to_probs(logits, bs(1.3, p=0.0, n=3)), greedy)          # top_p 0: the top token alone
+    tied = torch.tensor([[[0.5, 2.0, 1.0, 2.0]]])
+    assert torch.equal(to_probs(tied, bs(0.9, p=0.0)), to_probs(tied, bs(0.0)))    # ties: the first, as greedy
     for t in (1e-20, 1e-38, 1e-44):                  # the quotient would overflow: the limit, no NaN
         assert torch.equal(to_probs(logits * 50, bs(t, n=3)), greedy)
     for t in (1e30, 1e39, 1e300):                    # inf in float32: still uniform over the top k, not over all
@@ -51,7 +54,7 @@ def test_mixed_batch_rows_use_their_own_params():
     torch.testing.assert_close(mixed[1:2], to_probs(logits[1:2], bs(0.7, 5, 0.9)))
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1),
+@pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(top_p=-0.1), dict(top_p=1.5), dict(top_k=-1),
                                  dict(temperature=float("nan")), dict(top_k=1.5), dict(temperature=True),
                                  dict(top_p=True), dict(seed=1 << 64), dict(seed=-(1 << 63) - 1), dict(seed=True)])
 def test_bad_sampling_params(bad):
@@ -138,9 +141,10 @@ def reference_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: f
     if top_p < 1:
         kept, mass = [], 0.0
         for i in sorted(range(V), key=lambda i: (-p[i], i)):
-            margin = min(margin, abs(mass - top_p))
-            if mass >= top_p:
-                break
+            if kept:                                            # the most likely token stays, whatever top_p
+                margin = min(margin, abs(mass - top_p))
+                if mass >= top_p:
+                    break
             kept.append(i)
             mass += p[i]
         cut = np.zeros(V)
@@ -157,7 +161,7 @@ def test_transform_matches_the_reference_on_random_logits_with_ties(vocab):
     B = 400
     logits = np.round(g.normal(size=(B, vocab)) * 3) / 2
     params = [SamplingParams(float(g.choice([0.0, 0.3, 0.7, 1.0, 1.6])), int(g.choice([0, 0, 1, 2, 3, vocab - 1, vocab + 3])),
-                             float(g.choice([1.0, 1.0, 0.05, 0.37, 0.63, 0.81, 0.9, 0.99]))) for _ in range(B)]
+                             float(g.choice([1.0, 1.0, 0.0, 0.05, 0.37, 0.63, 0.81, 0.9, 0.99]))) for _ in range(B)]
     got = to_probs(torch.tensor(logits, dtype=torch.float32)[:, None], BatchSampling.of(params))[:, 0].double().numpy()
     ambiguous = 0
     for row, (lg, sp) in enumerate(zip(logits, params)):

@@ -183,6 +183,9 @@ def test_stop_and_seeded_sampling(gen, client):
         got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0.9, top_p=0.95,
                                         seed=7)
         assert got.choices[0].text == sampled.text
+    nucleus_of_one = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0.9, top_p=0,
+                                               seed=7)
+    assert nucleus_of_one.choices[0].text == offline(gen, PROMPT, 16, chat=False).text   # top_p 0: the argmax
 
 
 def test_per_request_speculation(gen, client):
@@ -431,7 +434,7 @@ BAD = [  # (what, path, body, status, param)
     ("negative max_tokens", "/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
     ("max_tokens over the cap", "/v1/completions", {"prompt": "hi", "max_tokens": 33}, 400, "max_tokens"),
     ("temperature out of range", "/v1/completions", {"prompt": "hi", "temperature": 2.5}, 400, "temperature"),
-    ("top_p zero", "/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("top_p negative", "/v1/completions", {"prompt": "hi", "top_p": -0.1}, 400, "top_p"),
     ("over-long prompt", "/v1/completions", {"prompt": LONG}, 400, "prompt"),
     ("over-long chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
     ("unsupported field", "/v1/completions", {"prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),

@@ -262,8 +262,9 @@ def build_parser() -> SpecdecParser:
                    help="wrap the prompt in the model's chat template (default: on when the model has one)")
     g.add_argument("--max-new-tokens", type=int_in(1), default=128, help="most tokens to generate")
     g.add_argument("--temperature", type=number_in(0.0), default=0.0, help="sampling temperature, 0 = greedy")
-    g.add_argument("--top-p", type=number_in(0.0, 1.0, low_open=True), default=1.0,
-                   help="nucleus sampling: keep the most likely tokens up to this probability mass, 1 = off")
+    g.add_argument("--top-p", type=number_in(0.0, 1.0), default=1.0,
+                   help="nucleus sampling: keep the most likely tokens up to this probability mass, 1 = off, "
+                        "0 = the most likely token only")
     g.add_argument("--top-k", type=int_in(0), default=0, help="keep the K most likely tokens, 0 = off")
     g.add_argument("--seed", type=int, default=0,
                    help="sampling seed (temperature > 0): the same seed, the same text; for methods that sample "

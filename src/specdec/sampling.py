@@ -36,8 +36,8 @@ class SamplingParams:
             raise SpecdecError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise SpecdecError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not (isinstance(self.top_p, (int, float)) and not isinstance(self.top_p, bool) and 0.0 < self.top_p <= 1.0):
-            raise SpecdecError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (isinstance(self.top_p, (int, float)) and not isinstance(self.top_p, bool) and 0.0 <= self.top_p <= 1.0):
+            raise SpecdecError(f"top_p must be in [0, 1] (0: the most likely token only), got {self.top_p!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not -(1 << 63) <= self.seed < 1 << 64:
             raise SpecdecError(f"seed must be an integer in [-2^63, 2^64), got {self.seed!r}")
 
@@ -75,7 +75,7 @@ def to_probs(logits: Tensor, s: BatchSampling) -> Tensor:
     In order: divide by the temperature; top-k keeps every token whose logit is at least the k-th
     largest (ties at the boundary all stay, as in transformers); softmax; top-p keeps the smallest
     prefix of the distribution sorted by descending probability (equal ones by token id) whose mass
-    reaches top_p (the most likely token always stays), renormalised. Greedy rows become the one-hot
+    reaches top_p (the most likely token always stays: top_p 0 keeps it alone), renormalised. Greedy rows become the one-hot
     of the argmax (first index on ties). Each row's result depends only on its own logits and
     parameters, bit for bit, whatever else the batch holds.
     """

@@ -119,7 +119,7 @@ class CommonRequest(Body):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=0, le=1 << 20, description="extension: sample from the k most likely (0: all)")
     n: int | None = Field(None, ge=1)
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)
