@@ -77,7 +77,7 @@ def test_bad_dtype_and_device():
 
 @pytest.mark.parametrize("kw, msg", [
     (dict(max_new_tokens=0), "max_new_tokens"), (dict(max_new_tokens=-3), "max_new_tokens"),
-    (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.01), "top_p"),
+    (dict(temperature=-1.0), "temperature"), (dict(top_p=-0.01), "top_p"), (dict(top_p=1.01), "top_p"),
     (dict(top_k=-2), "top_k"), (dict(stop=("",)), "stop strings"),
 ])
 def test_bad_generation_arguments(kw, msg):
