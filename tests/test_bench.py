@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -379,3 +380,60 @@ def test_llamacpp_loop_gives_llamacpp_generate_tokens():
         ids = tok.encode(text, True)
         want = plain.generate(ids, 40, runner.SamplingParams()).tokens
         assert len(want) > 5 and loop.generate(ids, 40, runner.SamplingParams()).tokens == want
+
+
+class StopsAt:
+    """A system that runs like `inner` until its `n`-th generation, where Ctrl-C arrives."""
+
+    def __init__(self, inner, n: int) -> None:
+        self.inner, self.n, self.calls = inner, n, 0
+        self.name, self.kind = inner.name, inner.kind
+
+    def generate(self, ids, max_new_tokens, params, prediction=""):
+        self.calls += 1
+        if self.calls == self.n:
+            raise KeyboardInterrupt
+        return self.inner.generate(ids, max_new_tokens, params, prediction)
+
+    def forget(self):
+        self.inner.forget()
+
+
+def test_an_interrupted_run_reports_the_prompts_every_system_finished(target, tmp_path):
+    none, ngram = systems(target, "none,ngram")
+    results = bench(target, [none, StopsAt(ngram, 3)], repeats=1)   # a warm-up, prompt 1, then Ctrl-C in prompt 2
+    assert results["interrupted"] and results["generations"] == {"ran": 2, "planned": 2 * len(PROMPTS)}
+    assert [p["id"] for p in results["prompts"]] == [PROMPTS[0].id]
+    assert {(r["system"], r["prompt_id"]) for r in results["runs"]} == {("none", PROMPTS[0].id),
+                                                                         ("ngram", PROMPTS[0].id)}
+    assert results["ok"] and "**Interrupted**: 2 of 4 generations" in report.markdown(results)
+    assert not bench(target, [none, ngram], repeats=1)["interrupted"]
+    with pytest.raises(KeyboardInterrupt, match="no prompt was finished"):
+        bench(target, [none, StopsAt(ngram, 2)], repeats=1)
+
+
+@pytest.mark.integration
+def test_bench_interrupted_by_sigterm_keeps_a_report_and_exits_130(tmp_path):
+    """A real `specdec bench` process (smollm2-135m), SIGTERM while it runs: the report of the prompts every
+    system finished, exit 130 with one line."""
+    import os
+    import signal
+    import re
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "specdec"), "bench", "--suite", "mini", "--limit", "1",
+                             "--methods", "none,ngram", "--peers", "", "--threads", "1", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    seen = ""
+    while not re.search(r"\| ([3-9]|1[0-5])/16 ", seen) and proc.poll() is None:   # a prompt done by both systems
+        seen += proc.stderr.read(1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, seen + err
+    assert "specdec: interrupted: the report covers" in err
+    results = json.loads((out / "results.json").read_text())
+    assert results["interrupted"] and 0 < results["generations"]["ran"] < results["generations"]["planned"]
+    assert results["ok"] and "**Interrupted**" in (out / "report.md").read_text()

@@ -742,7 +742,8 @@ def free_port() -> int:
 
 def test_the_serve_command_steps_in_its_main_thread_and_stops_on_a_signal(tmp_path):
     """`specdec serve` as users run it: the scheduler loop in the main thread, uvicorn in a helper thread.
-    Its start-up line names the dtype /health reports. It answers; SIGINT ends an open stream with an error event and the process exits 0; a second
+    Its start-up line names the dtype /health reports. It answers; SIGINT ends an open stream with an error event and the process exits 0,
+    a SIGTERM right after it changing nothing; a second
     server on the taken port exits 2 with a clear error before it loads the model."""
     import signal
     import subprocess
@@ -785,6 +786,7 @@ def test_the_serve_command_steps_in_its_main_thread_and_stops_on_a_signal(tmp_pa
             proc.send_signal(signal.SIGINT)
             rest = [line for line in lines if line.startswith(b"data: ")]
         assert rest and b"shutting down" in rest[-1], rest[-3:]
+        proc.send_signal(signal.SIGTERM)                 # a supervisor repeating the signal while it stops
         assert proc.wait(60) == 0
     finally:
         if proc.poll() is None:

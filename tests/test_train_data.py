@@ -47,6 +47,7 @@ def test_leak_check_catches_a_benchmark_prompt():
     (["train", "eagle3", "--out", "x.safetensors", "--max-seq", "1"], "--max-seq must be >= 4"),
     (["train", "eagle3", "--out", "x.safetensors", "--window", "5"], "leaves no position for draft position 4"),
     (["train", "eagle", "--out", "x.safetensors", "--window", "2"], "--window must be >= 4"),
+    (["train", "eagle3", "--out", "x.safetensors", "--minutes", "inf"], "--minutes must be > 0 and finite, got inf"),
 ])
 def test_train_cli_errors(argv, msg, capsys):
     assert main(argv) == 2
@@ -148,3 +149,97 @@ def test_new_shards_go_after_the_last_one_and_unfinished_files_are_not_shards(tm
     (tmp_path / "magpie-0004.npz").write_bytes(b"PK\x03\x04 truncated")
     with pytest.raises(SpecdecError, match="magpie-0004.npz is not a readable shard"):
         read_shards(tmp_path)
+
+
+def _shards(path, seed: int, n: int = 6):
+    """`n` made-up conversations in one magpie shard under `path`."""
+    import random
+
+    from specdec.train.magpie import Conversation, save_shard
+
+    g = random.Random(seed)
+    path.mkdir(parents=True, exist_ok=True)
+    convs = [Conversation("chat", [{"role": "user", "content": f"q{seed} {i}"}], toks, [0, 0] + [1] * (len(toks) - 2))
+             for i in range(n) for toks in [[g.randrange(90) for _ in range(g.randrange(8, 20))]]]
+    save_shard(path / "magpie-0000.npz", convs)
+
+
+def test_exit_features_are_cached_per_data_and_overwrite_drops_every_exits_checkpoint(tmp_path, monkeypatch):
+    """Other data under the same shard names gets its own features (the cache name holds a digest of the rows'
+    tokens), the same data reads them back; --overwrite discards the interrupted run of every exit (OUT-N.ckpt)."""
+    import specdec.train.exit as ex
+    from helpers import tiny_model
+
+    target = tiny_model(layers=4)
+    extracted, trained = [], []
+    monkeypatch.setattr(ex, "begin", lambda *a: (target, "tiny", __import__("random").Random(0)))
+    real_extract = ex.extract_aux
+    monkeypatch.setattr(ex, "extract_aux", lambda *a: extracted.append(1) or real_extract(*a))
+    monkeypatch.setattr(ex, "_train_one", lambda *a: trained.append(a[3]) or {})
+    feats = tmp_path / "feats"
+    _shards(tmp_path / "a", seed=1)
+    _shards(tmp_path / "b", seed=2)
+    for data, runs in (("a", 1), ("b", 2), ("a", 2)):
+        ex.train_exit("tiny", tmp_path / data, tmp_path / "x.safetensors", 1.0, [2, 3], 64, 8, 1e-3, 64,
+                      overwrite=True, features=feats)
+        assert len(extracted) == runs
+    assert len(list(feats.glob("features-exit2-3-*.pt"))) == 2
+    paths = ex.exit_paths(tmp_path / "x.safetensors", [2, 3])
+    for p in paths.values():
+        p.with_suffix(".ckpt").write_bytes(b"an interrupted run")
+    ex.train_exit("tiny", tmp_path / "a", tmp_path / "x.safetensors", 1.0, [2, 3], 64, 8, 1e-3, 64, overwrite=True,
+                  features=feats)
+    assert not any(p.with_suffix(".ckpt").exists() for p in paths.values())
+
+
+def test_an_interrupted_data_run_keeps_its_answers_and_continues(tmp_path, monkeypatch):
+    """Ctrl-C (or SIGTERM) during `train data`: the answers so far are written; the same command continues."""
+    import specdec
+    from specdec.errors import Interrupted
+    from specdec.train.data import generate_data, read_data
+
+    class Fake:
+        def __init__(self, stop_at: int) -> None:
+            self.calls, self.stop_at = 0, stop_at
+            self.tokenizer = self
+
+        def encode(self, text, chat):
+            return [len(text) % 50, 1]
+
+        def generate(self, ids, max_new_tokens, **kw):
+            self.calls += 1
+            if self.calls == self.stop_at:
+                raise KeyboardInterrupt
+            return [type("R", (), {"tokens": [7, 8]})() for _ in ids]
+
+    monkeypatch.setattr(specdec, "load", lambda *a, **kw: Fake(stop_at=3))
+    with pytest.raises(Interrupted, match="4 of 10 answers"):
+        generate_data("tiny", tmp_path, 10, 4, 2, 1.0, seed=0, shard_size=10)
+    assert len(read_data(tmp_path)) == 4
+    monkeypatch.setattr(specdec, "load", lambda *a, **kw: Fake(stop_at=0))
+    generate_data("tiny", tmp_path, 10, 4, 2, 1.0, seed=0, shard_size=10)
+    rows = read_data(tmp_path)
+    assert len(rows) == 10 and len({r["prompt"] for r in rows}) == 10
+
+
+def test_an_interrupted_magpie_run_keeps_its_conversations_as_a_shard(tmp_path, monkeypatch):
+    from tqdm import tqdm
+
+    from specdec.errors import Interrupted
+    from specdec.train.magpie import Conversation, MagpieWriter, read_shards
+
+    writer = MagpieWriter(type("G", (), {"tokenizer": None})(), tmp_path, 2, 0)
+    batches = iter([[Conversation("chat", [{"role": "user", "content": "a b c"}], [1, 2, 3], [0, 1, 1])] * 2])
+
+    def batch_of(category, rng):
+        return next(batches)                     # then StopIteration... stands in for Ctrl-C below
+
+    def interrupted(category, rng):
+        try:
+            return batch_of(category, rng)
+        except StopIteration:
+            raise KeyboardInterrupt from None
+    monkeypatch.setattr(writer, "batch_of", interrupted)
+    with pytest.raises(Interrupted, match="kept 2 conversations"):
+        writer.write_shard(0, 16, tqdm(disable=True))
+    assert len(read_shards(tmp_path)) == 2

@@ -76,8 +76,9 @@ def test_a_checkpoint_over_another_draft_vocabulary_is_refused(tmp_path):
     Checkpoint(out, m, opt).save(3, 1.0)
     m2, opt2 = _toy()
     m2.register_buffer("vocab_ids", torch.arange(8) * 2)
-    with pytest.raises(SpecdecError, match="over another vocab_ids than this command's"):
+    with pytest.raises(SpecdecError, match="over another vocab_ids than this command's") as refused:
         Checkpoint(out, m2, opt2).resume()
+    assert "cannot resume" not in str(refused.value)                        # said once, not wrapped in another
     m3, opt3 = _toy()
     m3.register_buffer("vocab_ids", torch.arange(8))
     assert Checkpoint(out, m3, opt3).resume()[0] == 3
@@ -333,10 +334,11 @@ def test_feature_extraction_stops_at_a_shard_boundary_when_the_budget_is_out(tmp
     rows = [Row([g.randrange(97) for _ in range(40)], [], "chat", f"magpie-000{i // 20}/{i}") for i in range(60)]
     opts = Eagle3Options(minutes=0.001, vocab_size=64, window=16, batch=4)
     started = time.time() - 60                                     # the budget is spent before extraction starts
-    report = fit_eagle3(tiny_model(layers=6), "tiny", rows, tmp_path / "h.safetensors", opts, tmp_path,
-                        random.Random(0), started)
-    assert report["rows"] == 20 and report["steps"] == 0           # the first shard only, no time left to train
-    assert len(list(tmp_path.glob("features3-*.pt"))) == 1
+    with pytest.raises(SpecdecError, match="ran out before the first training step"):   # no untrained head written
+        fit_eagle3(tiny_model(layers=6), "tiny", rows, tmp_path / "h.safetensors", opts, tmp_path,
+                   random.Random(0), started)
+    assert len(list(tmp_path.glob("features3-*.pt"))) == 1         # the first shard's features, kept for a re-run
+    assert not (tmp_path / "h.safetensors").exists()
 
 
 def test_the_schedule_starts_at_the_peak_after_a_long_setup(tmp_path):
@@ -407,3 +409,31 @@ def test_a_draft_vocabulary_beyond_the_targets_is_refused():
 
     with pytest.raises(SpecdecError, match="--vocab-size 100000 exceeds the target's vocabulary"):
         initial_head(tiny_model(layers=6), [[1, 2, 3]], Eagle3Options(vocab_size=100_000))
+
+
+def test_a_budget_spent_before_the_first_step_is_an_error_not_an_untrained_result(tmp_path):
+    """Set-up (feature extraction) that eats the whole budget: no step, so nothing is written as if trained."""
+    m, opt = _toy()
+    out = tmp_path / "t.safetensors"
+    with pytest.raises(SpecdecError, match="ran out before the first training step"):
+        train_loop("toy", list(m.parameters()), opt, 1e-2, 1.0 / 60, Checkpoint(out, m, opt),
+                   lambda: (m(torch.ones(1, 4)).sum(), {}), setup_s=2.0)
+    assert not out.exists() and not out.with_suffix(".ckpt").exists()
+
+
+def test_cached_features_are_written_whole_and_a_damaged_file_is_extracted_again(tmp_path, capsys):
+    from specdec.train.features import cached
+
+    path = tmp_path / "f.pt"
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return [torch.arange(6.0).view(2, 3)]
+
+    assert torch.equal(cached(path, compute)[0], torch.arange(6.0).view(2, 3)) and len(calls) == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["f.pt"]                  # no temporary file left
+    assert torch.equal(cached(path, compute)[0], torch.arange(6.0).view(2, 3)) and len(calls) == 1   # read back
+    path.write_bytes(path.read_bytes()[:40])                                 # a damaged file
+    assert torch.equal(cached(path, compute)[0], torch.arange(6.0).view(2, 3)) and len(calls) == 2
+    assert "does not load" in capsys.readouterr().out

@@ -159,9 +159,8 @@ def default_out(suite: str) -> Path:
 
 def cmd_bench(a: argparse.Namespace) -> int:
     """Validate, load the target once, run methods (and peers) interleaved, write the report."""
-    from .api import runtime_info
-    from .bench import report, runner
-    from .bench.peers import build_peers, parse_peers
+    from .bench import runner
+    from .bench.peers import parse_peers
 
     _check_numbers(a)
     categories = parse_categories(a.categories)
@@ -171,7 +170,25 @@ def cmd_bench(a: argparse.Namespace) -> int:
     if peer_names and a.temperature != 0:
         raise SpecdecError("--peers runs greedy only; use --temperature 0")
     out = Path(a.out) if a.out else default_out(a.suite)
+    made = [d for d in (out, *out.parents) if not d.exists()]      # what an interrupted run leaves no trace of
     writable_dir(out, "--out")                                     # after the options' checks, before the run
+    try:
+        return _bench(a, out, categories, peer_names)
+    except KeyboardInterrupt:
+        for d in made:
+            if d.is_dir() and not any(d.iterdir()):
+                d.rmdir()
+        raise
+
+
+def _bench(a: argparse.Namespace, out: Path, categories: list[str], peer_names: list[str]) -> int:
+    """cmd_bench after the checks: load, run, write the report into `out` (an interrupted run: the prompts
+    every system finished, exit 130)."""
+    from .api import runtime_info
+    from .bench import report, runner
+    from .bench.peers import build_peers
+
+
     prompts = limit_prompts(load_suite(a.suite, categories), a.limit)
     if a.threads:
         import torch
@@ -200,6 +217,11 @@ def cmd_bench(a: argparse.Namespace) -> int:
     paths = report.write_report(results, out)
     print(report.summary_table(results))
     print(f"report: {', '.join(str(p) for p in paths)}", file=sys.stderr)
+    if results.get("interrupted"):
+        g = results["generations"]
+        print(f"specdec: interrupted: the report covers the {len(results['prompts'])} prompts every system "
+              f"finished ({g['ran']} of {g['planned']} generations)", file=sys.stderr)
+        return 130
     eq = results["summary"]["equality"]
     if not results["ok"]:
         print(f"specdec: error: {eq['failures']} greedy outputs differ from 'none' ({', '.join(eq['failed_ids'])}); "

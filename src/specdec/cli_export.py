@@ -26,7 +26,7 @@ def cmd_export(a: argparse.Namespace) -> int:
     if a.kind == "medusa" and a.format != "vllm":               # what needs no model is checked before loading one
         raise SpecdecError(f"Medusa heads export to vllm only, not {a.format!r}")
     out_dir = Path(a.out_dir)
-    fresh = not out_dir.exists()
+    made = [d for d in (out_dir, *out_dir.parents) if not d.exists()]      # the directories this export creates
     check_out(out_dir, a.overwrite)
     try:
         target = _target(a.model)
@@ -40,8 +40,9 @@ def cmd_export(a: argparse.Namespace) -> int:
 
             out = export_medusa(MedusaHeads.load(weights, target), a.format, out_dir, a.overwrite)
     except BaseException:
-        if fresh and out_dir.is_dir() and not any(out_dir.iterdir()):
-            out_dir.rmdir()                                 # a failed export leaves no empty directory it made
+        for d in made:                                      # a failed export leaves no empty directory it made
+            if d.is_dir() and not any(d.iterdir()):
+                d.rmdir()
         raise
     print(f"wrote {out / 'config.json'} and {out / 'model.safetensors'} ({a.format} layout)")
     return 0

@@ -94,6 +94,8 @@ def learn_line(method: str, checkpoint: Path) -> str:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
+    import signal
+
     import torch
     import uvicorn
 
@@ -136,7 +138,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
     server_log(a.log_level)
     server = uvicorn.Server(uvicorn.Config(create_app(state), host=a.host, port=a.port, log_level=a.log_level,
                                           access_log=False))
-    return run_server(server, state.scheduler)
+    code = run_server(server, state.scheduler)
+    for sig in (signal.SIGINT, signal.SIGTERM):        # the process is ending: a repeated signal changes nothing,
+        signal.signal(sig, signal.SIG_IGN)             # also while the interpreter exits (it resets Python handlers)
+    return code
 
 
 def server_log(level: str) -> None:
@@ -167,7 +172,8 @@ def check_address(host: str, port: int) -> None:
 
 def run_server(server: Server, scheduler: Scheduler) -> int:
     """uvicorn in a helper thread, the scheduler's loop in this one (the thread that loaded the model,
-    see server/scheduler.py) until the HTTP side stops or SIGINT / SIGTERM arrives."""
+    see server/scheduler.py) until the HTTP side stops or SIGINT / SIGTERM arrives; a repeated signal changes
+    nothing while it stops. The previous handlers are back when it returns."""
     import signal
     import threading
 
@@ -189,10 +195,10 @@ def run_server(server: Server, scheduler: Scheduler) -> int:
     try:
         scheduler.run()
     finally:
+        server.should_exit = True             # open streams got their 503 from run(); close gracefully
+        web.join(30)                          # a signal meanwhile changes nothing either: the handlers stay
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        server.should_exit = True             # open streams got their 503 from run(); close gracefully
-        web.join(30)
     if not server.started:
         print("specdec: the HTTP server did not start (see the message above)", file=sys.stderr)
         return 1

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 from .errors import SpecdecError
@@ -21,8 +22,8 @@ def _check_args(a: argparse.Namespace) -> None:
     for name in ("minutes", "vocab_size", "window", "batch", "lr", "max_seq", "heads", "max_prompts",
                  "max_new_tokens", "shards", "rows", "steps", "report_minutes", "target_temperature"):
         value = getattr(a, name, 1)
-        if not value > 0:
-            raise SpecdecError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+        if not (value > 0 and math.isfinite(value)):
+            raise SpecdecError(f"--{name.replace('_', '-')} must be > 0 and finite, got {value}")
     for name in ("window", "max_seq"):                  # a window needs positions to draft from and to draft
         if getattr(a, name, 4) < 4:
             raise SpecdecError(f"--{name.replace('_', '-')} must be >= 4, got {getattr(a, name)}")
@@ -110,6 +111,7 @@ def cmd_eagle(a: argparse.Namespace) -> int:
 
 def cmd_eagle3(a: argparse.Namespace) -> int:
     from .train.eagle3 import Eagle3Options, train_eagle3
+    from .train.features import default_feature_dir
 
     _check_target(a.model)
     _check_args(a)
@@ -122,7 +124,8 @@ def cmd_eagle3(a: argparse.Namespace) -> int:
                          mlp_width=a.mlp_width, head_layers=a.head_layers, target_temperature=a.target_temperature,
                          prompt_weight=a.prompt_weight)
     data = magpie_dir(a.data, a.model)
-    report = train_eagle3(a.model, data, Path(a.out), a.overwrite, opts, Path(a.features or data))
+    report = train_eagle3(a.model, data, Path(a.out), a.overwrite, opts,
+                          Path(a.features) if a.features else default_feature_dir(a.model))
     print(json.dumps(report, indent=2))
     return 0
 
@@ -163,7 +166,7 @@ def cmd_draft(a: argparse.Namespace) -> int:
     _check_args(a)
     _refuse_overwrite(a)
     try:
-        layers = [int(x) for x in a.layers.split(",")]
+        layers = [int(x) for x in a.layers.split(",")] if a.layers else []         # []: the first and the last
     except ValueError:
         raise SpecdecError(f"--layers takes comma-separated layer numbers, got {a.layers!r}") from None
     report = train_draft(a.model, Path(a.data or f"runs/data/{a.model}"), Path(a.out), a.minutes, layers,
@@ -242,7 +245,7 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     e3.add_argument("--overwrite", action="store_true", help="replace an existing output file and start afresh "
                     "(an interrupted run's checkpoint beside it is discarded)")
     e3.add_argument("--features", default=None, help="feature cache directory, one file per data shard "
-                    "(default: the data directory)")
+                    "(default: $SPECDEC_CACHE/features/MODEL)")
     e3.add_argument("--report-minutes", type=float, default=10.0, help="validation on a fixed sample every N "
                     "minutes, appended to OUT.curve.jsonl (the learning curve)")
     e3.add_argument("--init", default="", metavar="HEAD", help="continue from this EAGLE-3 head's weights, "
@@ -280,7 +283,7 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     x.add_argument("--max-rows", type=int, default=0, help="use at most N conversations (0 = all)")
     x.add_argument("--overwrite", action="store_true", help="replace existing output files (without it, a re-run "
                                                               "keeps the exits already written and trains the rest)")
-    x.add_argument("--features", default=None, help="feature cache directory (default: the data directory); "
+    x.add_argument("--features", default=None, help="feature cache directory (default: $SPECDEC_CACHE/features/MODEL); "
                                                     "about 1 MB per conversation and layer count")
     _dtype_option(x)
     x.set_defaults(func=cmd_exit)
@@ -310,7 +313,8 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     r.add_argument("--out", required=True, help="output .safetensors (a .json report lands beside it; "
                                                 "a .ckpt beside it resumes an interrupted run)")
     r.add_argument("--minutes", type=float, default=40.0, help="training time budget (after feature extraction)")
-    r.add_argument("--layers", default="0,29", help="target layers the draft starts from")
+    r.add_argument("--layers", default="", help="target layers the draft starts from (default: the first and the "
+                                                "last, e.g. 0,29 for smollm2-135m)")
     r.add_argument("--vocab-size", type=int, default=8192, help="reduced draft vocabulary (most frequent tokens)")
     r.add_argument("--window", type=int, default=128, help="tokens per training window")
     r.add_argument("--batch", type=int, default=8, help="windows per step")

@@ -1,4 +1,10 @@
 """The one exception type users see: a clear message, never a traceback."""
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
 
 
 class SpecdecError(ValueError):
@@ -7,3 +13,22 @@ class SpecdecError(ValueError):
 
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C (or SIGTERM) that stopped a command with something to say (e.g. where its state was saved)."""
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """Within the block SIGTERM (`kill`; a background job ignores Ctrl-C's SIGINT) raises KeyboardInterrupt as
+    Ctrl-C does, so work that keeps what it has (a checkpoint, finished rows) keeps it either way. Only the main
+    thread can take signals; elsewhere the block runs unchanged."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

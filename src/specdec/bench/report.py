@@ -57,6 +57,9 @@ def _heading(results: dict) -> list[str]:
         f"{c['dtype']}, {mode}, batch 1, chat template {'on' if c['chat_template'] else 'off'}, "
         f"K={c['num_draft_tokens']} ({c['draft_policy']} policy){draft}. "
         f"Measured {results['machine']['date']}, {results['elapsed_seconds'] / 60:.1f} min.",
+        *(["", f"**Interrupted**: {results['generations']['ran']} of {results['generations']['planned']} "
+               "generations ran; this report covers the prompts every system finished."]
+          if results.get("interrupted") else []),
     ]
 
 

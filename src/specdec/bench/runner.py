@@ -43,7 +43,7 @@ import torch
 from ..api import METHODS, Generator, make_proposer, sample_drafts_from
 from ..names import DEFAULT_SAMPLE_DRAFTS, DRAFTLESS, SAMPLE_DRAFTS
 from ..engine import Request, scratch_slots
-from ..errors import SpecdecError
+from ..errors import Interrupted, SpecdecError, terminate_as_interrupt
 from ..machine import cpu_model
 from ..metrics import Counters
 from ..names import did_you_mean
@@ -288,9 +288,18 @@ def warm_up(systems: Sequence[System], prompts: Sequence[Prompt], tokenizer: Cha
         system.generate(ids, WARMUP_TOKENS, SamplingParams())
 
 
+class BenchInterrupted(Interrupted):
+    """Ctrl-C or SIGTERM during a run: `records` holds the runs of every (repeat, prompt) all systems finished."""
+
+    def __init__(self, records: list[dict]) -> None:
+        super().__init__("interrupted")
+        self.records = records
+
+
 def run(systems: Sequence[System], prompts: Sequence[Prompt], tokenizer: ChatTokenizer, repeats: int = 1,
         temperature: float = 0.0, seed: int = 0, progress: bool = True, warmup: bool = True) -> list[dict]:
-    """Raw run records: for each repeat, for each prompt, every system back to back."""
+    """Raw run records: for each repeat, for each prompt, every system back to back. Interrupted (Ctrl-C,
+    SIGTERM): BenchInterrupted with the records of the prompts every system finished."""
     from tqdm import tqdm
 
     if repeats < 1:
@@ -299,18 +308,21 @@ def run(systems: Sequence[System], prompts: Sequence[Prompt], tokenizer: ChatTok
         warm_up(systems, prompts, tokenizer)
     records: list[dict] = []
     total = repeats * len(prompts) * len(systems)
-    with tqdm(total=total, desc="bench", unit="gen", disable=not progress, file=sys.stderr,
-              dynamic_ncols=True) as bar:
-        for repeat in range(repeats):
-            for system in systems:
-                system.forget()                  # the warm-up's and earlier repeats' outputs draft nothing
-            for index, prompt in enumerate(prompts):
-                params = sampling_params(temperature, seed, repeat, index)
+    try:
+        with terminate_as_interrupt(), tqdm(total=total, desc="bench", unit="gen", disable=not progress,
+                                            file=sys.stderr, dynamic_ncols=True) as bar:
+            for repeat in range(repeats):
                 for system in systems:
-                    bar.set_postfix_str(f"r{repeat + 1} {prompt.id} {system.name}", refresh=False)
-                    turns = run_prompt(system, prompt, tokenizer, params)
-                    records.append(run_record(system, prompt, repeat, turns))
-                    bar.update()
+                    system.forget()                  # the warm-up's and earlier repeats' outputs draft nothing
+                for index, prompt in enumerate(prompts):
+                    params = sampling_params(temperature, seed, repeat, index)
+                    for system in systems:
+                        bar.set_postfix_str(f"r{repeat + 1} {prompt.id} {system.name}", refresh=False)
+                        turns = run_prompt(system, prompt, tokenizer, params)
+                        records.append(run_record(system, prompt, repeat, turns))
+                        bar.update()
+    except KeyboardInterrupt:
+        raise BenchInterrupted(records[:len(records) - len(records) % len(systems)]) from None
     return records
 
 
@@ -512,7 +524,15 @@ def benchmark(systems: Sequence[System], prompts: Sequence[Prompt], tokenizer: C
     peers = [s.name for s in systems if s.kind == "peer"]
     yardsticks = [s.name for s in systems if s.kind == "peer" and getattr(s, "yardstick", False)]
     started = time.perf_counter()
-    records = run(systems, prompts, tokenizer, repeats, temperature, seed, progress, warmup)
+    planned = repeats * len(prompts) * len(systems)
+    try:
+        records = run(systems, prompts, tokenizer, repeats, temperature, seed, progress, warmup)
+    except BenchInterrupted as stop:
+        if not stop.records:
+            raise Interrupted("no prompt was finished by every system; nothing to report") from None
+        records = stop.records
+        done = {r["prompt_id"] for r in records}
+        prompts = [p for p in prompts if p.id in done]
     greedy = temperature == 0
     summary = summarize(records, methods, peers, categories_of(prompts), greedy, yardsticks)
     return {
@@ -528,4 +548,6 @@ def benchmark(systems: Sequence[System], prompts: Sequence[Prompt], tokenizer: C
         "summary": summary,
         "runs": records,
         "ok": summary["equality"]["failures"] == 0,
+        "interrupted": len(records) < planned,
+        "generations": {"ran": len(records), "planned": planned},
     }

@@ -17,7 +17,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..bench import suites
-from ..errors import SpecdecError
+from ..errors import Interrupted, SpecdecError, terminate_as_interrupt
 
 TOPICS = ["a lighthouse keeper", "a robot learning to paint", "the history of tea", "volcanoes", "black holes",
           "a city under the sea", "friendship", "the first day of school", "climate change", "honey bees",
@@ -145,6 +145,22 @@ def generate_data(model: str, out: Path, max_prompts: int, max_new_tokens: int, 
     shards = [prompts[i:i + shard_size] for i in range(0, len(prompts), shard_size)]
     bar = tqdm(total=len(prompts), desc="generating", unit="prompt")
     rng = random.Random(seed)
+    with terminate_as_interrupt():
+        _answer_shards(gen, out, shards, bar, rng, max_new_tokens, batch, greedy_fraction, seed)
+    bar.close()
+    return out
+
+
+def _write_shard(path: Path, rows: list[dict]) -> None:
+    """A shard's rows, written atomically: whole (as far as it got) or absent."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(path)
+
+
+def _answer_shards(gen, out: Path, shards: list[list[str]], bar: tqdm, rng: random.Random, max_new_tokens: int,
+                   batch: int, greedy_fraction: float, seed: int) -> None:
+    """Answer every shard's prompts not yet answered; a shard is written when done or when interrupted."""
     for si, shard in enumerate(shards):
         path = out / f"shard-{si:04d}.jsonl"
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
@@ -158,22 +174,25 @@ def generate_data(model: str, out: Path, max_prompts: int, max_new_tokens: int, 
         if len(rows) >= len(shard):
             continue                                         # whole (a larger --max-prompts completes a partial one)
         t0, earlier = time.perf_counter(), len(rows)
-        for i in range(earlier, len(shard), batch):
-            chunk = shard[i:i + batch]
-            temp = 0.0 if rng.random() < greedy_fraction else 0.8
-            ids = [gen.tokenizer.encode(p, chat=True)[-768:] for p in chunk]
-            res = gen.generate(ids, max_new_tokens=max_new_tokens, temperature=temp, top_p=0.95,
-                               seed=rng.randrange(1 << 30))
-            for p, pid, r in zip(chunk, ids, res):
-                rows.append({"prompt": p, "prompt_len": len(pid), "tokens": pid + r.tokens, "temperature": temp})
-            bar.update(len(chunk))
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        tmp.rename(path)                                     # a shard is either whole or absent
+        try:
+            for i in range(earlier, len(shard), batch):
+                chunk = shard[i:i + batch]
+                temp = 0.0 if rng.random() < greedy_fraction else 0.8
+                ids = [gen.tokenizer.encode(p, chat=True)[-768:] for p in chunk]
+                res = gen.generate(ids, max_new_tokens=max_new_tokens, temperature=temp, top_p=0.95,
+                                   seed=rng.randrange(1 << 30))
+                for p, pid, r in zip(chunk, ids, res):
+                    rows.append({"prompt": p, "prompt_len": len(pid), "tokens": pid + r.tokens, "temperature": temp})
+                bar.update(len(chunk))
+        except KeyboardInterrupt:                            # Ctrl-C or SIGTERM: the rows so far are kept
+            if len(rows) > earlier:
+                _write_shard(path, rows)
+            bar.close()
+            raise Interrupted(f"{len(rows)} of {len(shard)} answers of {path} kept; run the same command again "
+                              "to continue") from None
+        _write_shard(path, rows)
         n_new = sum(len(r["tokens"]) - r["prompt_len"] for r in rows[earlier:])
         bar.set_postfix(tokens_per_s=f"{n_new / (time.perf_counter() - t0):.0f}")
-    bar.close()
-    return out
 
 
 def read_data(path: Path) -> list[dict]:

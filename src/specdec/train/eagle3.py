@@ -17,7 +17,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
@@ -370,7 +369,8 @@ def fit_eagle3(target: Transformer, name: str, rows: list[Row], out: Path, opts:
     feats = shard_features(target, rows, seqs, head.feature_layers, cache, opts.max_seq,
                             started + opts.minutes * 60)
     if (left := sum(f.numel() == 0 for f in feats)):
-        print(f"the budget ran out during feature extraction: {left} of {len(rows)} rows left for a later run")
+        print(f"the budget ran out during feature extraction: {left} of {len(rows)} rows have none yet (a later run "
+              f"over the same --features extracts them); this run trains on the others")
         keep = [i for i, f in enumerate(feats) if f.numel()]
         rows, seqs, feats = [rows[i] for i in keep], [seqs[i] for i in keep], [feats[i] for i in keep]
     train_idx = [i for i, r in enumerate(rows) if not r.validation]

@@ -18,7 +18,7 @@ from ..files import writable_dir
 from ..models.decoder import Transformer, rms_norm
 from ..models.early_exit import EarlyExitDraft
 from .eagle3 import extract_aux
-from .features import begin, check_output, vocab_subset
+from .features import begin, cached, check_output, default_feature_dir, sequences_digest, vocab_subset
 from .loop import Checkpoint, train_loop
 from .magpie import read_shards
 
@@ -42,8 +42,8 @@ def exit_paths(out: Path, layers: list[int]) -> dict[int, Path]:
 def train_exit(model: str, data: Path, out: Path, minutes: float, layers: list[int], vocab_size: int, batch: int,
                lr: float, max_seq: int, overwrite: bool, max_rows: int = 0, seed: int = 0,
                train_dtype: torch.dtype = torch.float32, features: Path | str = "") -> dict:
-    """One exit per N in `layers` (features extracted once for all, cached in `features`, default beside the
-    data), each trained for `minutes`; written to `out` (one N) or OUT-N.safetensors (several). Without
+    """One exit per N in `layers` (features extracted once for all, cached in `features`, default
+    $SPECDEC_CACHE/features/MODEL), each trained for `minutes`; written to `out` (one N) or OUT-N.safetensors (several). Without
     `overwrite` an exit already written (no checkpoint beside it) is kept: a re-run of an interrupted run
     trains only the others; where every one is written, the run is refused. -> the reports by N."""
     if len(set(layers)) != len(layers):
@@ -54,6 +54,9 @@ def train_exit(model: str, data: Path, out: Path, minutes: float, layers: list[i
     done = [] if overwrite else [n for n, p in paths.items() if p.exists() and not p.with_suffix(".ckpt").exists()]
     if done and len(done) == len(layers):
         raise SpecdecError(f"{', '.join(str(paths[n]) for n in done)} exist; pass --overwrite to replace them")
+    if overwrite:                                              # every exit's interrupted run is discarded
+        for path in paths.values():
+            path.with_suffix(".ckpt").unlink(missing_ok=True)
     target, name, rng = begin(model, out, overwrite, seed)
     if not isinstance(target, Transformer):
         raise SpecdecError("exit training needs a lean GGUF target")
@@ -66,14 +69,11 @@ def train_exit(model: str, data: Path, out: Path, minutes: float, layers: list[i
     rows = rows[:max_rows] if max_rows > 0 else rows
     seqs = [r.tokens[:max_seq] for r in rows]
     ids = vocab_subset(seqs, min(vocab_size, target.vocab_size), target.vocab_size)
-    cache_dir = Path(features or data)
+    cache_dir = Path(features) if features else default_feature_dir(name)
     writable_dir(cache_dir, "--features")
-    cache_file = cache_dir / f"features-exit{'-'.join(map(str, layers))}-{len(seqs)}-{max_seq}.pt"
-    if cache_file.exists():
-        feats = torch.load(cache_file, weights_only=True)
-    else:
-        feats = extract_aux(target, seqs, tuple(n - 1 for n in layers))
-        torch.save(feats, cache_file)
+    cache_file = cache_dir / (f"features-exit{'-'.join(map(str, layers))}-{len(seqs)}-{max_seq}-"
+                              f"{sequences_digest(seqs)}.pt")             # other data never reads these features
+    feats = cached(cache_file, lambda: extract_aux(target, seqs, tuple(n - 1 for n in layers)))
     H = target.config.dim
     reports = {}
     for j, n in enumerate(layers):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -80,11 +81,11 @@ def begin(model: str, out: Path, overwrite: bool, seed: int) -> tuple[Transforme
     resumes: runs refresh `out` while they train; with `overwrite` the checkpoint goes: a fresh run), seed, load
     the target (dtype auto)."""
     from ..api import load_model
-    from ..errors import SpecdecError
 
     check_output(out, overwrite)
     if overwrite:
         out.with_suffix(".ckpt").unlink(missing_ok=True)     # --overwrite starts afresh: no old run resumes
+        out.with_suffix(".ckpt.tmp").unlink(missing_ok=True)
     torch.manual_seed(seed)
     target, _, name = load_model(model, "auto")
     return target, name, random.Random(seed)
@@ -110,6 +111,30 @@ def sequences_digest(seqs: list[list[int]]) -> str:
     return h.hexdigest()[:12]
 
 
+def cached(path: Path, compute: Callable[[], list[Tensor]]) -> list[Tensor]:
+    """Features kept in `path`: loaded where a whole file is there, else computed and written atomically (a
+    temporary file renamed into place, so an interrupted write never leaves a file that looks whole). A file
+    that does not load (damaged) is computed again, with a note."""
+    if path.exists():
+        try:
+            return torch.load(path, weights_only=True)
+        except (RuntimeError, OSError, EOFError, ValueError) as e:
+            print(f"note: {path} does not load ({(str(e).strip().splitlines() or [''])[0][:120]}); extracting again")
+    feats = compute()
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(feats, tmp)
+    tmp.replace(path)
+    return feats
+
+
+def default_feature_dir(model: str) -> Path:
+    """Where features are cached without --features: $SPECDEC_CACHE/features/MODEL (never the data directory,
+    which may be the source tree's shipped shards)."""
+    from ..models.registry import cache_dir
+
+    return cache_dir() / "features" / model
+
+
 def training_set(target: Transformer, data, max_rows: int, max_seq: int, rng) -> tuple[list[list[int]], list[Tensor]]:
     """The self-distillation sequences (last `max_seq` tokens, shuffled by `rng`) and their target features.
 
@@ -122,9 +147,4 @@ def training_set(target: Transformer, data, max_rows: int, max_seq: int, rng) ->
     seqs = [r["tokens"][-max_seq:] for r in rows]
     rng.shuffle(seqs)
     cache_file = Path(data) / f"features-{len(seqs)}-{max_seq}-{sequences_digest(seqs)}.pt"
-    if cache_file.exists():
-        feats = torch.load(cache_file, weights_only=True)
-    else:
-        feats = extract(target, seqs)
-        torch.save(feats, cache_file)
-    return seqs, feats
+    return seqs, cached(cache_file, lambda: extract(target, seqs))

@@ -11,7 +11,7 @@ from typing import Callable, ContextManager
 import torch
 from tqdm import tqdm
 
-from ..errors import Interrupted, SpecdecError
+from ..errors import Interrupted, SpecdecError, terminate_as_interrupt
 
 FIRST_REPORT_STEPS = 10.0         # a report's cost is guessed at this many steps until one has been timed
 
@@ -45,6 +45,8 @@ class Checkpoint:
                                        "start over")
             self.module.load_state_dict(state["module"])
             self.opt.load_state_dict(state["opt"])
+        except SpecdecError:
+            raise
         except (RuntimeError, ValueError, KeyError, OSError) as e:
             last = (str(e).strip().splitlines() or [""])[-1].strip()
             last = last if len(last) <= 160 else last[:157] + "..."
@@ -124,51 +126,37 @@ def train_loop(desc: str, params: list[torch.nn.Parameter], opt: torch.optim.Opt
     t0 = time.time() - spent - setup_s
     bar = tqdm(desc=desc, unit="step", initial=step, mininterval=0.1 if sys.stderr.isatty() else 60.0)
     reports, step_s = _Reports(report_every_s), 0.0
-    on_term = _terminate_as_interrupt()
     try:
-        while (elapsed := time.time() - t0) < budget:
-            a = time.time()
-            for g in opt.param_groups:
-                g["lr"] = lr * _lr_factor(elapsed, budget, ckpt.setup)
-            with autocast(dtype):
-                loss, fields = step_fn()
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            step += 1
-            step_s = time.time() - a
-            bar.update(1)
-            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", **fields, refresh=False)
-            ckpt.maybe_save(step, time.time() - t0)
-            if reports.ready(time.time() - t0, budget, step_s):
+        with terminate_as_interrupt():
+            while (elapsed := time.time() - t0) < budget:
                 a = time.time()
-                with torch.no_grad(), autocast(dtype):
-                    line = report(step)
-                if line:
-                    tqdm.write(f"step {step}: {line}")
-                reports.ran(time.time() - a)
+                for g in opt.param_groups:
+                    g["lr"] = lr * _lr_factor(elapsed, budget, ckpt.setup)
+                with autocast(dtype):
+                    loss, fields = step_fn()
+                opt.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
+                step += 1
+                step_s = time.time() - a
+                bar.update(1)
+                bar.set_postfix(loss=f"{float(loss.detach()):.3f}", **fields, refresh=False)
+                ckpt.maybe_save(step, time.time() - t0)
+                if reports.ready(time.time() - t0, budget, step_s):
+                    a = time.time()
+                    with torch.no_grad(), autocast(dtype):
+                        line = report(step)
+                    if line:
+                        tqdm.write(f"step {step}: {line}")
+                    reports.ran(time.time() - a)
     except KeyboardInterrupt:
         ckpt.save(step, time.time() - t0)
         bar.close()
         raise Interrupted(f"state saved in {ckpt.path}; run the same command again to resume") from None
-    finally:
-        on_term()
     bar.close()
+    if step == 0:                      # nothing trained: no untrained weights written as if they were the result
+        raise SpecdecError(f"--minutes {minutes:g} ran out before the first training step (the set-up took "
+                           f"{ckpt.setup / 60:.1f} min); what it did is kept (cached features): run again with "
+                           "more --minutes")
     return step, (time.time() - t0) / 60
-
-
-def _terminate_as_interrupt() -> Callable[[], None]:
-    """Make SIGTERM (`kill`; a background job ignores Ctrl-C's SIGINT) stop training like Ctrl-C does,
-    checkpoint included, while the loop runs; returns what restores the previous handler."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    return lambda: signal.signal(signal.SIGTERM, previous)

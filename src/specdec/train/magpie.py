@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 import re
+import sys
 import time
 import zipfile
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from ..errors import SpecdecError
+from ..errors import Interrupted, SpecdecError, terminate_as_interrupt
 from .data import _benchmark_fingerprints, overlaps, training_prompts
 
 CATEGORIES = ("chat", "code", "math", "qa", "summarization", "rag", "translation")
@@ -90,6 +91,15 @@ class Dedup:
         w = _norm_words(text)
         return {tuple(w[i:i + 3]) for i in range(max(1, len(w) - 2))}
 
+    def remember(self, text: str) -> None:
+        """Index a question kept earlier (checked when it was admitted) without checking it again."""
+        self._index(self._grams(text))
+
+    def _index(self, g: set) -> None:
+        for gram in g:
+            self.index.setdefault(gram, []).append(len(self.sets))
+        self.sets.append(g)
+
     def admit(self, text: str) -> bool:
         """True (and remembered) if `text` is new, not near a kept one and no benchmark overlap."""
         g = self._grams(text)
@@ -104,9 +114,7 @@ class Dedup:
                 other = self.sets[j]
                 if len(g & other) / len(g | other) >= self.threshold:
                     return False
-        for gram in g:
-            self.index.setdefault(gram, []).append(len(self.sets))
-        self.sets.append(g)
+        self._index(g)
         return True
 
 
@@ -126,11 +134,15 @@ class MagpieWriter:
         self.tok = gen.tokenizer
         self.dedup = Dedup()
         self.seeded = seeded_prompts(seed)
-        for f in shard_files(out):                             # questions already kept stay kept
+        files = shard_files(out)
+        if files:
+            print(f"indexing the questions of {len(files)} shards in {out} (new ones must differ from them)",
+                  file=sys.stderr, flush=True)
+        for f in files:                                        # questions already kept stay kept
             with open_shard(f) as z:
                 for qs in z["questions"]:
                     for q in str(qs).split(QSEP):
-                        self.dedup.admit(q)
+                        self.dedup.remember(q)
 
     def _questions(self, prefixes: list[list[int]], rng: random.Random) -> list[str]:
         res = self.gen.generate(prefixes, max_new_tokens=MAX_QUESTION, temperature=1.0, top_p=0.95,
@@ -181,14 +193,22 @@ class MagpieWriter:
         rng = random.Random(self.seed * 1_000_003 + index)
         convs: list[Conversation] = []
         t0, tokens0 = time.perf_counter(), 0
-        while len(convs) < rows:
-            cat = rng.choices(CATEGORIES, WEIGHTS)[0]
-            got = self.batch_of(cat, rng)
-            convs += got
-            tokens0 += sum(len(c.tokens) for c in got)
-            bar.update(len(got))
-            bar.set_postfix(shard=index, tokens_per_s=f"{tokens0 / (time.perf_counter() - t0):.0f}")
-        return save_shard(self.out / f"magpie-{index:04d}.npz", convs[:rows])
+        path = self.out / f"magpie-{index:04d}.npz"
+        try:
+            while len(convs) < rows:
+                cat = rng.choices(CATEGORIES, WEIGHTS)[0]
+                got = self.batch_of(cat, rng)
+                convs += got
+                tokens0 += sum(len(c.tokens) for c in got)
+                bar.update(len(got))
+                bar.set_postfix(shard=index, tokens_per_s=f"{tokens0 / (time.perf_counter() - t0):.0f}")
+        except KeyboardInterrupt:                  # Ctrl-C or SIGTERM: the conversations so far, as a smaller shard
+            bar.close()
+            if convs:
+                save_shard(path, convs)
+                raise Interrupted(f"kept {len(convs)} conversations in {path}; the next run appends after it") from None
+            raise
+        return save_shard(path, convs[:rows])
 
 
 def save_shard(path: Path, convs: list[Conversation]) -> Path:
@@ -278,9 +298,10 @@ def generate_magpie(model: str, out: Path, shards: int, rows_per_shard: int, bat
     writer = MagpieWriter(gen, out, batch, seed)
     first = next_shard(out)
     bar = tqdm(total=shards * rows_per_shard, desc="conversations", unit="conv")
-    for i in range(first, first + shards):
-        path = writer.write_shard(i, rows_per_shard, bar)
-        tqdm.write(f"wrote {path}")
+    with terminate_as_interrupt():
+        for i in range(first, first + shards):
+            path = writer.write_shard(i, rows_per_shard, bar)
+            tqdm.write(f"wrote {path}")
     bar.close()
     return out
 
