@@ -230,6 +230,9 @@ def test_method_specs():
         ("none", "none", None), ("ngram", "ngram", None), ("draft", "draft", "self:1"), ("draft=self:3", "draft", "self:3")]
     with pytest.raises(SpecdecError, match="given twice"):
         runner.parse_methods("ngram,ngram", None)
+    specs = runner.parse_methods("lookahead=2,3,2,ngram,lookahead", None)       # lookahead's shape keeps its commas
+    assert [(s.label, s.draft) for s in specs[1:]] == [("lookahead=2,3,2", "2,3,2"), ("ngram", None),
+                                                       ("lookahead", None)]
     assert runner.default_draft("no-such-model") == runner.FALLBACK_DRAFT
     specs = runner.parse_methods("ngram,ngram@auto,draft=self:2@heuristic", None)
     assert [(s.label, s.method, s.draft, s.policy) for s in specs[1:]] == [
@@ -437,3 +440,13 @@ def test_bench_interrupted_by_sigterm_keeps_a_report_and_exits_130(tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert results["interrupted"] and 0 < results["generations"]["ran"] < results["generations"]["planned"]
     assert results["ok"] and "**Interrupted**" in (out / "report.md").read_text()
+
+
+def test_report_notes_show_no_absolute_paths():
+    from specdec import cli_bench
+
+    pkg = Path(cli_bench.__file__).resolve().parent
+    note = f"transformers-assisted skipped: no transformers twin of draft '{pkg}/weights/d.safetensors' (x)"
+    assert cli_bench.shown_paths(note) == ("transformers-assisted skipped: no transformers twin of draft "
+                                           "'specdec/weights/d.safetensors' (x)")
+    assert cli_bench.shown_paths(f"{Path.cwd().resolve()}/runs/a") == "./runs/a"

@@ -29,7 +29,7 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"registered name ({', '.join(MODELS)}) or a .gguf path")
     p.add_argument("--methods", default=DEFAULT_METHODS,
                    help=f"comma-separated methods ({', '.join(METHODS)}); NAME=DRAFT gives one its own draft, "
-                        "NAME@POLICY its own draft-length policy (e.g. ngram@auto), eagle:TOPKxBUDGET a dynamic "
+                        "lookahead=W,N,G its shape, NAME@POLICY its own draft-length policy (e.g. ngram@auto), eagle:TOPKxBUDGET a dynamic "
                         "draft tree (e.g. eagle:4x16; plain eagle drafts a chain), NAME@sample=on|off|auto the "
                         "--sample-drafts setting of an eagle or eagle3 chain (e.g. eagle3@sample=off next to eagle3, "
                         "which has generate's default, auto; suffixes combine: eagle3@auto@sample=on); 'none' is "
@@ -142,6 +142,14 @@ def shown(path: str | None) -> str | None:
     return p.name
 
 
+def shown_paths(text: str) -> str:
+    """`text` (e.g. a peer's note quoting an error) with the package's and the working directory's absolute
+    paths shown as `shown` shows paths."""
+    for base, prefix in ((Path(__file__).resolve().parent, "specdec"), (Path.cwd().resolve(), ".")):
+        text = text.replace(str(base), prefix)
+    return text
+
+
 def default_peers() -> str:
     """The fastest plain CPU engine, when it is installed: llama.cpp."""
     import importlib.util
@@ -200,11 +208,13 @@ def _bench(a: argparse.Namespace, out: Path, categories: list[str], peer_names: 
     systems: list = runner.build_systems(target, tokenizer, specs, a.dtype, a.device, a.num_draft_tokens,
                                          a.draft_policy, name)
     peer_draft = next((s.draft for s in specs if s.method == "draft"), draft)
-    ran_draft = any(s.method in ("draft", "staged") for s in specs) or "transformers" in peer_names
-    shown_draft = peer_draft if ran_draft else None                # a report names a draft only where one ran
     peers, notes = (build_peers(peer_names, resolve(a.model)[1], peer_draft, a.num_draft_tokens,
                                   tokenizer.eos_ids, _pad_id(tokenizer))
                     if peer_names else ([], []))
+    notes = [shown_paths(n) for n in notes]
+    ran_draft = (any(s.method in ("draft", "staged") for s in specs)
+                 or any(p.name == "transformers-assisted" for p in peers))
+    shown_draft = peer_draft if ran_draft else None                # a report names a draft only where one ran
     runtime = runtime_info(target)
     config = {"model": name, "dtype": runtime["dtype"], "runtime": runtime, "device": a.device, "suite": a.suite, "limit": a.limit,
               "num_draft_tokens": a.num_draft_tokens, "draft_policy": a.draft_policy, "draft_model": shown(shown_draft),

@@ -93,10 +93,17 @@ def parse_methods(specs: str | Sequence[str], draft_model: str | None) -> list[M
     ``NAME:TOPKxBUDGET`` an EAGLE draft tree (``eagle:4x16`` next to the chain ``eagle``); a
     ``@sample=on|off|auto`` suffix the EAGLE chain's draft sampling (``eagle3@sample=off`` next to ``eagle3``,
     which samples as ``specdec.load`` does by default). Suffixes combine: ``eagle3@auto@sample=on``.
+    ``lookahead=W,N,G`` gives lookahead its shape (``none,lookahead=2,3,2,ngram``).
     """
     from ..draft_length import POLICIES
 
-    items = [s.strip() for s in (specs.split(",") if isinstance(specs, str) else specs) if s.strip()]
+    items: list[str] = []
+    for s in (specs.split(",") if isinstance(specs, str) else specs):
+        s = s.strip()
+        if s.isdigit() and items and items[-1].startswith("lookahead="):
+            items[-1] += f",{s}"                  # lookahead's shape W,N,G: its commas do not part methods
+        elif s:
+            items.append(s)
     if not items:
         raise SpecdecError(f"no methods given; choose from: {', '.join(METHODS)}")
     out: list[MethodSpec] = []
