@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -139,6 +140,8 @@ def transformers_draft(target, draft: str, num_draft_tokens: int):
 def transformers_peers(path: Path, draft: str | None, num_draft_tokens: int, eos_ids: frozenset[int], pad_id: int,
                        notes: list[str]) -> list[TransformersPeer]:
     """Plain generate, prompt lookup and (with a usable draft) assisted generation on the GGUF at ``path``."""
+    print(f"specdec: loading the transformers peers (importing transformers, converting {path.name} to float32) ...",
+          file=sys.stderr, flush=True)
     model = load_transformers(path)
     peers = [
         TransformersPeer("transformers", "transformers generate (float32)", model, eos_ids, pad_id),
