@@ -3,7 +3,6 @@ distribution (chi-square), over the cases the other files leave out, and mutants
 of the random streams that the certificates must catch."""
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import pytest

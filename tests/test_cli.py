@@ -335,7 +335,6 @@ def test_text_a_terminal_cannot_encode_is_replaced_not_a_traceback(monkeypatch):
     import io
     from types import SimpleNamespace
 
-    import specdec.cli as cli
 
     metrics = {"new_tokens": 2, "wall_seconds": 0.1, "tokens_per_second": 20.0, "target_forwards": 2, "tau": 1.0,
                "acceptance_rate": None}

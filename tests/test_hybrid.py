@@ -4,7 +4,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from specdec.api import AUTO_SAMPLE_FROM
 from specdec.errors import SpecdecError

@@ -13,7 +13,6 @@ from helpers import tiny_generator, tiny_model
 from specdec.engine import Request
 from specdec.errors import SpecdecError
 from specdec.models.eagle3 import Eagle3Config, Eagle3Head
-from specdec.proposers.base import NoProposer
 from specdec.proposers.eagle import EagleProposer
 from specdec.reference import reference_greedy
 from specdec.sampling import SamplingParams

@@ -8,7 +8,7 @@ import torch
 
 from specdec.reference import exact_distribution, reference_greedy
 
-from helpers import needs_bf16, target_shaped, tiny_generator, tiny_model
+from helpers import target_shaped, tiny_generator, tiny_model
 
 pytestmark = pytest.mark.exactness
 

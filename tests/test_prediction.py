@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from helpers import PROMPTS, V, check_joint, exact_joint, perturbed_copy, run_engine, tiny_generator, tiny_model
 from specdec.engine import Request

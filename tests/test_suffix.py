@@ -74,7 +74,6 @@ def test_a_step_scores_no_more_rows_than_a_chain_of_k():
 
     from specdec.proposers.base import ActiveBatch
     from specdec.sampling import BatchSampling
-    from specdec.tree import PAD
 
     hist = [7, 1, 2, 7, 1, 3, 7, 1, 4, 7, 1]                   # after 7 1: 2, 3 or 4
     for k, budget in [(2, 8), (4, 8), (6, 3)]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import bisect
 
 import torch
-from torch import Tensor
 
 from .tree import PAD
 from .verify import ROOT, Draft

@@ -145,7 +145,7 @@ class Block(nn.Module):
         alike: the next layer adds o in its first norm's call (one native call for the add and the norm)."""
         cfg = self.cfg
         B, T = slots.rows.numel(), slots.t
-        nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        nh, hd = cfg.n_heads, cfg.head_dim
         fused = (mask.native and x.is_contiguous() and x.dtype in native.DTYPES     # norms and adds: native
                  and (not o.numel() or (o.dtype == x.dtype and o.is_contiguous())))
         if fused:
