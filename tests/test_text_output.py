@@ -294,6 +294,39 @@ def test_counters_keep_only_the_drafts_of_tokens_the_output_keeps():
         assert c.accepted == c.drafted                 # every draft kept was accepted (the draft is the target)
 
 
+def test_a_step_that_ends_on_its_recovered_eos_keeps_every_draft_it_verified():
+    """Drafts all rejected, the last step's recovered token the EOS: nothing follows it, so the counters are
+    those of the same tokens ended by max_new_tokens with the drafts uncut (K per step)."""
+    from helpers import Stateless
+    from specdec.verify import Draft
+
+    class Wrong(Stateless):
+        name = "wrong"
+
+        def propose(self, batch, k):                   # a token the target never writes after this prompt
+            return Draft(torch.full((len(batch.rows), k), 96, dtype=torch.long))
+
+    target = tiny_model(seed=3)
+    eng = Engine(target, NoProposer(), make_policy("fixed", 4), lambda ids: "", frozenset())
+    eng.allocate(1, 64)
+    plain = eng.add(Request([3, 5, 7], 12))
+    with torch.inference_mode():
+        while eng.busy:
+            eng.step()
+    eos = plain.generated[6]
+    assert eos not in plain.generated[:6] and 96 not in plain.generated[:7]
+    eng = Engine(target, Wrong(), make_policy("fixed", 4), lambda ids: "", frozenset({eos}))
+    eng.allocate(1, 64)
+    seq = eng.add(Request([3, 5, 7], 12))
+    with torch.inference_mode():
+        while eng.busy:
+            eng.step()
+    c = seq.counters
+    assert seq.finish_reason == "stop" and seq.generated == plain.generated[:7]
+    assert c.target_forwards == 7 and c.accepted == 0
+    assert c.drafted == 6 * 4 and c.drafted_at == [6, 6, 6, 6]     # 6 steps after the prefill, 4 drafts each
+
+
 @pytest.mark.integration
 def test_gemma_stop_string_spelled_in_byte_tokens_ends_at_its_last_byte():
     from specdec.models.registry import resolve

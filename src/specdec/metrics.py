@@ -29,7 +29,10 @@ class Counters:
     def drop_last(self, n: int) -> None:
         """The last step's final `n` committed tokens are dropped (they followed the end of the output: an
         EOS, max_new_tokens, a stop string): the counters keep its drafts up to the tokens that stay, so
-        accepted drafts never outnumber the tokens a user gets."""
+        accepted drafts never outnumber the tokens a user gets. Dropping none changes nothing (a step that
+        ended on its last token, e.g. a recovered EOS, keeps every draft it verified)."""
+        if n <= 0:
+            return
         valid, accepted, committed, predicted = self.last
         n = min(n, committed)
         kept = committed - n
