@@ -132,7 +132,7 @@ class Engine:
         need = len(request.prompt) + request.max_new_tokens + 1
         if need > self.slots:
             raise SpecdecError(f"prompt ({len(request.prompt)} tokens) + max_new_tokens ({request.max_new_tokens}) "
-                               f"exceeds the context of {self.slots} tokens")
+                               f"must be below the context of {self.slots} tokens (one slot stays spare)")
         # the lowest free row: active rows stay one contiguous block of the cache as long as they can, so
         # the decoder reads their keys in place instead of gathering them (see KVCache.read)
         row = heapq.heappop(self.free)
