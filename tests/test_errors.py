@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 import specdec
 from specdec.api import make_proposer, parse_device, parse_dtype
@@ -95,6 +96,27 @@ def test_empty_prompts():
     assert len(gen.generate(" \n", max_new_tokens=2).tokens) == 2
     with pytest.raises(SpecdecError, match=r"token ids must be integers in \[0, 97\)"):
         gen.generate([1, 500])
+    for booleans in ([True, False], [1, True], [[True]], ["1 2", [True]]):      # not ids 1 and 0
+        with pytest.raises(SpecdecError, match=r"token ids must be integers in \[0, 97\) \(not booleans\)"):
+            gen.generate(booleans, max_new_tokens=2)
+        with pytest.raises(SpecdecError, match="token ids must be integers|stream takes one prompt"):
+            list(gen.stream(booleans, max_new_tokens=2))
+
+
+def test_a_top_k_beyond_64_bits_keeps_every_token():
+    gen = tiny_generator(tiny_model())
+    huge = gen.generate([1, 2, 3], max_new_tokens=6, temperature=1.0, top_k=10 ** 30, seed=3)
+    assert huge.tokens == gen.generate([1, 2, 3], max_new_tokens=6, temperature=1.0, top_k=0, seed=3).tokens
+
+
+@pytest.mark.parametrize("shape", ["\u00b2", "4x\u00b9\u2076", "self"])
+def test_tree_shapes_with_digits_int_cannot_read_are_refused(shape):
+    from specdec.tree import TreeShape
+
+    with pytest.raises(SpecdecError, match="a tree shape is TOPKxBUDGET"):
+        TreeShape.parse(shape)
+    with pytest.raises(SpecdecError, match="a tree shape takes integers"):
+        TreeShape(2, "16")
 
 
 @pytest.mark.parametrize("kw, msg", [
@@ -180,6 +202,20 @@ def test_load_checks_types_before_loading():
         specdec.load("smollm2-135m", method="eagle", tree=5)
     with pytest.raises(SpecdecError, match="draft_model must be a name, a path or a loaded model, got int"):
         specdec.load("smollm2-135m", method="draft", draft_model=123)
+    with pytest.raises(SpecdecError, match="a loaded draft_model must be a causal LM with a vocab_size"):
+        specdec.load("smollm2-135m", method="draft", draft_model=torch.nn.Linear(2, 2))
+    with pytest.raises(SpecdecError, match="belong to a named method"):
+        specdec.load("smollm2-135m", tree="4x16")
+
+
+def test_a_chain_spelled_1xN_is_the_default_chain(monkeypatch):
+    """tree "1x16" is the chain "1" is: accepted with the default method (which has no tree), as "1" is."""
+    import specdec.api as api
+
+    monkeypatch.setattr(api, "load_model", lambda *a: (_ for _ in ()).throw(RuntimeError("got past the checks")))
+    for chain in ("1", "1x16", "1X16"):
+        with pytest.raises(RuntimeError, match="got past the checks"):
+            specdec.load("smollm2-135m", tree=chain)
 
 
 def test_export_into_an_unusable_directory_is_one_line(tmp_path):

@@ -57,8 +57,9 @@ def _one_prompt(prompt: object) -> bool:
 
 @dataclass
 class Result:
-    text: str
-    tokens: list[int]               # generated token ids (EOS included when it ended the text)
+    text: str                       # the output, up to (not including) a stop string that ended it
+    tokens: list[int]               # generated token ids, up to the EOS or the token completing the stop string that
+                                    # ended the text (so they may spell more than `text`); metrics count these
     metrics: dict
     finish_reason: str              # "stop" (EOS or stop string), "length"; "cancelled": a stream closed early
     prompt_tokens: int
@@ -225,8 +226,8 @@ class Generator:
         ids = list(prompt)
         if not ids:
             raise SpecdecError("empty prompt")
-        if not all(isinstance(t, int) and 0 <= t < self.target.vocab_size for t in ids):
-            raise SpecdecError(f"token ids must be integers in [0, {self.target.vocab_size})")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.target.vocab_size for t in ids):
+            raise SpecdecError(f"token ids must be integers in [0, {self.target.vocab_size}) (not booleans)")
         return ids
 
     def prediction_ids(self, prediction: str) -> tuple[int, ...]:
@@ -672,7 +673,7 @@ def early_exit_draft(target: CausalLM, spec: str) -> CausalLM:
     n = spec.split(":", 1)[1]
     if not isinstance(target, Transformer):
         raise SpecdecError("self:N drafts need a lean GGUF target")
-    if not n.isdigit() or not 1 <= int(n) < target.config.n_layers:
+    if not n.isdecimal() or not 1 <= int(n) < target.config.n_layers:
         raise SpecdecError(f"self:N needs 1 <= N < {target.config.n_layers} (the target's layers), got {spec!r}")
     return truncated(target, int(n))
 
@@ -716,8 +717,6 @@ def load(model: str | Path = DEFAULT_MODEL, method: str = names.AUTO_METHOD, dty
         raise SpecdecError(f"model must be a registered name or a .gguf path, got {type(model).__name__}")
     if method not in names.METHOD_CHOICES:
         raise SpecdecError(names.unknown("method", method, names.METHOD_CHOICES))
-    if method == names.AUTO_METHOD and (draft_model is not None or tree not in ("1", TreeShape())):
-        raise SpecdecError("draft_model and tree belong to a named method: give method= too (e.g. 'draft', 'eagle')")
     if draft_policy not in POLICIES:
         raise SpecdecError(names.unknown("draft policy", draft_policy, POLICIES))
     if not isinstance(sample_drafts, str) or sample_drafts not in names.SAMPLE_DRAFTS:
@@ -727,10 +726,15 @@ def load(model: str | Path = DEFAULT_MODEL, method: str = names.AUTO_METHOD, dty
                            "use method 'draft' for a draft model")
     if not isinstance(draft_model, (str, Path, torch.nn.Module, type(None))):
         raise SpecdecError(f"draft_model must be a name, a path or a loaded model, got {type(draft_model).__name__}")
+    if isinstance(draft_model, torch.nn.Module) and not isinstance(getattr(draft_model, "vocab_size", None), int):
+        raise SpecdecError(f"a loaded draft_model must be a causal LM with a vocab_size (e.g. "
+                           f"specdec.api.load_model(...)[0]), got {type(draft_model).__name__}")
     if not isinstance(tree, (str, TreeShape)):
         raise SpecdecError(f'tree must be a TreeShape or "TOPKxBUDGET" (e.g. "4x16"), got {type(tree).__name__}')
     make_policy(draft_policy, num_draft_tokens)
     tree = TreeShape.parse(tree) if isinstance(tree, str) else tree
+    if method == names.AUTO_METHOD and (draft_model is not None or tree != TreeShape()):
+        raise SpecdecError("draft_model and tree belong to a named method: give method= too (e.g. 'draft', 'eagle')")
     if tree != TreeShape() and method not in ("eagle", "eagle3"):
         raise SpecdecError(f"a draft tree shape ({tree}) applies to methods 'eagle' and 'eagle3' only, not {method!r}")
     if method != names.AUTO_METHOD:

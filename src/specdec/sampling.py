@@ -23,6 +23,9 @@ from torch import Tensor
 from .errors import SpecdecError
 
 
+TOP_K_ALL = 1 << 62       # any top_k at least the vocabulary keeps every token; larger ones are held at this
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0          # 0 means greedy
@@ -61,7 +64,7 @@ class BatchSampling:
     def of(params: list[SamplingParams], device: torch.device | str = "cpu") -> "BatchSampling":
         return BatchSampling(
             torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+            torch.tensor([min(p.top_k, TOP_K_ALL) for p in params], dtype=torch.long, device=device),
             torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
         )
 

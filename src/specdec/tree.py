@@ -30,6 +30,8 @@ class TreeShape:
     budget: int = 16
 
     def __post_init__(self) -> None:
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (self.topk, self.budget)):
+            raise SpecdecError(f"a tree shape takes integers, got topk={self.topk!r}, budget={self.budget!r}")
         if not 1 <= self.topk <= 16:
             raise SpecdecError(f"tree topk must be in [1, 16], got {self.topk}")
         if not self.topk <= self.budget <= MAX_TREE_BUDGET:
@@ -39,7 +41,7 @@ class TreeShape:
     def parse(text: str) -> "TreeShape":
         """"TOPKxBUDGET", e.g. "4x16"; "1" (or "1xN") is a chain."""
         topk, x, budget = text.strip().lower().partition("x")
-        if not topk.isdigit() or (x and not budget.isdigit()):
+        if not topk.isdecimal() or (x and not budget.isdecimal()):
             raise SpecdecError(f"a tree shape is TOPKxBUDGET (e.g. 4x16) or 1 for a chain, got {text!r}")
         return TreeShape(int(topk), int(budget) if budget else max(16, int(topk)))
 

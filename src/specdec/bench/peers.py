@@ -125,7 +125,7 @@ def transformers_draft(target, draft: str, num_draft_tokens: int):
     fixed ``num_draft_tokens`` per step like our fixed policy."""
     if draft.startswith("self:"):
         n = draft.split(":", 1)[1]
-        if not n.isdigit() or not 1 <= int(n) < target.config.num_hidden_layers:
+        if not n.isdecimal() or not 1 <= int(n) < target.config.num_hidden_layers:
             raise SpecdecError(f"self:N needs 1 <= N < {target.config.num_hidden_layers}, got {draft!r}")
         assistant = truncated_copy(target, int(n))
     else:

@@ -100,7 +100,7 @@ def parse_methods(specs: str | Sequence[str], draft_model: str | None) -> list[M
     items: list[str] = []
     for s in (specs.split(",") if isinstance(specs, str) else specs):
         s = s.strip()
-        if s.isdigit() and items and items[-1].startswith("lookahead="):
+        if s.isdecimal() and items and items[-1].startswith("lookahead="):
             items[-1] += f",{s}"                  # lookahead's shape W,N,G: its commas do not part methods
         elif s:
             items.append(s)
