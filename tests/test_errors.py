@@ -413,3 +413,25 @@ def test_a_generator_says_what_it_is_and_the_package_lists_its_public_names():
     assert {"load", "Generator", "Result", "SamplingParams", "SpecdecError", "METHODS", "__version__"} <= set(dir(specdec))
     assert not {"importlib", "TYPE_CHECKING", "_LAZY", "apply_isa_limit", "annotations"} & set(dir(specdec))
     assert "did you mean" not in unknown("method", ["none"], ["none", "suffix"])
+
+
+def test_a_failed_command_leaves_no_empty_directory_it_made(tmp_path):
+    """export and bench: the output folder and the parents it created go again when the command fails; folders
+    that existed, or that hold something, stay."""
+    from specdec.files import no_empty_dirs_left
+
+    out = tmp_path / "a" / "b" / "c"
+    with pytest.raises(SpecdecError):
+        with no_empty_dirs_left(out):
+            out.mkdir(parents=True)
+            raise SpecdecError("failed")
+    assert tmp_path.exists() and not (tmp_path / "a").exists()
+    with pytest.raises(KeyboardInterrupt):
+        with no_empty_dirs_left(out):
+            out.mkdir(parents=True)
+            (tmp_path / "a" / "kept.txt").write_text("x")
+            raise KeyboardInterrupt
+    assert (tmp_path / "a" / "kept.txt").exists() and not (tmp_path / "a" / "b").exists()
+    with no_empty_dirs_left(out):
+        out.mkdir(parents=True)
+    assert out.is_dir()                                     # a command that succeeds keeps its folders

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from .bench.suites import CATEGORIES, SUITES, Prompt, load_suite
 from .errors import SpecdecError
-from .files import writable_dir
+from .files import no_empty_dirs_left, writable_dir
 from .models.registry import DEFAULT_MODEL, MODELS, resolve
 from .names import BENCH_FALLBACK_DRAFT, MAX_DRAFT_TOKENS, METHODS, PEERS, POLICIES
 
@@ -131,12 +131,17 @@ def _pad_id(tokenizer) -> int:
     return int(pad) if pad is not None else min(tokenizer.eos_ids, default=0)
 
 
+def _shown_bases() -> tuple[tuple[Path, str], ...]:
+    """The absolute folders a report names by a short prefix: the package, then the working directory."""
+    return (Path(__file__).resolve().parent, "specdec"), (Path.cwd().resolve(), ".")
+
+
 def shown(path: str | None) -> str | None:
     """A draft path as a report shows it: relative to the package or the working directory, never absolute."""
     if path is None or not Path(path).is_absolute():
         return path
     p = Path(path).resolve()
-    for base, prefix in ((Path(__file__).resolve().parent, "specdec"), (Path.cwd().resolve(), ".")):
+    for base, prefix in _shown_bases():
         if p.is_relative_to(base):
             return f"{prefix}/{p.relative_to(base)}"
     return p.name
@@ -145,7 +150,7 @@ def shown(path: str | None) -> str | None:
 def shown_paths(text: str) -> str:
     """`text` (e.g. a peer's note quoting an error) with the package's and the working directory's absolute
     paths shown as `shown` shows paths."""
-    for base, prefix in ((Path(__file__).resolve().parent, "specdec"), (Path.cwd().resolve(), ".")):
+    for base, prefix in _shown_bases():
         text = text.replace(str(base), prefix)
     return text
 
@@ -178,15 +183,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
     if peer_names and a.temperature != 0:
         raise SpecdecError("--peers runs greedy only; use --temperature 0")
     out = Path(a.out) if a.out else default_out(a.suite)
-    made = [d for d in (out, *out.parents) if not d.exists()]      # what an interrupted run leaves no trace of
-    writable_dir(out, "--out")                                     # after the options' checks, before the run
-    try:
+    with no_empty_dirs_left(out):
+        writable_dir(out, "--out")                                 # after the options' checks, before the run
         return _bench(a, out, categories, peer_names)
-    except KeyboardInterrupt:
-        for d in made:
-            if d.is_dir() and not any(d.iterdir()):
-                d.rmdir()
-        raise
 
 
 def _bench(a: argparse.Namespace, out: Path, categories: list[str], peer_names: list[str]) -> int:
@@ -195,7 +194,6 @@ def _bench(a: argparse.Namespace, out: Path, categories: list[str], peer_names: 
     from .api import runtime_info
     from .bench import report, runner
     from .bench.peers import build_peers
-
 
     prompts = limit_prompts(load_suite(a.suite, categories), a.limit)
     if a.threads:

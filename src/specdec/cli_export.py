@@ -5,6 +5,7 @@ import argparse
 from pathlib import Path
 
 from .errors import SpecdecError
+from .files import no_empty_dirs_left
 from .models.registry import DEFAULT_MODEL
 from .names import EXPORT_FORMATS
 
@@ -26,9 +27,8 @@ def cmd_export(a: argparse.Namespace) -> int:
     if a.kind == "medusa" and a.format != "vllm":               # what needs no model is checked before loading one
         raise SpecdecError(f"Medusa heads export to vllm only, not {a.format!r}")
     out_dir = Path(a.out_dir)
-    made = [d for d in (out_dir, *out_dir.parents) if not d.exists()]      # the directories this export creates
-    check_out(out_dir, a.overwrite)
-    try:
+    with no_empty_dirs_left(out_dir):                           # a failed export leaves no directory it made
+        check_out(out_dir, a.overwrite)
         target = _target(a.model)
         weights = Path(a.weights) if a.weights else shipped(target.config.name, a.kind)
         if a.kind == "eagle3":
@@ -39,11 +39,6 @@ def cmd_export(a: argparse.Namespace) -> int:
             from .models.medusa import MedusaHeads
 
             out = export_medusa(MedusaHeads.load(weights, target), a.format, out_dir, a.overwrite)
-    except BaseException:
-        for d in made:                                      # a failed export leaves no empty directory it made
-            if d.is_dir() and not any(d.iterdir()):
-                d.rmdir()
-        raise
     print(f"wrote {out / 'config.json'} and {out / 'model.safetensors'} ({a.format} layout)")
     return 0
 

@@ -2,7 +2,9 @@
 cannot keep what it computed)."""
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from .errors import SpecdecError
@@ -27,3 +29,17 @@ def writable_file(path: Path, what: str) -> None:
     if path.is_dir():
         raise SpecdecError(f"{what} {path} is a directory; give a file path")
     writable_dir(path.parent, f"the folder of {what}")
+
+
+@contextlib.contextmanager
+def no_empty_dirs_left(d: Path) -> Iterator[None]:
+    """Where the block fails (an error, Ctrl-C), `d` and the parents it lacked on entry are removed again if they
+    are empty: a command that made its output directory and then stopped leaves no trace."""
+    made = [p for p in (d, *d.parents) if not p.exists()]
+    try:
+        yield
+    except BaseException:
+        for p in made:
+            if p.is_dir() and not any(p.iterdir()):
+                p.rmdir()
+        raise

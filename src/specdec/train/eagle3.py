@@ -24,7 +24,7 @@ from ..errors import SpecdecError
 from ..models.decoder import Transformer
 from ..models.eagle import read_weights
 from ..models.eagle3 import Eagle3Config, Eagle3Head
-from .features import begin, sequences_digest, vocab_subset, windows
+from .features import begin, cached, sequences_digest, vocab_subset, windows
 from .loop import Checkpoint, autocast, train_loop
 from .magpie import Row, read_shards
 
@@ -201,14 +201,9 @@ def shard_features(target: Transformer, rows: list[Row], seqs: list[list[int]], 
     some = False
     for shard, idx in by_shard.items():
         f = cache / f"features3-{shard}-{len(idx)}-{max_seq}-{tag}-{sequences_digest([seqs[i] for i in idx])}.pt"
-        if f.exists():
-            part = torch.load(f, weights_only=True)
-        elif some and time.time() >= deadline:
+        if not f.exists() and some and time.time() >= deadline:
             continue
-        else:
-            part = extract_aux(target, [seqs[i] for i in idx], layers)
-            torch.save(part, f.with_suffix(".tmp"))
-            f.with_suffix(".tmp").replace(f)                                 # never a half-written cache
+        part = cached(f, lambda: extract_aux(target, [seqs[i] for i in idx], layers))   # never half-written
         for i, t in zip(idx, part):
             feats[i] = t
         some = True
