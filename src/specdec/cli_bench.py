@@ -29,7 +29,8 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"registered name ({', '.join(MODELS)}) or a .gguf path")
     p.add_argument("--methods", default=DEFAULT_METHODS,
                    help=f"comma-separated methods ({', '.join(METHODS)}); NAME=DRAFT gives one its own draft, "
-                        "lookahead=W,N,G its shape, NAME@POLICY its own draft-length policy (e.g. ngram@auto), eagle:TOPKxBUDGET a dynamic "
+                        "lookahead=W,N,G its shape, NAME@POLICY its own draft-length policy (e.g. ngram@auto), "
+                        "eagle:TOPKxBUDGET a dynamic "
                         "draft tree (e.g. eagle:4x16; plain eagle drafts a chain), NAME@sample=on|off|auto the "
                         "--sample-drafts setting of an eagle or eagle3 chain (e.g. eagle3@sample=off next to eagle3, "
                         "which has generate's default, auto; suffixes combine: eagle3@auto@sample=on); 'none' is "

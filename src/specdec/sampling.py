@@ -78,8 +78,8 @@ def to_probs(logits: Tensor, s: BatchSampling) -> Tensor:
     In order: divide by the temperature; top-k keeps every token whose logit is at least the k-th
     largest (ties at the boundary all stay, as in transformers); softmax; top-p keeps the smallest
     prefix of the distribution sorted by descending probability (equal ones by token id) whose mass
-    reaches top_p (the most likely token always stays: top_p 0 keeps it alone), renormalised. Greedy rows become the one-hot
-    of the argmax (first index on ties). Each row's result depends only on its own logits and
+    reaches top_p (the most likely token always stays: top_p 0 keeps it alone), renormalised. Greedy rows
+    become the one-hot of the argmax (first index on ties). Each row's result depends only on its own logits and
     parameters, bit for bit, whatever else the batch holds.
     """
     logits = logits.float()

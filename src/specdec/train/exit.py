@@ -43,8 +43,8 @@ def train_exit(model: str, data: Path, out: Path, minutes: float, layers: list[i
                lr: float, max_seq: int, overwrite: bool, max_rows: int = 0, seed: int = 0,
                train_dtype: torch.dtype = torch.float32, features: Path | str = "") -> dict:
     """One exit per N in `layers` (features extracted once for all, cached in `features`, default
-    $SPECDEC_CACHE/features/MODEL), each trained for `minutes`; written to `out` (one N) or OUT-N.safetensors (several). Without
-    `overwrite` an exit already written (no checkpoint beside it) is kept: a re-run of an interrupted run
+    $SPECDEC_CACHE/features/MODEL), each trained for `minutes`; written to `out` (one N) or OUT-N.safetensors
+    (several). Without `overwrite` an exit already written (no checkpoint beside it) is kept: a re-run of an interrupted run
     trains only the others; where every one is written, the run is refused. -> the reports by N."""
     if len(set(layers)) != len(layers):
         raise SpecdecError(f"--layers names a layer count twice: {layers}")
