@@ -100,7 +100,7 @@ def test_empty_prompts():
         with pytest.raises(SpecdecError, match=r"token ids must be integers in \[0, 97\) \(not booleans\)"):
             gen.generate(booleans, max_new_tokens=2)
         with pytest.raises(SpecdecError, match="token ids must be integers|stream takes one prompt"):
-            list(gen.stream(booleans, max_new_tokens=2))
+            gen.stream(booleans, max_new_tokens=2)          # at the call, not at the first piece
 
 
 def test_a_top_k_beyond_64_bits_keeps_every_token():
@@ -131,7 +131,7 @@ def test_bad_prediction_and_stop_types(kw, msg):
     with pytest.raises(SpecdecError, match=msg):
         gen.generate("1 2 3", max_new_tokens=2, **kw)
     with pytest.raises(SpecdecError, match=msg):
-        list(gen.stream("1 2 3", max_new_tokens=2, **kw))
+        gen.stream("1 2 3", max_new_tokens=2, **kw)                       # at the call, before any piece
 
 
 def test_predictions_for_a_list_of_prompts_are_strings_one_per_prompt():
@@ -150,7 +150,7 @@ def test_prompt_of_another_type(bad):
     with pytest.raises(SpecdecError, match="prompt must be a string, a list of token ids, or a list of those"):
         gen.generate(bad)
     with pytest.raises(SpecdecError, match="stream takes one prompt"):
-        list(gen.stream(bad))
+        gen.stream(bad)
     with pytest.raises(SpecdecError, match="prompt 1 of the list must be a string or a list of token ids"):
         gen.generate(["1 2", bad])
 
@@ -342,7 +342,7 @@ def test_a_closed_stream_is_cancelled_and_each_call_resets_last_result():
     full = gen.generate([4, 5, 6], max_new_tokens=5)
     assert gen.last_result == full
     with pytest.raises(SpecdecError):
-        next(gen.stream([], max_new_tokens=5))
+        gen.stream([], max_new_tokens=5)
     assert gen.last_result.tokens == []                                                # not the earlier call's
 
 

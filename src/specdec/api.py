@@ -312,9 +312,10 @@ class Generator:
         eng.allocate(rows, min(slots, self.target.max_seq_len))
         return eng
 
-    def _run(self, prompts: list[Prompt], single: bool, max_new_tokens: int, params: list[SamplingParams],
-             stop: Seq[str], chat: bool | Literal["auto"], truncate: bool,
-             prediction: str | Seq[str]) -> Iterator[tuple[int, str, Engine, list]]:
+    def _prepare(self, prompts: list[Prompt], single: bool, max_new_tokens: int, params: list[SamplingParams],
+                 stop: Seq[str], chat: bool | Literal["auto"], truncate: bool,
+                 prediction: str | Seq[str]) -> tuple[list[Request], int]:
+        """Check every argument and build the requests (no model work): the requests and the cache slots."""
         if chat not in (True, False, "auto") or not isinstance(chat, (bool, str)):
             raise SpecdecError(f'chat must be True, False or "auto", got {chat!r}')
         if not isinstance(truncate, bool):
@@ -322,7 +323,11 @@ class Generator:
         chat = self.tokenizer.has_chat_template if chat == "auto" else chat
         reqs = self._requests(prompts, max_new_tokens, params, stop, chat, truncate,
                               self._predictions(prediction, len(prompts), single))
-        slots = max(len(r.prompt) for r in reqs) + max_new_tokens + scratch_slots(self.num_draft_tokens)
+        return reqs, max(len(r.prompt) for r in reqs) + max_new_tokens + scratch_slots(self.num_draft_tokens)
+
+    def _run(self, reqs: list[Request], slots: int) -> Iterator[tuple[int, str, Engine, list]]:
+        """Generate `reqs` in an engine of `slots` cache slots, yielding (request index, text piece, engine,
+        sequences) after every piece; one generation at a time per generator."""
         me = threading.get_ident()
         if self._running_in == me and self._turn.locked():
             gc.collect()                       # a stream dropped inside a reference cycle: its close frees the turn
@@ -369,7 +374,8 @@ class Generator:
         params = SamplingParams(temperature, top_k, top_p, seed)
         per_prompt = [params] if single else [replace(params, seed=derive_seed(seed, i)) for i in range(len(prompts))]
         seqs: list = []
-        for _, _, _, seqs in self._run(prompts, single, max_new_tokens, per_prompt, stop, chat, truncate, prediction):
+        reqs, slots = self._prepare(prompts, single, max_new_tokens, per_prompt, stop, chat, truncate, prediction)
+        for _, _, _, seqs in self._run(reqs, slots):
             pass
         results = [self._result(s) for s in seqs]
         if single:
@@ -382,6 +388,7 @@ class Generator:
         """Yield text pieces as tokens are committed. `last_result` holds the Result so far (all of it once the
         stream is exhausted; closed early: what was committed, finish_reason "cancelled").
 
+        Bad arguments raise SpecdecError here, at the call, before the first piece.
         A stream holds this generator until it ends or is closed: calls from other threads wait for it, a call
         from the thread that started it is refused (it would wait for itself). A stream dropped without
         `close()` is closed when Python collects it (a waiting call makes it collect)."""
@@ -390,10 +397,13 @@ class Generator:
             raise SpecdecError(f"stream takes one prompt (a string or a list of token ids), got "
                                f"{type(prompt).__name__}; generate takes a list of prompts")
         params = SamplingParams(temperature, top_k, top_p, seed)
+        reqs, slots = self._prepare([prompt], True, max_new_tokens, [params], stop, chat, truncate, prediction)
+        return self._stream(reqs, slots)               # bad arguments raised above, before the first piece
+
+    def _stream(self, reqs: list[Request], slots: int) -> Iterator[str]:
         seqs: list = []
         try:
-            for _, piece, eng, seqs in self._run([prompt], True, max_new_tokens, [params], stop, chat, truncate,
-                                                 prediction):
+            for _, piece, eng, seqs in self._run(reqs, slots):
                 self.last_result = self._result(seqs[0])
                 if piece:
                     yield piece

@@ -279,7 +279,7 @@ def parse_chat(req: ChatCompletionRequest, state: ServerState) -> Parsed:
     if not tok.has_chat_template:
         raise bad(f"the model {state.model_name} has no chat template; use /v1/completions", "messages")
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": content_text(m.content)}
-                for m in req.messages]
+                | ({"name": m.name} if m.name is not None else {}) for m in req.messages]
     ids = tok.encode_chat(messages)
     check_prompt_length(ids, common["max_tokens"], state, "messages")
     if not common["max_tokens"]:            # default: as much as the limits allow (at least 1: checked above)

@@ -82,6 +82,9 @@ class Speculative(Body):
 class Message(Body):
     role: Literal[ROLES]
     content: Content
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$",
+                               description="the participant's name, given to the chat template "
+                                           "(which may ignore it)")] | None = None
 
 
 def surrogate_paths(value: Any) -> list[str]:
@@ -157,7 +160,8 @@ class ChatCompletionRequest(CommonRequest):
 # ---- validation errors as one line ----------------------------------------------------------
 EXPECTED = {"float_type": "a number", "int_type": "an integer", "bool_type": "true or false",
             "string_type": "a string", "list_type": "a list", "dict_type": "an object", "model_type": "an object",
-            "model_attributes_type": "an object", "string_too_short": "a non-empty string"}
+            "model_attributes_type": "an object", "string_too_short": "a non-empty string",
+            "string_pattern_mismatch": "1-64 letters, digits, _ or -"}
 BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
 BOUND_KEYS = {"greater_than": "gt", "greater_than_equal": "ge", "less_than": "lt", "less_than_equal": "le"}
 
