@@ -146,3 +146,20 @@ def test_plain_decoding_with_a_prediction_reports_the_acceptance_of_its_drafts()
     assert gen.method == "none" and plain["acceptance_rate"] is None
     assert res.tokens == ref and res.metrics["accepted_prediction_tokens"] > 0
     assert 0 < res.metrics["acceptance_rate"] <= 1
+
+
+def test_a_row_that_does_not_speculate_drafts_only_from_its_prediction():
+    """Plain decoding with a prediction inside a speculative batch (the server's `none` request in another
+    method's engine): where the prediction has no continuation it drafts nothing, not the method's drafts."""
+    target = tiny_model(seed=7)
+    ref = reference_greedy(target, list(PROMPTS[0]), 24)
+    wrong = tuple(range(40, 44))                                     # matches nowhere: no continuation
+    seqs = run_engine(target, NgramProposer(), [Request(list(PROMPTS[0]), 24, prediction=wrong, speculate=False),
+                                                Request(list(PROMPTS[0]), 24)], "fixed", 3)
+    off, on = seqs
+    assert off.generated == ref == on.generated
+    assert off.counters.drafted == 0 and off.counters.target_forwards == 24 and on.counters.drafted > 0
+    seqs = run_engine(target, NgramProposer(), [Request(list(PROMPTS[0]), 24, prediction=tuple(ref), speculate=False)],
+                      "fixed", 3)
+    assert seqs[0].generated == ref and seqs[0].counters.drafted == seqs[0].counters.accepted_prediction \
+        + seqs[0].counters.rejected_prediction > 0                   # its prediction's drafts, and only those

@@ -318,7 +318,8 @@ class Engine:
 
     def _propose(self, seqs: list[SequenceState], batch: ActiveBatch, k: int) -> Draft:
         """The batch drafts k tokens, as the policy asked (rows with a prediction: from it); each row keeps
-        one fewer than its remaining tokens (none if it does not speculate), and no step drafts more nodes
+        one fewer than its remaining tokens (a row that does not speculate: only its prediction's), and no step
+        drafts more nodes
         than the cache has room for or than a forward scores exactly (MAX_TREE_BUDGET)."""
         B, dev = len(seqs), self.target.device
         room = min(self._room(s) for s in seqs)
@@ -328,8 +329,8 @@ class Engine:
         draft = with_predictions(draft, conts)
         if draft.tokens.shape[1] == 0:
             return draft
-        keep = torch.tensor([s.request.max_new_tokens - s.num_generated - 1
-                             if s.request.speculate or s.request.prediction else 0 for s in seqs], device=dev)  # [B]
+        keep = torch.tensor([s.request.max_new_tokens - s.num_generated - 1      # a row that does not speculate
+                             if s.request.speculate or c else 0 for s, c in zip(seqs, conts)], device=dev)  # [B]
         return draft.first_nodes(min(room, MAX_TREE_BUDGET)).cut(keep).trimmed()
 
     def _score(self, batch: ActiveBatch, draft: Draft, pending: Tensor) -> Scored:
