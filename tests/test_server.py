@@ -288,6 +288,40 @@ def test_disconnect_mid_stream_frees_the_slot(single):
     assert metric(single.metrics(), "specdec:generation_tokens_total") < 200
 
 
+def test_a_queued_stream_starts_at_once_and_keeps_its_connection_alive(gen, monkeypatch):
+    """A stream that waits for a slot gets its status line and headers after STREAM_START_SECONDS, then SSE
+    comments every KEEP_ALIVE_SECONDS until its tokens come (proxies time out silent connections); its text is
+    the one it would have had, with raw HTTP and with the official client."""
+    from specdec.server import app as app_module
+
+    monkeypatch.setattr(app_module, "STREAM_START_SECONDS", 0.2)
+    monkeypatch.setattr(app_module, "KEEP_ALIVE_SECONDS", 0.2)
+    srv = LiveServer(ServerState(gen, ServeConfig(max_batch=1, max_waiting=4, max_prompt_tokens=64, max_tokens=120)))
+    try:
+        long = {"prompt": "Count from one to one hundred: one, two,", "max_tokens": 120, "temperature": 0}
+        busy = ThreadPoolExecutor(1).submit(requests.post, srv.url + "/v1/completions", json=long, timeout=120)
+        while metric(srv.metrics(), "specdec:num_requests_running") != 1:
+            time.sleep(0.02)
+        started = time.monotonic()
+        with requests.post(srv.url + "/v1/completions", stream=True, timeout=120,
+                           json={"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "stream": True}) as r:
+            waited = time.monotonic() - started
+            assert r.status_code == 200 and not busy.done(), "headers only after the slot was free"
+            lines = [line for line in r.iter_lines() if line]
+        assert waited < 3 and lines[0] == b": keep-alive" and lines[-1] == b"data: [DONE]"
+        text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines
+                       if line.startswith(b"data: {") and json.loads(line[6:])["choices"])
+        assert text == offline(gen, PROMPT, 6, chat=False).text
+        busy = ThreadPoolExecutor(1).submit(requests.post, srv.url + "/v1/completions", json=long, timeout=120)
+        while metric(srv.metrics(), "specdec:num_requests_running") != 1:
+            time.sleep(0.02)
+        pieces = srv.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in pieces if c.choices) == text
+        assert busy.result().status_code == 200
+    finally:
+        srv.stop()
+
+
 def test_a_non_streaming_client_that_goes_away_frees_the_slot(single):
     """A running (not waiting) request whose client closes its connection is cancelled within about a second,
     though its tokens keep coming: the disconnect is checked every POLL_SECONDS however busy the request is."""
@@ -502,6 +536,10 @@ BAD = [  # (what, path, body, status, param)
     ("tools", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
      400, "tools"),
     ("penalty", "/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("reasoning effort", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                  "reasoning_effort": "high"}, 400, "reasoning_effort"),
+    ("audio output", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                              "modalities": ["text", "audio"]}, 400, "modalities"),
     ("max_completion_tokens over the cap", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 99}, 400, "max_completion_tokens"),
     ("two unsupported fields", "/v1/completions", {"prompt": "hi", "zz": 1, "frobnicate": 2}, 400, "frobnicate"),
@@ -575,6 +613,32 @@ def test_a_message_name_goes_to_the_chat_template(gen, client):
                                                                  for m in messages], max_tokens=8, temperature=0)
     got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
     assert got.choices[0].message.content == want.choices[0].message.content
+
+
+def test_a_response_message_appended_to_the_history_is_accepted(gen, client):
+    """The common multi-turn pattern `messages.append(r.choices[0].message.model_dump())` sends the message back
+    with refusal, tool_calls, audio... as null; OpenAI's other fields at their neutral values are accepted too."""
+    first = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                           max_tokens=6, temperature=0)
+    history = [{"role": "user", "content": QUESTION}, first.choices[0].message.model_dump(),
+               {"role": "user", "content": "And then?"}]
+    assert "refusal" in history[1] and "tool_calls" in history[1]
+    neutral = dict(metadata={"team": "a"}, service_tier="auto", modalities=["text"], reasoning_effort=None)
+    got = client.chat.completions.create(model=MODEL, messages=history, max_tokens=6, temperature=0, **neutral)
+    plain = [{k: v for k, v in m.items() if k in ("role", "content")} for m in history]
+    want = client.chat.completions.create(model=MODEL, messages=plain, max_tokens=6, temperature=0)
+    assert got.choices[0].message.content == want.choices[0].message.content
+
+
+def test_a_refused_value_is_shown_cut_short(server):
+    r = post(server.url, {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "x" * 3000}] * 10},
+             "/v1/chat/completions")
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "unsupported_parameter" and len(err["message"]) < 160, err
+    nested = post(server.url, {"messages": [{"role": "assistant", "content": "a", "tool_calls": [{"id": "1"}]},
+                                            {"role": "user", "content": "hi"}]}, "/v1/chat/completions")
+    assert nested.json()["error"]["message"] == \
+        'messages[0].tool_calls=[{"id": "1"}] is not supported (only [] or null)'
 
 
 def test_the_request_schema_is_published(server):
@@ -791,6 +855,11 @@ def test_the_serve_command_steps_in_its_main_thread_and_stops_on_a_signal(tmp_pa
         second = subprocess.run(cmd + ["--port", str(port)], capture_output=True, text=True, timeout=300)
         assert second.returncode == 2                                        # before loading the model
         assert f"cannot listen on 127.0.0.1:{port}" in second.stderr and "in use" in second.stderr
+        roomless = subprocess.run(cmd + ["--port", str(free_port()), "--max-prompt-tokens", "8191"],
+                                  capture_output=True, text=True, timeout=300)
+        assert roomless.returncode == 2 and roomless.stderr.strip().splitlines()[-1] == \
+            f"specdec: error: --max-prompt-tokens 8191 leaves no room for an answer in {MODEL}'s context of 8192 " \
+            "tokens (at most 8190)"
 
         with requests.post(url + "/v1/completions", json={"model": MODEL, "prompt": "1, 2, 3, 4,", "max_tokens": 200,
                                                           "temperature": 0, "stream": True}, stream=True,
@@ -943,10 +1012,15 @@ def test_a_second_signal_while_the_server_stops_still_ends_open_streams(gen, mon
 def test_a_wrong_method_is_a_405_that_names_the_allowed_methods(server):
     """RFC 9110: a 405 carries Allow; the OpenAI-shaped body keeps Starlette's header."""
     r = requests.options(server.url + "/v1/chat/completions", timeout=10)
-    assert r.status_code == 405 and r.json()["error"]["message"] == "Method Not Allowed"
+    assert r.status_code == 405 and r.json()["error"]["message"] == \
+        "OPTIONS is not allowed on /v1/chat/completions (allowed: POST)"
     assert r.headers.get("allow") == "POST"
     r = requests.get(server.url + "/v1/completions", timeout=10)
     assert r.status_code == 405 and r.headers.get("allow") == "POST"
+    r = requests.post(server.url + "/v1/embeddings", json={"input": "hi"}, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["message"] == "no such route: POST /v1/embeddings (see /docs)"
+    r = requests.get(server.url + "/v1/models/", timeout=10)
+    assert r.status_code == 404 and "names no model" in r.json()["error"]["message"]
 
 
 def test_chat_messages_that_fill_the_context_say_so_without_naming_a_max_tokens_not_sent(gen):

@@ -123,6 +123,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
     gen = specdec.load(a.model, method=a.method, dtype=a.dtype, device=a.device, draft_model=own_draft,
                        num_draft_tokens=a.num_draft_tokens, draft_policy=a.draft_policy, tree=a.tree,
                        sample_drafts=serve_sample_drafts(a.sample_drafts, a.method))
+    context = gen.target.max_seq_len
+    if a.max_prompt_tokens > context - 2:                      # a prompt, one answer token and the spare slot
+        raise SpecdecError(f"--max-prompt-tokens {a.max_prompt_tokens} leaves no room for an answer in {gen.name}'s "
+                           f"context of {context} tokens (at most {context - 2})")
     dtype = str(gen.target.dtype).removeprefix("torch.")      # the activations' dtype: proposers load in it too
     state = ServerState(gen, config, drafts_for_server(a, gen), dtype, TreeShape.parse(a.tree), a.sample_drafts)
     if a.host not in LOOPBACK and not keys:

@@ -11,6 +11,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import random
 import time
 import uuid
@@ -42,6 +43,8 @@ from .scheduler import (Closed, Done, EnginePool, Event, Failed, Job, QueueFull,
 
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
 POLL_SECONDS = 0.5                      # how often a non-streaming request checks for a disconnect
+STREAM_START_SECONDS = 5.0              # a stream whose first event takes longer (queued) starts without it
+KEEP_ALIVE_SECONDS = 15.0               # an SSE comment after this long without an event (proxies' idle timeouts)
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,14 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+
+
+class KeepAlive:
+    """No event for a while: the stream sends an SSE comment so that proxies keep the connection."""
+
+
+class StillWaiting(Exception):
+    """No event of the job came within the time asked."""
 
 
 class ClientGone(Exception):
@@ -217,8 +228,8 @@ def check_prompt_length(ids: list[int], max_tokens: int, state: ServerState, par
         raise bad(f"the {param} ({len(ids)} tokens) leave no room for an answer in the model's context of "
                   f"{context} tokens", param, "context_length_exceeded")
     if len(ids) + max_tokens + 1 > context:
-        raise bad(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's context of "
-                  f"{context} tokens", param, "context_length_exceeded")
+        raise bad(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) must be below the model's context of "
+                  f"{context} tokens (one slot stays spare)", param, "context_length_exceeded")
 
 
 def parse_common(req: CommonRequest, state: ServerState, max_tokens_names: tuple[str, ...]) -> dict:
@@ -426,15 +437,20 @@ class Watch:
     def __init__(self, request: HttpRequest) -> None:
         self.request, self.checked = request, time.monotonic()
 
-    async def next_event(self, job: Job) -> Event:
-        """The job's next event; ClientGone once the client has gone away."""
+    async def next_event(self, job: Job, within: float = math.inf) -> Event:
+        """The job's next event; ClientGone once the client has gone away, StillWaiting after `within` seconds
+        without one."""
+        end = time.monotonic() + within
         while True:
             if time.monotonic() - self.checked >= POLL_SECONDS:
                 self.checked = time.monotonic()
                 if await self.request.is_disconnected():
                     raise ClientGone()
+            left = end - time.monotonic()
+            if left <= 0:
+                raise StillWaiting()
             try:
-                return await asyncio.wait_for(job.events.get(), POLL_SECONDS)
+                return await asyncio.wait_for(job.events.get(), min(POLL_SECONDS, left))
             except asyncio.TimeoutError:
                 continue
 
@@ -491,12 +507,14 @@ class Routes:
         out = Responder(chat, self.state.model_name, parsed.include_usage)
         watch = Watch(request)
         try:
-            first = await watch.next_event(job)
+            try:               # a stream's failure before its first event is an HTTP status, unless it is queued
+                first = await watch.next_event(job, STREAM_START_SECONDS if parsed.stream else math.inf)
+            except StillWaiting:
+                return self.streaming(request, job, (), out)      # headers now; a later failure is an error event
             if isinstance(first, Failed):
                 raise ApiError(first.status, first.message, None, first.code)
             if parsed.stream:
-                return StreamingResponse(self.stream(request, job, first, out), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                return self.streaming(request, job, (first,), out)
             event = first
             while not isinstance(event, Done):
                 event = await watch.next_event(job)
@@ -512,14 +530,30 @@ class Routes:
         self.count(request, 200)
         return JSONResponse(out.full(event))
 
-    async def stream(self, request: HttpRequest, job: Job, first: Event, out: Responder) -> AsyncIterator[str]:
+    def streaming(self, request: HttpRequest, job: Job, received: tuple[Event, ...], out: Responder) -> Response:
+        return StreamingResponse(self.stream(request, job, received, out), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @staticmethod
+    async def next_or_keep_alive(job: Job) -> Event | KeepAlive:
+        """The job's next event, or KeepAlive after KEEP_ALIVE_SECONDS without one."""
+        try:
+            return await asyncio.wait_for(job.events.get(), KEEP_ALIVE_SECONDS)
+        except asyncio.TimeoutError:
+            return KeepAlive()
+
+    async def stream(self, request: HttpRequest, job: Job, received: tuple[Event, ...],
+                     out: Responder) -> AsyncIterator[str]:
+        """The SSE stream of `job`, starting with the events already `received` (none for a queued job)."""
         status = 499                                 # unless the stream completes: the client went away
         try:
             for obj in out.head():
                 yield sse(obj)
-            event = first
+            event = received[0] if received else await self.next_or_keep_alive(job)
             while True:
-                if isinstance(event, TextPiece):
+                if isinstance(event, KeepAlive):
+                    yield ": keep-alive\n\n"
+                elif isinstance(event, TextPiece):
                     yield sse(out.chunk(event.text, None))
                 elif isinstance(event, Done):
                     for obj in out.tail(event):
@@ -531,7 +565,7 @@ class Routes:
                     status = event.status
                     yield sse(error_body(event.status, event.message, None, event.code))
                     return
-                event = await job.events.get()
+                event = await self.next_or_keep_alive(job)
         finally:
             if status == 499:
                 self.state.scheduler.cancel(job)
@@ -578,6 +612,10 @@ def add_error_handlers(app: FastAPI, routes: Routes) -> None:
     async def http_error(request: HttpRequest, e: StarletteHTTPException) -> JSONResponse:
         code = "not_found" if e.status_code == 404 else None
         detail = str(e.detail)
+        if e.status_code == 404 and detail == "Not Found":                                   # Starlette's words
+            detail = f"no such route: {request.method} {request.url.path} (see /docs)"
+        if e.status_code == 405 and detail == "Method Not Allowed":
+            detail = f"{request.method} is not allowed on {request.url.path} (allowed: {(e.headers or {}).get('Allow')})"
         if e.status_code == 400 and detail == "There was an error parsing the body":      # FastAPI's words
             detail = ("the request body could not be parsed: send one JSON object as UTF-8 text, uncompressed "
                       "(no Content-Encoding), nested less than 1000 levels deep")
@@ -615,6 +653,8 @@ def add_routes(app: FastAPI, routes: Routes) -> None:
 
     @app.get("/v1/models/{model:path}", dependencies=auth)
     async def model(request: HttpRequest, model: str) -> dict:
+        if not model:
+            raise ApiError(404, "GET /v1/models/ names no model (GET /v1/models lists them)", None, "not_found")
         check_model(model, state)
         routes.count(request, 200)
         return routes.model_card()

@@ -35,14 +35,18 @@ def one_of(expected: str) -> GetPydanticSchema:
 
 
 def neutral(*allowed: Any) -> AfterValidator:
-    """A field the server does not implement: only its neutral values (or null) are accepted."""
+    """A field the server does not implement: only its neutral values (or null; none given: null alone) are
+    accepted."""
     def check(value: Any, info: ValidationInfo) -> Any:
         if not any(type(value) is type(a) and value == a for a in allowed):
-            shown = " or ".join(json.dumps(a) for a in allowed)
-            raise PydanticCustomError(UNSUPPORTED, "{field}={value} is not supported (only {allowed} or null)",
-                                      {"field": info.field_name, "value": json.dumps(value), "allowed": shown})
+            values = "".join(f"{json.dumps(a)} or " for a in allowed)
+            raise PydanticCustomError(UNSUPPORTED, "{field}={value} is not supported (only {allowed}null)",
+                                      {"field": info.field_name, "value": shown(value), "allowed": values})
         return value
     return AfterValidator(check)
+
+
+NullOnly = Annotated[Any, neutral()] | None         # an OpenAI field with no neutral value but null
 
 
 class Body(BaseModel):
@@ -85,6 +89,12 @@ class Message(Body):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$",
                                description="the participant's name, given to the chat template "
                                            "(which may ignore it)")] | None = None
+    # what a client sends back when it appends a response's message to the history (`message.model_dump()`)
+    refusal: Annotated[str, neutral("")] | None = None
+    tool_calls: Annotated[list[Any], neutral([])] | None = None
+    annotations: Annotated[list[Any], neutral([])] | None = None
+    function_call: NullOnly = None
+    audio: NullOnly = None
 
 
 def surrogate_paths(value: Any) -> list[str]:
@@ -155,6 +165,17 @@ class ChatCompletionRequest(CommonRequest):
     tool_choice: Annotated[str | dict[str, Any], neutral("none")] | None = None
     store: Annotated[bool, neutral(False)] | None = None
     parallel_tool_calls: bool | None = None
+    functions: Annotated[list[Any], neutral([])] | None = None
+    function_call: Annotated[str | dict[str, Any], neutral("none")] | None = None
+    modalities: Annotated[list[str], neutral(["text"])] | None = None
+    service_tier: Annotated[str, neutral("auto", "default")] | None = None
+    metadata: dict[str, str] | None = Field(None, description="kept by OpenAI with stored completions; unused here")
+    prompt_cache_key: str | None = Field(None, description="a cache hint; the server's prefix cache needs none")
+    safety_identifier: str | None = None
+    audio: NullOnly = None
+    reasoning_effort: NullOnly = None
+    verbosity: NullOnly = None
+    web_search_options: NullOnly = None
 
 
 # ---- validation errors as one line ----------------------------------------------------------
@@ -202,8 +223,8 @@ def describe(error: dict) -> tuple[str, str | None, str | None]:
         return (f"unsupported field: {path}" if len(loc) == 1 else f"{path} is not supported"), param, UNSUPPORTED
     if kind == "missing":
         return f"{path} is required", param, None
-    if kind == UNSUPPORTED:
-        return error["msg"], param, UNSUPPORTED
+    if kind == UNSUPPORTED:                                # "tool_calls=..." -> "messages[1].tool_calls=..."
+        return path + error["msg"][len(str(loc[-1])):], param, UNSUPPORTED
     if kind == "union_type" or kind in EXPECTED:
         expected = error["msg"] if kind == "union_type" else EXPECTED[kind]
         return f"{path} must be {expected}, got {shown(value)}", param, None
