@@ -33,7 +33,6 @@ def _phases(head: Eagle3Head, w_sub: torch.Tensor, batch: tuple, steps: int, opt
             dtype: torch.dtype) -> dict[str, float]:
     """One training step, timed phase by phase (seconds)."""
     toks, f, lens, _ = batch
-    t: dict[str, float] = {}
     H, W = head.cfg.dim, toks.shape[1] - 1
     j = torch.arange(W)
     valid = (j[None] + 1 < lens[:, None])

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -331,7 +332,7 @@ def test_training_data_defaults_to_the_shipped_shards_from_any_directory(monkeyp
     assert seen[1] == Path("mine") and seen[3] == Path("shards")
 
 
-def test_text_a_terminal_cannot_encode_is_replaced_not_a_traceback(monkeypatch):
+def test_text_a_terminal_cannot_encode_is_replaced_not_a_traceback(monkeypatch, capsys):
     import io
     from types import SimpleNamespace
 
@@ -341,7 +342,7 @@ def test_text_a_terminal_cannot_encode_is_replaced_not_a_traceback(monkeypatch):
 
     class Gen:
         method, tokenizer = "none", SimpleNamespace(has_chat_template=False)
-        last_result = SimpleNamespace(metrics=metrics)
+        last_result = SimpleNamespace(metrics=metrics, prompt_tokens=3)
 
         def stream(self, prompt, **kw):
             yield from ("Tokyo: ", "東京")
@@ -352,3 +353,6 @@ def test_text_a_terminal_cannot_encode_is_replaced_not_a_traceback(monkeypatch):
     assert main(["generate", "--prompt", "Hi"]) == 0
     out.flush()
     assert out.buffer.getvalue() == b"Tokyo: ??\n"
+    stats = capsys.readouterr().err.strip()             # what the rate counts: the prefill too
+    assert re.fullmatch(r"method none, 2 tokens in 0\.10 s after a prompt of 3 \(20\.0 tokens/s, prefill included; "
+                        r"first text after \d\.\d\d s\), 2 target forwards, tau 1\.00", stats), stats

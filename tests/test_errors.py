@@ -158,8 +158,11 @@ def test_prompt_of_another_type(bad):
 def test_prompt_longer_than_context_errors_unless_truncation_asked():
     gen = tiny_generator(tiny_model())                  # max_seq_len 256
     long = list(range(1, 90)) * 3                        # 267 tokens
-    with pytest.raises(SpecdecError, match="longer than"):
+    with pytest.raises(SpecdecError, match=r"longer than the 247 .*; shorten it or ask for truncation"):
         gen.generate(long, max_new_tokens=8)
+    with pytest.raises(SpecdecError, match=r"longer than the 5 .*with max_new_tokens=250; lower max_new_tokens "
+                                           r"\(at most 245 with this prompt\), shorten it"):
+        gen.generate(list(range(1, 11)), max_new_tokens=250)      # the answer asked for is what does not fit
     res = gen.generate(long, max_new_tokens=8, truncate=True)
     assert len(res.tokens) == 8 and res.prompt_tokens == 256 - 8 - 1
     gen.tokenizer.bos_id = 7                             # a model with a BOS keeps it in front of the kept tail
@@ -254,6 +257,9 @@ def test_staged_refuses_a_draft_with_another_tokenizer_at_load():
     (["generate"], "exactly one of --prompt"),
     (["generate", "--prompt", "hi", "--method", "ngram", "--draft-model", "smollm2-135m"], "takes no draft_model"),
     (["generate", "--prompt-file", "/nonexistent/file.txt"], "prompt file not found"),
+    (["generate", "--prompt-file", "/dev/null"], "empty prompt"),            # a device reads as a file (empty)
+    (["generate", "--prompt", "hi", "--stop", ""], "--stop takes non-empty strings"),
+    (["generate", "--prompt", "hi", "--threads", "-1"], "--threads"),
     (["generate", "--prompt", "hi", "--num-draft-tokens", "0", "--method", "ngram"], "--num-draft-tokens"),
     (["generate", "--prompt", "hi", "--method", "ngram", "--tree", "4x16"], "applies to methods 'eagle' and 'eagle3' only"),
     (["generate", "--prompt", "hi", "--method", "eagle", "--tree", "4by16"], "TOPKxBUDGET"),
@@ -291,6 +297,9 @@ def test_export_checks_what_needs_no_model_before_loading_one(tmp_path, monkeypa
     assert main(["export", "eagle3", str(tmp_path / "e")]) == 2
     err = capsys.readouterr().err
     assert "Medusa heads export to vllm only" in err and "config.json exists; pass --overwrite" in err
+    assert main(["export", "eagle3", str(tmp_path / "g"), "--model", "gemma3-270m"]) == 2
+    assert "no shipped eagle3 weights for 'gemma3-270m'; train them" in capsys.readouterr().err.replace("\n", " ")
+    assert not (tmp_path / "g").exists()
 
 
 def test_a_method_without_weights_for_the_target_is_refused_before_loading_and_by_the_server():
@@ -319,6 +328,8 @@ def test_a_method_without_weights_for_the_target_is_refused_before_loading_and_b
     state.pool.drafts["eagle3"] = "head.safetensors"                # --draft-model given to the server
     assert speculation(Speculative(method="eagle3"), state) == SpecChoice("eagle3", 4)
     assert speculation(Speculative(method="suffix"), state) == SpecChoice("suffix", 4)
+    state.generator.target = None
+    assert speculation(Speculative(method="auto"), state) == SpecChoice("suffix", 4)     # as load(method="auto")
 
 
 def test_truncate_must_be_a_bool_and_a_closed_stream_keeps_its_result_so_far():
@@ -435,3 +446,43 @@ def test_a_failed_command_leaves_no_empty_directory_it_made(tmp_path):
     with no_empty_dirs_left(out):
         out.mkdir(parents=True)
     assert out.is_dir()                                     # a command that succeeds keeps its folders
+
+
+def test_a_registered_model_given_by_its_path_is_that_model(tmp_path):
+    """The default model's own GGUF by path keeps its name (and so its shipped drafts and heads); another file
+    of the same name is another model."""
+    from specdec.models.registry import resolve
+
+    name, path = resolve("smollm2-135m")
+    assert resolve(str(path)) == (name, path)
+    other = tmp_path / path.name
+    other.write_bytes(b"GGUF")
+    assert resolve(str(other)) == (other.stem, other)
+
+
+def test_unreadable_prompt_files_and_pipes(tmp_path, monkeypatch, capsys):
+    """A file that cannot be read is a one-line error; a pipe (`<(...)`) is read like a file; both before the
+    model loads."""
+    import os
+    import specdec
+
+    monkeypatch.setattr(specdec, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    locked = tmp_path / "locked.txt"
+    locked.write_text("hi")
+    real_read = type(locked).read_bytes
+
+    def refuse(path):                                  # (as root a mode-000 file is still readable)
+        if path.name == "locked.txt":
+            raise PermissionError(13, "Permission denied")
+        return real_read(path)
+
+    monkeypatch.setattr(type(locked), "read_bytes", refuse)
+    assert main(["generate", "--prompt-file", str(locked)]) == 2
+    assert capsys.readouterr().err.strip() == f"specdec: error: cannot read the prompt file {locked}: Permission denied"
+    from specdec.cli import read_text
+
+    r, w = os.pipe()                                   # what bash's <(echo Say hi) hands over: /dev/fd/N
+    os.write(w, "Say hi".encode())
+    os.close(w)
+    assert read_text(f"/dev/fd/{r}", "prompt") == "Say hi"
+    os.close(r)

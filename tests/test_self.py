@@ -122,3 +122,14 @@ def test_reuse_with_a_proposer_that_reads_feature_layers():
     prop.feature_layers = (0, 3)
     gen = tiny_generator(target, prop, "fixed", 3)
     assert gen.generate(PROMPTS[1], max_new_tokens=20).tokens == reference_greedy(target, PROMPTS[1], 20)
+
+
+def test_self_with_n_untrained_layers_is_reported_as_self():
+    """`method self` with `self:N` (the first N layers and the target's own head) is still method self."""
+    from specdec.api import make_proposer
+
+    target = tiny_model(seed=7, layers=4)
+    gen = tiny_generator(target, make_proposer("self", target, tiny_generator(target).tokenizer, "self:2",
+                                               "float32", "cpu"), "fixed", 3)
+    assert gen.method == "self"
+    assert gen.generate([1, 2, 3], max_new_tokens=12).tokens == reference_greedy(target, [1, 2, 3], 12)

@@ -542,6 +542,8 @@ BAD = [  # (what, path, body, status, param)
                                               "modalities": ["text", "audio"]}, 400, "modalities"),
     ("max_completion_tokens over the cap", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 99}, 400, "max_completion_tokens"),
+    ("max_tokens and max_completion_tokens differ", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "max_completion_tokens": 8}, 400, "max_tokens"),
     ("two unsupported fields", "/v1/completions", {"prompt": "hi", "zz": 1, "frobnicate": 2}, 400, "frobnicate"),
     ("unknown model and a bad field", "/v1/completions", {"model": "gpt-4", "prompt": 5}, 404, "model"),
     # a lone surrogate ("\\ud800" is valid JSON, not Unicode): a 400, never a tokenizer's or encoder's 500

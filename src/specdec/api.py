@@ -295,9 +295,11 @@ class Generator:
         ids = self._encode(p, chat)
         if len(ids) > limit:
             if not truncate:
-                raise SpecdecError(f"prompt of {len(ids)} tokens is longer than the {limit} the context window "
-                                   f"({self.target.max_seq_len}) allows with max_new_tokens={max_new_tokens}; "
-                                   "shorten it or ask for truncation (truncate=True / --truncate)")
+                room = self.target.max_seq_len - 1 - len(ids)          # the most new tokens this prompt leaves
+                lower = f"lower max_new_tokens (at most {room} with this prompt), " if room >= 1 else ""
+                raise SpecdecError(f"prompt of {len(ids)} tokens is longer than the {max(limit, 0)} the context "
+                                   f"window ({self.target.max_seq_len}) allows with max_new_tokens={max_new_tokens}; "
+                                   f"{lower}shorten it or ask for truncation (truncate=True / --truncate)")
             keep = 1 if ids[0] == self.tokenizer.bos_id else 0     # the BOS a model needs stays in front
             ids = ids[:keep] + ids[len(ids) - limit + keep:]
         return ids
@@ -519,7 +521,9 @@ def _self_proposer(x: ProposerInputs) -> Proposer:
     if not isinstance(x.target, Transformer):
         raise SpecdecError("method 'self' needs a lean GGUF target")
     if isinstance(x.source, str) and x.source.startswith("self:"):
-        return DraftModelProposer(early_exit_draft(x.target, x.source))
+        proposer = DraftModelProposer(early_exit_draft(x.target, x.source))
+        proposer.name = "self"                     # reported as the method asked for (its class drafts for draft)
+        return proposer
     if x.source is not None and not isinstance(x.source, str):
         raise SpecdecError("method 'self' takes an exit's weights file or self:N, not a model")
     from .proposers.self_spec import SelfProposer

@@ -103,6 +103,19 @@ def add_model_args(p: argparse.ArgumentParser, default_method: str = DEFAULT_MET
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
 
 
+def add_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int_in(0), default=0,
+                   help="torch CPU threads (0 = torch's default, all cores); kernels are chosen per thread count, "
+                        "so greedy text can differ between counts")
+
+
+def set_threads(a: argparse.Namespace) -> None:
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
+
+
 def add_dtype_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=names.DTYPES, type=one_of("dtype", names.DTYPES),
                    help="auto: the fastest mode this machine computes exactly: q4 (the GGUF's 4-bit blocks through "
@@ -121,6 +134,7 @@ def cmd_info(a: argparse.Namespace) -> int:
 
     from .models.registry import cache_dir
 
+    set_threads(a)
     m = probe()
     t0 = time.perf_counter()
     target, _, name = load_model(a.model, a.dtype, a.device)
@@ -168,15 +182,22 @@ def read_text(path: str, what: str) -> str:
     f = Path(path)
     if f.is_dir():
         raise SpecdecError(f"{what} file is a directory: {f}")
-    if not f.is_file():
+    if not f.exists():                             # a pipe (<(...)) or a device reads like a file
         raise SpecdecError(f"{what} file not found: {f}")
     try:
         return f.read_bytes().decode("utf-8")      # as written: "\r\n" stays (read_text would make it "\n")
     except UnicodeDecodeError:
         raise SpecdecError(f"{what} file is not UTF-8 text: {f}") from None
+    except OSError as e:                           # unreadable: permissions, an I/O error
+        raise SpecdecError(f"cannot read the {what} file {f}: {e.strerror or e}") from None
+
+
+LONG_PROMPT_CHARS = 4000                             # about 1000 tokens: a prefill of a second or more
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
+    import time
+
     import specdec
 
     if (a.prompt is None) == (a.prompt_file is None):
@@ -185,6 +206,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
         raise SpecdecError("--prompt-file and --prediction-file cannot both read standard input")
     prompt = read_text(a.prompt_file, "prompt") if a.prompt_file is not None else a.prompt
     prediction = read_text(a.prediction_file, "prediction") if a.prediction_file is not None else ""
+    if prompt == "":                                  # mistakes the model is not needed for: before it loads
+        raise SpecdecError("empty prompt")
+    if "" in a.stop:
+        raise SpecdecError("--stop takes non-empty strings")
+    set_threads(a)
     gen = specdec.load(a.model, method=a.method, dtype=a.dtype, device=a.device, draft_model=a.draft_model,
                        num_draft_tokens=a.num_draft_tokens, draft_policy=a.draft_policy, tree=a.tree,
                        sample_drafts=a.sample_drafts)
@@ -201,13 +227,21 @@ def cmd_generate(a: argparse.Namespace) -> int:
         return 0
     if hasattr(sys.stdout, "reconfigure"):           # a terminal that cannot show a character shows "?"
         sys.stdout.reconfigure(errors="replace")
-    for piece in gen.stream(prompt, **kw):
+    pieces = gen.stream(prompt, **kw)                # (checks the arguments)
+    if len(prompt) >= LONG_PROMPT_CHARS:             # a long prefill says so before its wait
+        print(f"specdec: reading the prompt ({len(gen.tokenizer.encode(prompt, chat))} tokens) ...", file=sys.stderr,
+              flush=True)
+    t0, first = time.perf_counter(), 0.0
+    for piece in pieces:
+        first = first or time.perf_counter() - t0
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
-    m = gen.last_result.metrics
-    lines = [f"method {gen.method}, {m['new_tokens']} tokens in {m['wall_seconds']:.2f} s "
-             f"({m['tokens_per_second']:.1f} tokens/s), {m['target_forwards']} target forwards, tau {m['tau']:.2f}"]
+    m, r = gen.last_result.metrics, gen.last_result
+    ttft = f"; first text after {first:.2f} s" if first else ""        # the prompt's prefill is in it
+    lines = [f"method {gen.method}, {m['new_tokens']} token{'s' * (m['new_tokens'] != 1)} in {m['wall_seconds']:.2f} "
+             f"s after a prompt of {r.prompt_tokens} ({m['tokens_per_second']:.1f} tokens/s, prefill included{ttft}), "
+             f"{m['target_forwards']} target forwards, tau {m['tau']:.2f}"]
     if m["acceptance_rate"] is not None:
         per = " ".join(f"{x:.2f}" for x in m["acceptance_per_position"])
         lines.append(f"acceptance {m['acceptance_rate']:.2f} (per position: {per}); "
@@ -273,6 +307,7 @@ def build_parser() -> SpecdecParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable) (default: none)")
     g.add_argument("--truncate", action="store_true", help="keep the end of a prompt that is too long for the context")
     g.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
+    add_threads_arg(g)
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("info", help="this machine, the kernels and dtype chosen, and the self-check of exactness",
@@ -280,6 +315,7 @@ def build_parser() -> SpecdecParser:
     i.add_argument("--model", default=DEFAULT_MODEL, help="registered name or .gguf path to check")
     add_dtype_arg(i)
     i.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    add_threads_arg(i)
     i.add_argument("--json", action="store_true", help="print one JSON object")
     i.set_defaults(func=cmd_info)
 

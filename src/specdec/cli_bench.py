@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from .models.base import CausalLM
     from .models.tokenizer import Tokenizer
 
-DEFAULT_METHODS = "none,ngram,draft,eagle,medusa,hybrid"
+DEFAULT_METHODS = "none,suffix,ngram,draft,eagle,eagle3,medusa,hybrid"   # suffix: the default method
 
 
 def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter]) -> None:

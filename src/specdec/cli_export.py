@@ -21,16 +21,21 @@ def _target(model: str):
 
 
 def cmd_export(a: argparse.Namespace) -> int:
-    from .api import shipped
+    from .api import has_shipped, shipped, train_hint
     from .export import check_out, export_eagle3, export_medusa
+    from .models.registry import resolve
 
     if a.kind == "medusa" and a.format != "vllm":               # what needs no model is checked before loading one
         raise SpecdecError(f"Medusa heads export to vllm only, not {a.format!r}")
+    name = resolve(a.model)[0]
+    if not a.weights and not has_shipped(name, a.kind):
+        raise SpecdecError(f"no shipped {a.kind} weights for {name!r}; {train_hint(name, a.kind, '')}; then export "
+                           "that file with --weights FILE")
     out_dir = Path(a.out_dir)
     with no_empty_dirs_left(out_dir):                           # a failed export leaves no directory it made
         check_out(out_dir, a.overwrite)
         target = _target(a.model)
-        weights = Path(a.weights) if a.weights else shipped(target.config.name, a.kind)
+        weights = Path(a.weights) if a.weights else shipped(name, a.kind)
         if a.kind == "eagle3":
             from .models.eagle3 import Eagle3Head
 

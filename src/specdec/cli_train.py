@@ -54,7 +54,12 @@ def _train_dtype(a: argparse.Namespace):
     """The resolved --train-dtype (auto measures this machine once, see train/precision.py)."""
     from .train.precision import train_dtype
 
+    _threads(a)                                   # first: the dtype is measured at this thread count
     return train_dtype(a.train_dtype)
+
+
+def _threads_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default, all cores)")
 
 
 def _threads(a: argparse.Namespace) -> None:
@@ -80,6 +85,7 @@ def cmd_data(a: argparse.Namespace) -> int:
     _check_args(a)
     out = Path(a.out or f"runs/data/{a.model}")
     writable_dir(out, "--out")
+    _threads(a)
     out = generate_data(a.model, out, a.max_prompts, a.max_new_tokens, a.batch, a.greedy_fraction, a.seed)
     print(f"data in {out}")
     return 0
@@ -192,9 +198,10 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     d.add_argument("--out", default=None, help="directory (default runs/data/MODEL)")
     d.add_argument("--max-prompts", type=int, default=6144, help="training prompts to answer")
     d.add_argument("--max-new-tokens", type=int, default=128, help="answer length cap")
-    d.add_argument("--batch", type=int, default=32, help="prompts decoded together (bf16 batches)")
+    d.add_argument("--batch", type=int, default=32, help="prompts decoded together")
     d.add_argument("--greedy-fraction", type=float, default=0.75, help="share of batches decoded greedily")
     d.add_argument("--seed", type=int, default=0, help="prompt order and sampling seed")
+    _threads_option(d)
     d.set_defaults(func=cmd_data)
 
     g = tsub.add_parser("magpie", help="self-generated conversations (the target writes questions and answers), "
@@ -205,7 +212,7 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     g.add_argument("--shards", type=int, default=4, help="shards to add")
     g.add_argument("--rows", type=int, default=256, help="conversations per shard")
     g.add_argument("--batch", type=int, default=16, help="conversations decoded together")
-    g.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    _threads_option(g)
     g.add_argument("--seed", type=int, default=0, help="seed (each shard derives its own from it and its number)")
     g.set_defaults(func=cmd_magpie)
 
@@ -224,6 +231,7 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     e.add_argument("--overwrite", action="store_true", help="replace an existing output file and start "
                    "afresh (an interrupted run's checkpoint beside it is discarded)")
     _dtype_option(e)
+    _threads_option(e)
     e.set_defaults(func=cmd_eagle)
 
     e3 = tsub.add_parser("eagle3", help="an EAGLE-3 head (fused low/mid/high features, training-time test) "
@@ -262,7 +270,7 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     e3.add_argument("--prompt-weight", type=float, default=1.0, metavar="W", help="loss weight of the draft "
                     "positions inside prompts (system prompt, template, question), which drafting never meets; "
                     "answer positions weigh 1")
-    e3.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    _threads_option(e3)
     _dtype_option(e3)
     e3.set_defaults(func=cmd_eagle3)
 
@@ -286,6 +294,7 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     x.add_argument("--features", default=None, help="feature cache directory (default: $SPECDEC_CACHE/features/MODEL); "
                                                     "about 1 MB per conversation and layer count")
     _dtype_option(x)
+    _threads_option(x)
     x.set_defaults(func=cmd_exit)
 
     m = tsub.add_parser("medusa", help="Medusa heads (one per future position)", formatter_class=fmt)
@@ -304,6 +313,7 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     m.add_argument("--overwrite", action="store_true", help="replace an existing output file and start "
                    "afresh (an interrupted run's checkpoint beside it is discarded)")
     _dtype_option(m)
+    _threads_option(m)
     m.set_defaults(func=cmd_medusa)
 
     r = tsub.add_parser("draft", help="a small draft model distilled from the target (KL to its outputs)",
@@ -324,4 +334,5 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     r.add_argument("--overwrite", action="store_true", help="replace an existing output file and start "
                    "afresh (an interrupted run's checkpoint beside it is discarded)")
     _dtype_option(r)
+    _threads_option(r)
     r.set_defaults(func=cmd_draft)

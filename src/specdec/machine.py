@@ -109,7 +109,8 @@ class Machine:
         return self.torch_capability
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "native_bf16": self.native_bf16, "kernel_family": self.kernel_family}
+        return {**asdict(self), "isa_limit": self.isa_limit or None,          # JSON: null when unset, as runtime's
+                "native_bf16": self.native_bf16, "kernel_family": self.kernel_family}
 
 
 def _onednn_bf16() -> bool:

@@ -118,12 +118,28 @@ class ModelSpec:
     name: str
     locate: Callable[[], Path]
     description: str
+    file_name: str                      # the GGUF's file name where locate() finds it
 
 
 MODELS: dict[str, ModelSpec] = {
-    "smollm2-135m": ModelSpec("smollm2-135m", _smollm2, "SmolLM2-135M-Instruct, Q4_1 GGUF (llama, 30 layers); the default target"),
-    "gemma3-270m": ModelSpec("gemma3-270m", _gemma3, "Gemma-3-270M base, Q4_K_M GGUF (gemma3, 18 layers)"),
+    "smollm2-135m": ModelSpec("smollm2-135m", _smollm2, "SmolLM2-135M-Instruct, Q4_1 GGUF (llama, 30 layers); the default target",
+                              "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3-270m": ModelSpec("gemma3-270m", _gemma3, "Gemma-3-270M base, Q4_K_M GGUF (gemma3, 18 layers)",
+                             "gemma-3-270m-q4_k_m.gguf"),
 }
+
+
+def registered_as(path: Path) -> str:
+    """The registered name of the GGUF file at `path` ("" for any other file): a registered model given by its
+    path is that model (its shipped drafts and heads included)."""
+    for spec in MODELS.values():
+        if path.name == spec.file_name:
+            try:
+                if path.samefile(spec.locate()):
+                    return spec.name
+            except (SpecdecError, OSError):
+                pass
+    return ""
 
 
 def resolve(name_or_path: str) -> tuple[str, Path]:
@@ -136,6 +152,6 @@ def resolve(name_or_path: str) -> tuple[str, Path]:
             raise SpecdecError(f"{p} is a directory, not a GGUF file")
         if not p.is_file():
             raise SpecdecError(f"GGUF file not found: {p}")
-        return p.stem, p
+        return registered_as(p) or p.stem, p
     raise SpecdecError(f"unknown model {name_or_path!r}; {did_you_mean(name_or_path, MODELS)}known models: "
                        f"{', '.join(MODELS)} (or a path to a .gguf file)")

@@ -27,11 +27,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..api import WEIGHTS_OF, DraftSource, Generator, has_shipped, runtime_info
+from ..api import WEIGHTS_OF, DraftSource, Generator, best_method, has_shipped, runtime_info
 from ..draft_length import MAX_DRAFT_TOKENS
 from ..engine import Request
 from ..errors import SpecdecError
-from ..names import DEFAULT_SAMPLE_DRAFTS
+from ..names import AUTO_METHOD, DEFAULT_SAMPLE_DRAFTS
 from ..prefix_cache import PrefixCache
 from ..sampling import SamplingParams
 from ..tree import TreeShape
@@ -205,6 +205,8 @@ def speculation(value: Speculative | None, state: ServerState) -> SpecChoice:
     if value is None:
         return state.default
     method = value.method or state.default.method
+    if method == AUTO_METHOD:                          # as `load(method="auto")`: the best method for the model
+        method = best_method(state.generator.target)
     if method == "none":
         return SpecChoice("none", 0)
     if method in WEIGHTS_OF and not state.pool.drafts.get(method) and not has_shipped(state.model_name,
@@ -235,12 +237,13 @@ def check_prompt_length(ids: list[int], max_tokens: int, state: ServerState, par
 def parse_common(req: CommonRequest, state: ServerState, max_tokens_names: tuple[str, ...]) -> dict:
     """The parameters both endpoints share (max_tokens 0: not given)."""
     cap, max_tokens = state.config.max_tokens, 0
-    for name in max_tokens_names:
-        value = getattr(req, name)
-        if value is not None:
-            if value > cap:
-                raise bad(f"{name} must be <= {cap} (this server's --max-tokens), got {value}", name)
-            max_tokens = value
+    given = {name: getattr(req, name) for name in max_tokens_names if getattr(req, name) is not None}
+    if len(set(given.values())) > 1:
+        raise bad(f"{' and '.join(given)} differ ({', '.join(map(str, given.values()))}): send one", next(iter(given)))
+    for name, value in given.items():
+        if value > cap:
+            raise bad(f"{name} must be <= {cap} (this server's --max-tokens), got {value}", name)
+        max_tokens = value
     prediction = prediction_ids(req.prediction, state)
     if req.n not in (None, 1):
         raise bad("only n=1 is supported" + (" (and a prediction needs n=1)" if prediction else ""), "n",

@@ -17,6 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, GetPydanticSc
 from pydantic_core import PydanticCustomError
 
 from ..api import METHODS
+from ..names import AUTO_METHOD
 
 MAX_STOP = 4
 ROLES = ("system", "user", "assistant", "developer")
@@ -79,7 +80,7 @@ class StreamOptions(Body):
 
 class Speculative(Body):
     """The extension choosing this request's speculation (absent: the server's default)."""
-    method: Literal[METHODS] | None = None
+    method: Literal[(AUTO_METHOD, *METHODS)] | None = None
     num_draft_tokens: int | None = Field(None, ge=1, description="draft length K (at most the server's bound)")
 
 
