@@ -736,7 +736,8 @@ def load(model: str | Path = DEFAULT_MODEL, method: str = names.AUTO_METHOD, dty
     if not isinstance(sample_drafts, str) or sample_drafts not in names.SAMPLE_DRAFTS:
         raise SpecdecError(names.unknown("sample_drafts setting", sample_drafts, names.SAMPLE_DRAFTS))
     if draft_model is not None and method in names.DRAFTLESS:
-        raise SpecdecError(f"method {method!r} drafts from the context and takes no draft_model (--draft-model); "
+        what = "decodes without drafts" if method == "none" else "drafts from the context"
+        raise SpecdecError(f"method {method!r} {what} and takes no draft_model (--draft-model); "
                            "use method 'draft' for a draft model")
     if not isinstance(draft_model, (str, Path, torch.nn.Module, type(None))):
         raise SpecdecError(f"draft_model must be a name, a path or a loaded model, got {type(draft_model).__name__}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -112,6 +113,17 @@ def book_path() -> Path:
     return cache_dir() / "kernel-checks" / f"{hashlib.sha256(stamp.encode()).hexdigest()[:16]}.json"
 
 
+_announced: list[bool] = []          # the first check or timing of this process has said so on the log
+
+
+def announce() -> None:
+    """One log line (stderr under the CLI) before the first kernel check or timing a start pays for."""
+    if not _announced:
+        _announced.append(True)
+        logging.getLogger("specdec").info("checking and timing the kernels for this CPU and thread count (once; kept "
+                                          "in %s) ...", book_path().parent)
+
+
 def checked(key: tuple, kernel: Callable[[Tensor], Tensor], n_in: int, dtype: torch.dtype) -> RowCheck:
     """`check_rows` of `kernel`, run once per machine for each `key` (a kernel family and its shape: kernels
     are chosen by those, not by the values) and kept in `book_path()`, so a start does not pay for it again
@@ -122,6 +134,7 @@ def checked(key: tuple, kernel: Callable[[Tensor], Tensor], n_in: int, dtype: to
         with _locked_book() as book:                                           # another process may have it now
             entry = book.get(name)
             if not (isinstance(entry, list) and len(entry) == width):
+                announce()
                 c = check_rows(kernel, check_inputs(n_in, dtype))
                 entry = book[name] = [c.many_rows, c.lone_row, c.max_rows]
     return RowCheck(*entry)
@@ -207,6 +220,7 @@ def fastest(key: tuple, makers: dict[str, Callable[[], Kernel]], w: Tensor) -> K
         entry = book.get(name)
         if isinstance(entry, list) and entry and entry[0] in makers:              # another process chose meanwhile
             return makers[entry[0]]()
+        announce()
         built = {n: make() for n, make in makers.items()}
         valid = {n: k for n, k in built.items() if k.check.many_rows} or dict([next(iter(built.items()))])
         cost = seconds_per_call(valid, w) if len(valid) > 1 else {n: 0.0 for n in valid}
