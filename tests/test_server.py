@@ -1025,6 +1025,36 @@ def test_a_wrong_method_is_a_405_that_names_the_allowed_methods(server):
     assert r.status_code == 404 and "names no model" in r.json()["error"]["message"]
 
 
+def test_cors_for_the_origins_the_server_names(gen, server):
+    """--cors-origin: a browser's preflight is answered and responses carry the origin; a server without it sends
+    no CORS headers (browsers then refuse cross-origin calls) and other origins get none."""
+    app_origin = "http://localhost:3000"
+    srv = LiveServer(ServerState(gen, ServeConfig(max_batch=1, max_prompt_tokens=64, max_tokens=4, api_keys=(KEY,),
+                                                  cors_origins=(app_origin,))))
+    try:
+        pre = requests.options(srv.url + "/v1/chat/completions", timeout=10, headers={
+            "Origin": app_origin, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == app_origin
+        assert "POST" in pre.headers["access-control-allow-methods"]
+        r = requests.post(srv.url + "/v1/completions", timeout=60, headers={"Origin": app_origin,
+                                                                            "Authorization": f"Bearer {KEY}"},
+                          json={"prompt": PROMPT, "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == app_origin
+        denied = requests.post(srv.url + "/v1/completions", timeout=60, headers={"Origin": app_origin},
+                               json={"prompt": PROMPT, "max_tokens": 2})              # no key: a 401 the app can read
+        assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == app_origin
+        other = requests.post(srv.url + "/v1/completions", timeout=60, headers={"Origin": "http://elsewhere.example",
+                                                                                "Authorization": f"Bearer {KEY}"},
+                              json={"prompt": PROMPT, "max_tokens": 2, "temperature": 0})
+        assert "access-control-allow-origin" not in other.headers
+    finally:
+        srv.stop()
+    plain = requests.post(server.url + "/v1/completions", timeout=60, headers={"Origin": app_origin},
+                          json={"prompt": PROMPT, "max_tokens": 2, "temperature": 0})
+    assert plain.status_code == 200 and "access-control-allow-origin" not in plain.headers
+
+
 def test_chat_messages_that_fill_the_context_say_so_without_naming_a_max_tokens_not_sent(gen):
     """No max_tokens sent and no room left after the messages: the error says the messages fill the context
     (not "max_tokens (1)", a value the client never sent)."""

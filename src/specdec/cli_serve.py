@@ -34,6 +34,9 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     p.add_argument("--max-prompt-tokens", type=int_in(1), default=1024,
                    help="longest prompt a request may send, in tokens (400 beyond)")
     p.add_argument("--max-tokens", type=int_in(1), default=512, help="largest max_tokens a request may ask for")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="let browser apps from ORIGIN (e.g. http://localhost:3000; * for any) call the API: CORS "
+                        "headers and preflights (repeatable; default: none, browsers refuse cross-origin calls)")
     p.add_argument("--max-body-bytes", type=int_in(1), default=1 << 20, help="largest request body (413 beyond)")
     p.add_argument("--prefill-tokens", type=int_in(1), default=256,
                    help="prompt tokens prefilled per step; while sequences decode, prefill and decode steps alternate, "
@@ -113,6 +116,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise SpecdecError("--api-key must not be empty")
     config = ServeConfig(max_batch=a.max_batch, max_waiting=a.max_waiting, max_prompt_tokens=a.max_prompt_tokens,
                          max_tokens=a.max_tokens, max_body_bytes=a.max_body_bytes, api_keys=keys,
+                         cors_origins=tuple(a.cors_origin),
                          prefill_tokens=a.prefill_tokens, prefix_cache_mb=a.prefix_cache_mb,
                          prefill_threads=a.prefill_threads or cores, max_engines=a.max_engines,
                          learn=LearnConfig(enabled=a.learn, checkpoint=a.learn_checkpoint))

@@ -25,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..api import WEIGHTS_OF, DraftSource, Generator, best_method, has_shipped, runtime_info
@@ -55,6 +56,7 @@ class ServeConfig:
     max_tokens: int = 512               # cap on a request's max_tokens
     max_body_bytes: int = 1 << 20
     api_keys: tuple[str, ...] = ()      # accepted bearer tokens (none: no auth); each key is a suffix tenant
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any; none: no CORS headers)
     max_engines: int = 4                # distinct (method, K) engines kept at once
     prefill_tokens: int = 256           # prompt tokens prefilled per step (prefill and decode steps alternate)
     prefix_cache_mb: int = 512          # the prefix cache's budget for keys, values and hidden states (0: off)
@@ -74,6 +76,8 @@ class ServeConfig:
             raise SpecdecError(f"max_waiting must be an integer >= 0, got {self.max_waiting!r}")
         if not isinstance(self.api_keys, tuple) or not all(isinstance(k, str) and k for k in self.api_keys):
             raise SpecdecError("api_keys must be a tuple of non-empty strings")
+        if not isinstance(self.cors_origins, tuple) or not all(isinstance(o, str) and o for o in self.cors_origins):
+            raise SpecdecError("cors_origins must be a tuple of non-empty strings")
 
 
 class ServerState:
@@ -593,6 +597,9 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="specdec", summary="OpenAI-compatible completions with lossless speculative decoding",
                   lifespan=lifespan, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     app.add_middleware(BodyLimit, limit=state.config.max_body_bytes)
+    if state.config.cors_origins:                # outermost: a preflight is answered before anything else
+        app.add_middleware(CORSMiddleware, allow_origins=list(state.config.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], max_age=600)
     routes = Routes(state)
     add_error_handlers(app, routes)
     add_routes(app, routes)
