@@ -227,3 +227,18 @@ def test_catches_a_tree_verifier_that_recovers_from_p_with_the_rejected_children
     monkeypatch.setattr(engine_mod, "verify_tree", recover_from_p)
     model = target()
     assert caught(model, eagle_tree(model), FULL, n=3000)
+
+
+def test_full_chains_and_their_bonus_tokens():
+    """Chains of K = 5 drafts long enough to be accepted whole: the joint law of 7 sampled tokens (top_k 2: 128
+    outcomes), where a good share of the sequences commit 6 tokens (5 accepted drafts and the bonus) in one
+    forward and the rest mix accepted, recovered and bonus tokens at every position."""
+    target = tiny_model(seed=20, vocab=V, std=0.5)
+    params = SamplingParams(1.0, 2)
+    reqs = [Request([1, 2, 3], 7, SamplingParams(1.0, 2, 1.0, seed)) for seed in range(4000)]
+    seqs = run_engine(target, DraftModelProposer(perturbed_copy(target, 0.02)), reqs, "fixed", 5)
+    whole = sum(s.counters.target_forwards == 2 for s in seqs)             # one chain of 5, then the last token
+    assert whole >= 400, f"only {whole} sequences accepted a whole chain"
+    assert min(s.counters.target_forwards for s in seqs) == 2 and max(s.counters.target_forwards for s in seqs) > 2
+    p = check_joint([tuple(s.generated) for s in seqs], exact_joint(target, [1, 2, 3], params, 7))
+    assert p > 1e-3, p

@@ -209,3 +209,27 @@ def test_sample_drafts_is_refused_where_it_does_not_apply():
     assert sample_drafts_from("auto", "eagle", TreeShape(4, 16)) == sample_drafts_from("auto", "ngram") == math.inf
     assert sample_drafts_from("off", "eagle3") == math.inf and sample_drafts_from("on", "eagle3") == 0.0
     assert sample_drafts_from("auto", "eagle3") == sample_drafts_from("auto", "eagle") == AUTO_SAMPLE_FROM
+
+
+@pytest.mark.parametrize("head_kind", ["eagle", "eagle3"])
+def test_a_newcomer_beside_a_long_row_catches_up_within_the_rotary_table(head_kind):
+    """A request joins a batch whose other row is 200 tokens along (context 256): the head's catch-up feeds both
+    rows' waiting pairs in one forward padded to the newcomer's prompt, whose padding runs past the last
+    position the rotary table holds. It is never kept: both outputs stay the target's."""
+    target = tiny_model(seed=20, vocab=V, std=0.5, layers=6)
+    if head_kind == "eagle":
+        head = head_for(target)
+    else:
+        head = Eagle3Head(target, Eagle3Config.for_target(target, V), torch.arange(V)).init_from_target()
+    eng = Engine(target, EagleProposer(head, 1, 4, 4, min_confidence=0.0), make_policy("fixed", 4), lambda ids: "",
+                 frozenset())
+    eng.allocate(2, 256)
+    long, short = [i % V for i in range(200)], [(3 * i) % V for i in range(58)]
+    a = eng.add(Request(long, 40))
+    with torch.inference_mode():
+        for _ in range(3):
+            eng.step()
+        b = eng.add(Request(short, 5))
+        while eng.busy:
+            eng.step()
+    assert a.generated == reference_greedy(target, long, 40) and b.generated == reference_greedy(target, short, 5)

@@ -61,6 +61,11 @@ class EagleHead(nn.Module):
         w = t.output if t.output.numel() else t.embed
         return w[self.vocab_ids.to(w.device)]                  # [V', H]
 
+    @property
+    def max_seq_len(self) -> int:
+        """Positions the head takes: its rotary table's (the target's)."""
+        return self.core.config.max_seq_len
+
     def new_cache(self, rows: int, slots: int, past_context: int = 0) -> KVCache:
         return self.core.new_cache(rows, slots, past_context)
 

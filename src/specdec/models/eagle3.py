@@ -193,6 +193,11 @@ class Eagle3Head(nn.Module):
         return self._lin(self.norm(h), self.lm_head, "lm_head").float()
 
     # ---- inference with a cache ------------------------------------------------------
+    @property
+    def max_seq_len(self) -> int:
+        """Positions the head takes: its rotary table's (the target's)."""
+        return self.cfg.max_seq_len
+
     def new_cache(self, rows: int, slots: int, past_context: int = 0) -> KVCache:
         """A cache of `slots` per row, at most the context and `past_context` more (tree scratch at its end)."""
         c = self.cfg

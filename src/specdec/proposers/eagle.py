@@ -72,7 +72,9 @@ class EagleProposer:
             tok[i, :len(t)] = torch.tensor(t)
             f[i, :len(t)] = x
         base = self.cache.lengths[rows]
-        out = self.head(tok, f, base[:, None] + torch.arange(T, device=dev), self.cache, rows)
+        # a short row's padding may run past the rotary table: its entries are never kept, any position serves
+        pos = (base[:, None] + torch.arange(T, device=dev)).clamp(max=self.head.max_seq_len - 1)   # [B, T]
+        out = self.head(tok, f, pos, self.cache, rows)
         self.cache.commit(rows, torch.arange(T, device=dev).expand(B, T), n)
         for i, r in enumerate(rows.tolist()):
             self.pred[r] = out[i, int(n[i]) - 1]
