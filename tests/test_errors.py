@@ -240,7 +240,8 @@ def test_load_rejects_unknown_method_before_loading():
 
 @pytest.mark.parametrize("method", ["none", "ngram", "suffix"])
 def test_load_refuses_a_draft_model_for_methods_without_one(method):
-    with pytest.raises(SpecdecError, match=f"method '{method}' drafts from the context and takes no draft_model"):
+    what = "decodes without drafts" if method == "none" else "drafts from the context"
+    with pytest.raises(SpecdecError, match=f"method '{method}' {what} and takes no draft_model"):
         specdec.load("smollm2-135m", method=method, draft_model="smollm2-135m")
 
 

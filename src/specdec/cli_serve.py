@@ -36,7 +36,7 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     p.add_argument("--max-tokens", type=int_in(1), default=512, help="largest max_tokens a request may ask for")
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="let browser apps from ORIGIN (e.g. http://localhost:3000; * for any) call the API: CORS "
-                        "headers and preflights (repeatable; default: none, browsers refuse cross-origin calls)")
+                        "headers and preflights (repeatable) (default: none: browsers refuse cross-origin calls)")
     p.add_argument("--max-body-bytes", type=int_in(1), default=1 << 20, help="largest request body (413 beyond)")
     p.add_argument("--prefill-tokens", type=int_in(1), default=256,
                    help="prompt tokens prefilled per step; while sequences decode, prefill and decode steps alternate, "

@@ -122,7 +122,8 @@ class ModelSpec:
 
 
 MODELS: dict[str, ModelSpec] = {
-    "smollm2-135m": ModelSpec("smollm2-135m", _smollm2, "SmolLM2-135M-Instruct, Q4_1 GGUF (llama, 30 layers); the default target",
+    "smollm2-135m": ModelSpec("smollm2-135m", _smollm2,
+                              "SmolLM2-135M-Instruct, Q4_1 GGUF (llama, 30 layers); the default target",
                               "SmolLM2-135M-Instruct.Q4_1.gguf"),
     "gemma3-270m": ModelSpec("gemma3-270m", _gemma3, "Gemma-3-270M base, Q4_K_M GGUF (gemma3, 18 layers)",
                              "gemma-3-270m-q4_k_m.gguf"),

@@ -625,7 +625,8 @@ def add_error_handlers(app: FastAPI, routes: Routes) -> None:
         if e.status_code == 404 and detail == "Not Found":                                   # Starlette's words
             detail = f"no such route: {request.method} {request.url.path} (see /docs)"
         if e.status_code == 405 and detail == "Method Not Allowed":
-            detail = f"{request.method} is not allowed on {request.url.path} (allowed: {(e.headers or {}).get('Allow')})"
+            allowed = (e.headers or {}).get("Allow")
+            detail = f"{request.method} is not allowed on {request.url.path} (allowed: {allowed})"
         if e.status_code == 400 and detail == "There was an error parsing the body":      # FastAPI's words
             detail = ("the request body could not be parsed: send one JSON object as UTF-8 text, uncompressed "
                       "(no Content-Encoding), nested less than 1000 levels deep")
