@@ -356,3 +356,28 @@ def test_text_a_terminal_cannot_encode_is_replaced_not_a_traceback(monkeypatch, 
     stats = capsys.readouterr().err.strip()             # what the rate counts: the prefill too
     assert re.fullmatch(r"method none, 2 tokens in 0\.10 s after a prompt of 3 \(20\.0 tokens/s, prefill included; "
                         r"first text after \d\.\d\d s\), 2 target forwards, tau 1\.00", stats), stats
+
+
+def test_serve_shares_a_draft_of_the_same_tokenizer_and_names_one_of_another(monkeypatch):
+    """serve --draft-model: a draft with the target's tokenizer is loaded once and shared by the draft engines;
+    one with another tokenizer (gemma3-270m drafted by smollm2-135m) is passed by name, each draft engine
+    building its own vocabulary map; a head's file goes to its method."""
+    from types import SimpleNamespace
+
+    import specdec.api
+    from specdec.cli_serve import drafts_for_server
+    from specdec.proposers.cross_vocab import CrossVocabProposer
+    from specdec.proposers.draft_model import DraftModelProposer
+
+    same = DraftModelProposer(object())
+    other = object.__new__(CrossVocabProposer)
+    a = SimpleNamespace(draft_model="smollm2-135m", dtype="auto", device="cpu")
+    gen = SimpleNamespace(method="draft", proposer=same, target=None, tokenizer=None)
+    assert drafts_for_server(a, gen) == {"draft": same.model}
+    assert drafts_for_server(a, SimpleNamespace(**{**vars(gen), "proposer": other})) == {"draft": "smollm2-135m"}
+    for made in (same, other):
+        monkeypatch.setattr(specdec.api, "make_proposer", lambda *args, made=made: made)
+        want = same.model if made is same else "smollm2-135m"
+        assert drafts_for_server(a, SimpleNamespace(**{**vars(gen), "method": "suffix"})) == {"draft": want}
+    head = SimpleNamespace(draft_model="head.safetensors")
+    assert drafts_for_server(head, SimpleNamespace(**{**vars(gen), "method": "eagle3"})) == {"eagle3": "head.safetensors"}

@@ -13,6 +13,7 @@ from helpers import tiny_generator, tiny_model
 from specdec.engine import Request
 from specdec.errors import SpecdecError
 from specdec.models.eagle3 import Eagle3Config, Eagle3Head
+from specdec.proposers.base import NoProposer
 from specdec.proposers.eagle import EagleProposer
 from specdec.reference import reference_greedy
 from specdec.sampling import SamplingParams
@@ -281,3 +282,16 @@ def test_the_start_up_line_says_when_the_default_method_does_not_learn():
 
     assert learn_line("hybrid", Path("h.safetensors")).endswith("(head kept in h.safetensors)")
     assert "suffix drafts without the head (--method hybrid" in learn_line("suffix", Path("h.safetensors"))
+
+
+def test_learning_without_a_head_to_learn_into_is_refused_at_start(target, head_file, tmp_path):
+    """A model with no shipped EAGLE-3 head, none given and no checkpoint yet: nothing to learn into."""
+    gen = tiny_generator(target, NoProposer(), "fixed", 4)
+    with pytest.raises(SpecdecError, match=r"--learn trains an EAGLE-3 head, and none is shipped for .*give one "
+                                           r"\(--method eagle3 --draft-model HEAD.safetensors"):
+        ServerState(gen, ServeConfig(max_batch=2, max_prompt_tokens=32, max_tokens=NEW, prefix_cache_mb=0,
+                                     learn=learn_config(tmp_path / "head.safetensors")))
+    state = ServerState(gen, ServeConfig(max_batch=2, max_prompt_tokens=32, max_tokens=NEW, prefix_cache_mb=0,
+                                         learn=learn_config(tmp_path / "head.safetensors")),
+                        drafts={"eagle3": str(head_file)})                           # a head given: it learns
+    assert state.pool.drafts["eagle3"] == str(head_file)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from .cli import add_model_args, int_in
 from .errors import SpecdecError
-from .names import DRAFTLESS
+from .names import AUTO_METHOD, DRAFTLESS
 
 if TYPE_CHECKING:
     from .api import Generator
@@ -78,12 +78,16 @@ def drafts_for_server(a: argparse.Namespace, gen: Generator) -> dict[str, str | 
     """
     from .api import make_proposer
 
+    from .proposers.draft_model import DraftModelProposer
+
     if a.draft_model is None:
         return {}
-    if gen.method == "draft":
-        return {"draft": gen.proposer.model}
-    if gen.method in DRAFTLESS:
-        return {"draft": make_proposer("draft", gen.target, gen.tokenizer, a.draft_model, a.dtype, a.device).model}
+    if gen.method in ("draft", *DRAFTLESS):
+        proposer = gen.proposer if gen.method == "draft" else \
+            make_proposer("draft", gen.target, gen.tokenizer, a.draft_model, a.dtype, a.device)
+        # a draft with the target's tokenizer is shared; one with another (cross-vocabulary) is named, and each
+        # draft engine loads it with its own vocabulary map
+        return {"draft": proposer.model if isinstance(proposer, DraftModelProposer) else a.draft_model}
     return {gen.method: a.draft_model}
 
 
@@ -93,7 +97,8 @@ def learn_line(method: str, checkpoint: Path) -> str:
 
     note = "" if method in LEARNED_METHODS else \
         f"; the default method {method} drafts without the head (--method hybrid learns from every request)"
-    return f"specdec: learning from eagle3 and hybrid requests (head kept in {checkpoint}){note}"
+    kept = "resuming the head learnt in" if checkpoint.exists() else "head kept in"
+    return f"specdec: learning from eagle3 and hybrid requests ({kept} {checkpoint}){note}"
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -123,7 +128,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if a.learn_checkpoint and not a.learn:
         raise SpecdecError("--learn-checkpoint goes with --learn")
     torch.set_num_threads(a.threads or cores)
-    own_draft = a.draft_model if a.method not in DRAFTLESS else None   # else: requests' method 'draft' uses it
+    own_draft = a.draft_model if a.method not in (*DRAFTLESS, AUTO_METHOD) else None   # else: method 'draft' uses it
     gen = specdec.load(a.model, method=a.method, dtype=a.dtype, device=a.device, draft_model=own_draft,
                        num_draft_tokens=a.num_draft_tokens, draft_policy=a.draft_policy, tree=a.tree,
                        sample_drafts=serve_sample_drafts(a.sample_drafts, a.method))

@@ -36,7 +36,7 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from torch import Tensor
 
-from ..api import DraftSource
+from ..api import DraftSource, has_shipped, train_hint
 from ..errors import SpecdecError
 from ..files import writable_file
 from ..models.decoder import Transformer
@@ -354,7 +354,7 @@ class OnlineLearner:
     the live heads, on the worker thread only."""
 
     def __init__(self, config: LearnConfig, target: Transformer, model: str, registry: CollectorRegistry) -> None:
-        self.config, self.target = config, target
+        self.config, self.target, self.model = config, target, model
         self.path = config.checkpoint_path(model)
         writable_file(self.path, "--learn-checkpoint")     # learning that cannot be kept: refused at start
         self.earlier = {"learnt_updates": 0, "learnt_tokens": 0}   # what the checkpoint's earlier runs learnt
@@ -377,6 +377,9 @@ class OnlineLearner:
         """The pool's drafts, with one head for every learning method: the checkpoint where one exists, else the
         head given for one of them (eagle3's first), else the shipped one."""
         given = [str(self.path)] if self.path.exists() else [drafts[m] for m in LEARNED_METHODS if drafts.get(m)]
+        if not given and not has_shipped(self.model, "eagle3"):            # nothing to learn into: refused at start
+            raise SpecdecError(f"--learn trains an EAGLE-3 head, and none is shipped for {self.model!r}: give one "
+                               f"(--method eagle3 --draft-model HEAD.safetensors; {train_hint(self.model, 'eagle3')})")
         return {**drafts, **{m: given[0] for m in LEARNED_METHODS}} if given else drafts
 
     # ---- collecting (engine pool, scheduler) ----------------------------------------------
