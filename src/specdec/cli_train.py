@@ -6,6 +6,7 @@ import json
 import math
 from pathlib import Path
 
+from .cli import set_threads
 from .errors import SpecdecError
 from .files import writable_dir, writable_file
 from .models.registry import DEFAULT_MODEL, MODELS
@@ -54,19 +55,12 @@ def _train_dtype(a: argparse.Namespace):
     """The resolved --train-dtype (auto measures this machine once, see train/precision.py)."""
     from .train.precision import train_dtype
 
-    _threads(a)                                   # first: the dtype is measured at this thread count
+    set_threads(a)                                # first: the dtype is measured at this thread count
     return train_dtype(a.train_dtype)
 
 
 def _threads_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default, all cores)")
-
-
-def _threads(a: argparse.Namespace) -> None:
-    if a.threads > 0:
-        import torch
-
-        torch.set_num_threads(a.threads)
 
 
 def magpie_dir(given: str | None, model: str) -> Path:
@@ -85,7 +79,7 @@ def cmd_data(a: argparse.Namespace) -> int:
     _check_args(a)
     out = Path(a.out or f"runs/data/{a.model}")
     writable_dir(out, "--out")
-    _threads(a)
+    set_threads(a)
     out = generate_data(a.model, out, a.max_prompts, a.max_new_tokens, a.batch, a.greedy_fraction, a.seed)
     print(f"data in {out}")
     return 0
@@ -122,7 +116,7 @@ def cmd_eagle3(a: argparse.Namespace) -> int:
     _check_target(a.model)
     _check_args(a)
     _refuse_overwrite(a)
-    _threads(a)
+    set_threads(a)
     if a.init and not Path(a.init).is_file():
         raise SpecdecError(f"--init: no such head file: {a.init}")
     opts = Eagle3Options(a.minutes, a.vocab_size, a.window, a.batch, a.lr, a.max_seq, a.steps, a.max_rows,

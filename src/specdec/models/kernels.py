@@ -15,6 +15,7 @@ one does (prepacking for 1 row, as torch does by default, made the pair cost ~2x
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -113,15 +114,11 @@ def book_path() -> Path:
     return cache_dir() / "kernel-checks" / f"{hashlib.sha256(stamp.encode()).hexdigest()[:16]}.json"
 
 
-_announced: list[bool] = []          # the first check or timing of this process has said so on the log
-
-
+@functools.cache                     # once per process
 def announce() -> None:
     """One log line (stderr under the CLI) before the first kernel check or timing a start pays for."""
-    if not _announced:
-        _announced.append(True)
-        logging.getLogger("specdec").info("checking and timing the kernels for this CPU and thread count (once; kept "
-                                          "in %s) ...", book_path().parent)
+    logging.getLogger("specdec").info("checking and timing the kernels for this CPU and thread count (once; kept "
+                                      "in %s) ...", book_path().parent)
 
 
 def checked(key: tuple, kernel: Callable[[Tensor], Tensor], n_in: int, dtype: torch.dtype) -> RowCheck:
