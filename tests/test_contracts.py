@@ -52,3 +52,22 @@ def test_the_engine_imports_no_concrete_proposer_and_checks_no_types():
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
     assert "NoProposer" not in names
     assert "isinstance(" not in src
+
+
+def test_every_file_the_package_reads_is_package_data():
+    """A non-editable install (a wheel) holds only the modules and the package-data globs: every other
+    tracked file under src/specdec (native sources, shipped weights) must match one, or installs lose it."""
+    import fnmatch
+    import subprocess
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["specdec"]
+    tracked = subprocess.run(["git", "ls-files", "src/specdec"], cwd=root, capture_output=True, text=True)
+    files = [Path(f).relative_to("src/specdec").as_posix() for f in tracked.stdout.split()] if tracked.returncode == 0 \
+        else [p.relative_to(root / "src/specdec").as_posix() for p in (root / "src/specdec").rglob("*")
+              if p.is_file() and "__pycache__" not in p.parts]
+    data = [f for f in files if not f.endswith(".py")]
+    assert "models/layers.cpp" in data and "models/attend.c" in data
+    missing = [f for f in data if not any(fnmatch.fnmatch(f, g) for g in globs)]
+    assert not missing, f"not in [tool.setuptools.package-data]: {missing}"
