@@ -40,6 +40,32 @@ def test_a_native_library_is_rebuilt_unless_it_matches_the_digest_of_its_build(t
     assert native.built(lib, lambda out: "cc failed: no", "k") == ""                 # whole again: no build
     lib.write_bytes(b"garbage")
     assert native.built(lib, lambda out: "cc failed: no", "k") == "cc failed: no"     # the reason, not a crash
+    for folder in (lib, lib.with_name("k.so.sha256")):                                # a folder where a file goes
+        folder.unlink()
+        folder.mkdir()
+        (folder / "x").write_bytes(b"x")
+        assert native.built(lib, build, "k") == ""
+        assert lib.is_file() and lib.with_name("k.so.sha256").is_file()
+        assert native.built(lib, build, "k") == ""                                    # and whole again
+    assert len(builds) == 5
+
+
+def test_a_file_rewritten_in_place_keeping_its_size_and_mtime_is_hashed_again(tmp_path, monkeypatch):
+    """`cp -p`, `rsync -a` or `touch -r` keep a modification time: the file's hash (what the converted weights
+    and tokenizer are found by) must still change with its bytes."""
+    from specdec.models.registry import file_sha256, file_stamp
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF" + b"a" * 1000)
+    first = file_sha256(f)
+    st = f.stat()
+    f.write_bytes(b"GGUF" + b"b" * 1000)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert f.stat().st_size == st.st_size and f.stat().st_mtime_ns == st.st_mtime_ns
+    assert file_sha256(f) != first
+    book = json.loads((tmp_path / "cache" / "weights" / "hashes.json").read_text())
+    assert list(book) == [file_stamp(f)]                                              # the old stamp is gone
 
 
 def test_stale_temporary_files_of_killed_writers_are_swept(tmp_path):
@@ -100,6 +126,35 @@ def test_a_kernel_book_of_another_shape_is_checked_again(content, tmp_path, monk
     check = kernels.checked(("x", 8, 16), lambda x: x @ w.T, 16, torch.float32)
     assert check.many_rows
     assert json.loads(kernels.book_path().read_text())["('x', 8, 16)"][0] is True
+
+
+@pytest.mark.parametrize("entry", [[True, True, "64"], [True, True, 0], [True, True, None], [1, True, 64],
+                                   [True, True, True], ["yes", True, 64]])
+def test_a_kernel_book_entry_of_the_wrong_types_is_checked_again(entry, tmp_path, monkeypatch):
+    """An entry that does not read as what `checked` writes (a hand edit, a damaged file) is checked again;
+    it failed deep inside a kernel call (ctypes.ArgumentError, split_size 0, None < int) at every start."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "_BOOKS", {})
+    kernels.book_path().parent.mkdir(parents=True)
+    kernels.book_path().write_text(json.dumps({"('x', 8, 16)": entry}))
+    w = torch.randn(8, 16)
+    check = kernels.checked(("x", 8, 16), lambda x: x @ w.T, 16, torch.float32)
+    assert check.many_rows is True and type(check.max_rows) is int and check.max_rows >= 1
+    on_disk = json.loads(kernels.book_path().read_text())["('x', 8, 16)"]
+    assert on_disk[0] is True and isinstance(on_disk[1], bool) and type(on_disk[2]) is int
+
+
+@pytest.mark.parametrize("entry", [[["a"], {}], [3, {}], ["c", {}], "a"])
+def test_a_kernel_choice_of_the_wrong_form_is_made_again(entry, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "_BOOKS", {})
+    kernels.book_path().parent.mkdir(parents=True)
+    kernels.book_path().write_text(json.dumps({repr(("fastest", "k", 8, 16)): entry}))
+    w = torch.randn(8, 16)
+    made = kernels.fastest(("k", 8, 16), {"a": lambda: kernels.PackedLinear(None, torch.float32,
+                                                                             kernels.RowCheck(True, True))}, w)
+    assert isinstance(made, kernels.PackedLinear)
+    assert json.loads(kernels.book_path().read_text())[repr(("fastest", "k", 8, 16))][0] == "a"
 
 
 def test_choices_made_by_another_process_are_kept_and_followed(tmp_path, monkeypatch):

@@ -66,6 +66,39 @@ def test_unsupported_architecture(tmp_path):
         load_gguf(path, dtype=__import__("torch").float32)
 
 
+def _llama_gguf(path, keys: bool, embedding: bool) -> None:
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    if keys:
+        w.add_block_count(1)
+        w.add_context_length(64)
+        w.add_embedding_length(8)
+        w.add_feed_forward_length(16)
+        w.add_head_count(2)
+        w.add_layer_norm_rms_eps(1e-5)
+    if embedding:
+        w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    else:
+        w.add_tensor("output_norm.weight", np.ones(8, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("keys, embedding, msg", [
+    (False, True, "lacks the metadata key 'llama.attention.head_count'"),
+    (True, False, "lacks the tensor 'token_embd.weight'"),
+])
+def test_a_gguf_missing_metadata_or_tensors_is_one_clear_error(keys, embedding, msg, tmp_path):
+    path = tmp_path / "part.gguf"
+    _llama_gguf(path, keys, embedding)
+    with pytest.raises(SpecdecError, match=msg) as e:
+        load_gguf(path, dtype=__import__("torch").float32, use_cache=False)
+    assert str(path) in str(e.value)
+
+
 def test_bad_dtype_and_device():
     with pytest.raises(SpecdecError, match="unknown dtype"):
         parse_dtype("float8")

