@@ -1,6 +1,8 @@
 """Bad input gets a clear error (SpecdecError / exit code 2 with a message), never a traceback or a silent change."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -134,6 +136,57 @@ def test_empty_prompts():
             gen.generate(booleans, max_new_tokens=2)
         with pytest.raises(SpecdecError, match="token ids must be integers|stream takes one prompt"):
             gen.stream(booleans, max_new_tokens=2)          # at the call, not at the first piece
+
+
+def test_numbers_of_any_kind_are_taken_and_numbers_too_large_refused_in_one_line():
+    """numpy scalars are numbers (they were refused as "not a finite number >= 0" / "not a positive integer"); a
+    temperature of 10**400 is refused as such (it raised OverflowError from math.isfinite)."""
+    gen = tiny_generator(tiny_model())
+    want = gen.generate([1, 2, 3], max_new_tokens=5, temperature=0.5, top_k=5, top_p=0.9, seed=7)
+    got = gen.generate([np.int64(1), np.int32(2), np.uint8(3)], max_new_tokens=np.int64(5),
+                       temperature=np.float32(0.5), top_k=np.int64(5), top_p=np.float64(0.9), seed=np.int64(7))
+    assert got.tokens == want.tokens
+    assert "".join(gen.stream([np.int64(1), 2, 3], max_new_tokens=np.int16(5), temperature=0.5, top_k=5, top_p=0.9,
+                              seed=7)) == want.text
+    for kw, msg in [(dict(temperature=10 ** 400), "temperature must be a finite number >= 0, got 1000000"),
+                    (dict(temperature=np.bool_(True)), "temperature"), (dict(seed=np.float64(3.0)), "seed"),
+                    (dict(max_new_tokens=np.float32(4)), "max_new_tokens must be a positive integer")]:
+        with pytest.raises(SpecdecError, match=msg) as e:
+            gen.generate([1, 2, 3], **kw)
+        assert len(str(e.value)) < 120
+    with pytest.raises(SpecdecError, match="empty prompt"):
+        gen.stream([])
+
+
+def test_each_thread_sees_its_own_last_result():
+    """`last_result` is the calling thread's: a stream's Result stays its own while another thread generates
+    (it was overwritten by, or reset for, the other thread's calls)."""
+    import threading
+
+    gen = tiny_generator(tiny_model())
+    alone = gen.generate([5, 6, 7], max_new_tokens=12)
+    stop, done = threading.Event(), [0]
+
+    def other() -> None:
+        while not stop.is_set():
+            gen.generate([1, 2], max_new_tokens=3)
+            assert gen.last_result.prompt_tokens == 2
+            done[0] += 1
+
+    t = threading.Thread(target=other)
+    t.start()
+    try:
+        for _ in range(3):
+            text = "".join(gen.stream([5, 6, 7], max_new_tokens=12))
+            seen = done[0]
+            deadline = time.monotonic() + 30
+            while done[0] < seen + 2 and time.monotonic() < deadline:    # the other thread generated since
+                time.sleep(0.01)
+            r = gen.last_result
+            assert (text, r.tokens, r.prompt_tokens) == (alone.text, alone.tokens, 3)
+    finally:
+        stop.set()
+        t.join()
 
 
 def test_a_top_k_beyond_64_bits_keeps_every_token():
@@ -520,3 +573,9 @@ def test_unreadable_prompt_files_and_pipes(tmp_path, monkeypatch, capsys):
     os.close(w)
     assert read_text(f"/dev/fd/{r}", "prompt") == "Say hi"
     os.close(r)
+
+
+@pytest.mark.parametrize("name", ["", "   "])
+def test_an_empty_model_name_is_named_as_such(name):
+    with pytest.raises(SpecdecError, match=r"the model must be a registered name \(smollm2-135m"):
+        specdec.load(name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import gc
 import logging
 import math
+import numbers
 import threading
 import time
 import warnings
@@ -27,7 +28,7 @@ from .proposers.base import NoProposer, Proposer
 from .proposers.draft_model import DraftModelProposer
 from .proposers.ngram import NgramProposer
 from .proposers.suffix import SuffixProposer
-from .sampling import SamplingParams, derive_seed
+from .sampling import SamplingParams, as_integer, cut, derive_seed
 from .tree import TreeShape
 
 if TYPE_CHECKING:
@@ -50,9 +51,10 @@ Prompt = str | list[int]
 
 
 def _one_prompt(prompt: object) -> bool:
-    """Whether `prompt` is one prompt: text, or a non-empty list of token ids (checked when encoded)."""
+    """Whether `prompt` is one prompt: text, or a non-empty list of token ids (integers of any kind; checked
+    when encoded)."""
     return isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and bool(prompt)
-                                       and isinstance(prompt[0], int))
+                                       and isinstance(prompt[0], numbers.Integral))
 
 
 @dataclass
@@ -191,7 +193,17 @@ class Generator:
         self.method = proposer.name
         self._turn = threading.Lock()          # one generation at a time: the proposer's state is per generator
         self._running_in = 0                   # the thread id of the generation running (0: none)
-        self.last_result = EMPTY_RESULT        # the last stream's or single-prompt generate's Result
+        self._last = threading.local()         # per thread: its last stream's or single-prompt generate's Result
+
+    @property
+    def last_result(self) -> Result:
+        """This thread's last stream's or single-prompt generate's Result (a stream's so far while it runs);
+        each thread sees its own calls' only."""
+        return getattr(self._last, "result", EMPTY_RESULT)
+
+    @last_result.setter
+    def last_result(self, result: Result) -> None:
+        self._last.result = result
 
     def __repr__(self) -> str:
         dtype = getattr(self.target, "compute", str(getattr(self.target, "dtype", "")).removeprefix("torch."))
@@ -223,11 +235,12 @@ class Generator:
             if not ids:
                 raise SpecdecError("empty prompt: the text encodes to no tokens")
             return ids
-        ids = list(prompt)
-        if not ids:
+        if not prompt:
             raise SpecdecError("empty prompt")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.target.vocab_size for t in ids):
-            raise SpecdecError(f"token ids must be integers in [0, {self.target.vocab_size}) (not booleans)")
+        refusal = f"token ids must be integers in [0, {self.target.vocab_size}) (not booleans)"
+        ids = [as_integer(t, refusal) for t in prompt]
+        if not all(0 <= t < self.target.vocab_size for t in ids):
+            raise SpecdecError(refusal)
         return ids
 
     def prediction_ids(self, prediction: str) -> tuple[int, ...]:
@@ -273,8 +286,10 @@ class Generator:
     def _requests(self, prompts: list[Prompt], max_new_tokens: int, params: list[SamplingParams],
                   stop: Seq[str], chat: bool, truncate: bool, predictions: list[str]) -> list[Request]:
         """One request per prompt, prompt i sampled with params[i] (and predicted by predictions[i])."""
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
-            raise SpecdecError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        refusal = f"max_new_tokens must be a positive integer, got {cut(repr(max_new_tokens))}"
+        max_new_tokens = as_integer(max_new_tokens, refusal)
+        if max_new_tokens <= 0:
+            raise SpecdecError(refusal)
         stop = self._stops(stop)
         limit = self.target.max_seq_len - max_new_tokens - 1
         if limit <= 0:
@@ -325,7 +340,7 @@ class Generator:
         chat = self.tokenizer.has_chat_template if chat == "auto" else chat
         reqs = self._requests(prompts, max_new_tokens, params, stop, chat, truncate,
                               self._predictions(prediction, len(prompts), single))
-        return reqs, max(len(r.prompt) for r in reqs) + max_new_tokens + scratch_slots(self.num_draft_tokens)
+        return reqs, max(len(r.prompt) + r.max_new_tokens for r in reqs) + scratch_slots(self.num_draft_tokens)
 
     def _run(self, reqs: list[Request], slots: int) -> Iterator[tuple[int, str, Engine, list]]:
         """Generate `reqs` in an engine of `slots` cache slots, yielding (request index, text piece, engine,
@@ -395,6 +410,8 @@ class Generator:
         from the thread that started it is refused (it would wait for itself). A stream dropped without
         `close()` is closed when Python collects it (a waiting call makes it collect)."""
         self.last_result = EMPTY_RESULT
+        if isinstance(prompt, (list, tuple)) and not prompt:
+            raise SpecdecError("empty prompt")
         if not _one_prompt(prompt):
             raise SpecdecError(f"stream takes one prompt (a string or a list of token ids), got "
                                f"{type(prompt).__name__}; generate takes a list of prompts")

@@ -13,6 +13,7 @@ drafts a step proposes, or on which steps the clock made speculative.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -21,6 +22,30 @@ import torch
 from torch import Tensor
 
 from .errors import SpecdecError
+
+
+def cut(text: str, limit: int = 40) -> str:
+    """`text` cut to `limit` characters (an error message quoting a value stays one short line)."""
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def as_integer(x: object, refusal: str) -> int:
+    """`x` as a Python int where it is an integer of any kind (numpy's included, booleans not); else
+    SpecdecError(refusal)."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+        raise SpecdecError(refusal)
+    return int(x)
+
+
+def as_real(x: object, refusal: str) -> float:
+    """`x` as a Python float where it is a real number of any kind that a float holds (booleans not); else
+    SpecdecError(refusal)."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
+        raise SpecdecError(refusal)
+    try:
+        return float(x)
+    except (OverflowError, ValueError):
+        raise SpecdecError(refusal) from None
 
 
 TOP_K_ALL = 1 << 62       # any top_k at least the vocabulary keeps every token; larger ones are held at this
@@ -34,15 +59,25 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)
-                or not math.isfinite(self.temperature) or self.temperature < 0):
-            raise SpecdecError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise SpecdecError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not (isinstance(self.top_p, (int, float)) and not isinstance(self.top_p, bool) and 0.0 <= self.top_p <= 1.0):
-            raise SpecdecError(f"top_p must be in [0, 1] (0: the most likely token only), got {self.top_p!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not -(1 << 63) <= self.seed < 1 << 64:
-            raise SpecdecError(f"seed must be an integer in [-2^63, 2^64), got {self.seed!r}")
+        # numbers of any kind (numpy scalars too) are taken as Python's own; booleans and others are refused
+        refusal = f"temperature must be a finite number >= 0, got {cut(repr(self.temperature))}"
+        temperature = as_real(self.temperature, refusal)
+        if not math.isfinite(temperature) or temperature < 0:
+            raise SpecdecError(refusal)
+        refusal = f"top_k must be an integer >= 0 (0 = off), got {cut(repr(self.top_k))}"
+        top_k = as_integer(self.top_k, refusal)
+        if top_k < 0:
+            raise SpecdecError(refusal)
+        refusal = f"top_p must be in [0, 1] (0: the most likely token only), got {cut(repr(self.top_p))}"
+        top_p = as_real(self.top_p, refusal)
+        if not 0.0 <= top_p <= 1.0:
+            raise SpecdecError(refusal)
+        refusal = f"seed must be an integer in [-2^63, 2^64), got {cut(repr(self.seed))}"
+        seed = as_integer(self.seed, refusal)
+        if not -(1 << 63) <= seed < 1 << 64:
+            raise SpecdecError(refusal)
+        for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seed", seed)):
+            object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:

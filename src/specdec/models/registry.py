@@ -218,6 +218,9 @@ def registered_as(path: Path) -> str:
 
 def resolve(name_or_path: str) -> tuple[str, Path]:
     """(name, GGUF path) for a registered name or a local .gguf path."""
+    if not isinstance(name_or_path, str) or not name_or_path.strip():
+        raise SpecdecError(f"the model must be a registered name ({', '.join(MODELS)}) or a path to a .gguf file, "
+                           f"got {name_or_path!r}")
     if name_or_path in MODELS:
         return name_or_path, MODELS[name_or_path].locate()
     p = Path(name_or_path).expanduser()
