@@ -236,3 +236,36 @@ def test_a_kernel_book_that_cannot_be_written_is_one_line(tmp_path, monkeypatch)
     w = torch.randn(8, 16)
     with pytest.raises(SpecdecError, match="cannot write .*kernel-checks"):
         kernels.checked(("x", 8, 16), lambda x: x @ w.T, 16, torch.float32)
+
+
+def test_kernels_are_timed_by_their_own_cost_not_by_waits_for_the_core(monkeypatch):
+    """With one thread a kernel's time is the calling thread's CPU time: a kernel that waits (as one does while
+    another job holds the core) is not taken for a slow one. Timed by wall clock, the waiting kernel lost here, as
+    the native kernels did at first starts beside busy jobs, which then kept the slower choice for good."""
+    import time
+    from dataclasses import dataclass
+
+    @dataclass
+    class Fake:
+        work: float                        # seconds of CPU work per call
+        wait: float                        # seconds off the CPU per call
+        dtype: torch.dtype = torch.float32
+        check: kernels.RowCheck = kernels.RowCheck(True, True)
+        pair: bool = False
+        label: str = "fake"
+
+        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+            end = time.thread_time() + self.work
+            while time.thread_time() < end:
+                pass
+            time.sleep(self.wait)
+            return x[:, :4]
+
+    monkeypatch.setattr(kernels, "TIMED_REPEATS", 2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cost = kernels.seconds_per_call({"busy": Fake(0.002, 0.0), "waits": Fake(0.0002, 0.01)}, torch.randn(4, 16))
+    finally:
+        torch.set_num_threads(before)
+    assert cost["waits"] < cost["busy"] and kernels.tie_break(cost) == "waits"

@@ -19,6 +19,7 @@ import functools
 import hashlib
 import json
 import logging
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -196,24 +197,53 @@ def _locked_book() -> Iterator[dict[str, list]]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def seconds_per_call(kernels: dict[str, Kernel], w: Tensor) -> dict[str, float]:
-    """Per kernel of x [M, in] @ w.T (w [out, in]), called through `linear` as a model calls it: the sum over
-    M in TIMED_ROWS of its fastest call (TIMED_REPEATS calls each, the kernels interleaved: another job on the
-    machine only ever adds time, so the fastest call is the kernel's own cost, and a busy first start still
-    chooses what an idle machine would)."""
+def timing_clock() -> Callable[[], float]:
+    """The clock kernels are timed by: with one torch thread, the calling thread's CPU time (every candidate runs
+    in that thread, and the time it waits for the core while other work runs is not its cost); with more, wall
+    time (the kernel's other threads are not the caller's)."""
     import time
 
+    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+
+
+def runnable_tasks() -> int:
+    """Threads ready to run on this machine now, this process's included (/proc/loadavg; 0 where unknown)."""
+    try:
+        return int(Path("/proc/loadavg").read_text().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def seconds_per_call(kernels: dict[str, Kernel], w: Tensor) -> dict[str, float]:
+    """Per kernel of x [M, in] @ w.T (w [out, in]), called through `linear` as a model calls it: the sum over
+    M in TIMED_ROWS of its fastest call (TIMED_REPEATS calls each, the kernels interleaved), on `timing_clock`.
+    With one thread another job on the machine does not count; with more, a busy machine stalls the kernels'
+    threads at every call, so the timings may not be an idle machine's: said once on stderr (`busy_note`)."""
+    clock = timing_clock()
     x = check_inputs(w.shape[1], w.dtype)
     times: dict[str, dict[int, list[float]]] = {n: {m: [] for m in TIMED_ROWS} for n in kernels}
     for name, k in kernels.items():
         linear(x[:1], w, {name: k}, name)                                   # warm-up
+    busy = 0
     for _ in range(TIMED_REPEATS):
+        busy += runnable_tasks() > (os.cpu_count() or 1)
         for m in TIMED_ROWS:
             for name, k in kernels.items():
-                t0 = time.perf_counter()
+                t0 = clock()
                 linear(x[:m], w, {name: k}, name)
-                times[name][m].append(time.perf_counter() - t0)
+                times[name][m].append(clock() - t0)
+    if torch.get_num_threads() > 1 and busy > TIMED_REPEATS // 2:
+        busy_note()
     return {n: sum(min(ts) for ts in by_m.values()) for n, by_m in times.items()}
+
+
+@functools.cache
+def busy_note() -> None:
+    """Say once that kernels were timed on several threads while other work ran on the CPU."""
+    logging.getLogger("specdec").warning(
+        "timing the kernels on %d threads while other work runs on this CPU: the choices kept (in %s) may be "
+        "slower than an idle machine's; delete that file to time them again when it is idle (greedy text may "
+        "change with the kernels)", torch.get_num_threads(), book_path())
 
 
 def fastest(key: tuple, makers: dict[str, Callable[[], Kernel]], w: Tensor) -> Kernel:
