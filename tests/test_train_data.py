@@ -243,3 +243,46 @@ def test_an_interrupted_magpie_run_keeps_its_conversations_as_a_shard(tmp_path, 
     with pytest.raises(Interrupted, match="kept 2 conversations"):
         writer.write_shard(0, 16, tqdm(disable=True))
     assert len(read_shards(tmp_path)) == 2
+
+
+def _shard(path, **arrays) -> None:
+    import numpy as np
+
+    base = dict(tokens=np.array([1, 2, 3, 4, 5], dtype=np.uint16), answer_mask=np.array([0, 0, 1, 1, 1], dtype=np.uint8),
+                offsets=np.array([0, 2, 5], dtype=np.int64), category=np.array(["chat", "code"]))
+    np.savez(path, **{**base, **arrays})
+
+
+@pytest.mark.parametrize("arrays, msg", [
+    (dict(offsets=__import__("numpy").array([0, 2])), "offsets must be one integer array of rows \\+ 1 = 3"),
+    (dict(offsets=__import__("numpy").array([0, 4, 2])), "offsets must rise from 0 to the 5 tokens"),
+    (dict(offsets=__import__("numpy").array([0, 2, 9])), "offsets must rise from 0 to the 5 tokens"),
+    (dict(tokens=__import__("numpy").array([1.0, 2, 3, 4, 5])), "tokens must be one array of non-negative integer"),
+    (dict(tokens=__import__("numpy").array([1, -2, 3, 4, 5])), "tokens must be one array of non-negative integer"),
+    (dict(answer_mask=__import__("numpy").array([0, 1])), "answer_mask has 2 entries for 5 tokens"),
+])
+def test_a_malformed_shard_is_one_clear_error(arrays, msg, tmp_path):
+    """Shards whose arrays do not fit together raised IndexError deep in the reader (or were read wrongly)."""
+    from specdec.errors import SpecdecError
+    from specdec.train.magpie import read_shards
+
+    _shard(tmp_path / "magpie-0000.npz", **arrays)
+    with pytest.raises(SpecdecError, match=f"magpie-0000.npz is not a readable shard .*{msg}"):
+        read_shards(tmp_path)
+
+
+def test_a_shard_that_is_one_array_and_data_of_another_vocabulary_are_clear_errors(tmp_path):
+    import numpy as np
+
+    from specdec.errors import SpecdecError
+    from specdec.train.features import vocab_subset
+    from specdec.train.magpie import read_shards
+
+    _shard(tmp_path / "magpie-0000.npz")
+    assert [r.tokens for r in read_shards(tmp_path)] == [[1, 2], [3, 4, 5]]
+    with open(tmp_path / "magpie-0001.npz", "wb") as f:
+        np.save(f, np.arange(4))
+    with pytest.raises(SpecdecError, match="magpie-0001.npz is not a readable shard .*one array"):
+        read_shards(tmp_path)
+    with pytest.raises(SpecdecError, match=r"token ids outside the target's vocabulary \[0, 97\)"):
+        vocab_subset([[1, 2], [5000]], 8, 97)

@@ -437,3 +437,57 @@ def test_cached_features_are_written_whole_and_a_damaged_file_is_extracted_again
     path.write_bytes(path.read_bytes()[:40])                                 # a damaged file
     assert torch.equal(cached(path, compute)[0], torch.arange(6.0).view(2, 3)) and len(calls) == 2
     assert "does not load" in capsys.readouterr().out
+
+
+def test_an_interrupted_step_is_not_counted_and_a_killed_write_is_cleared(tmp_path):
+    """A step cut short by Ctrl-C trained nothing: its tokens (counted by the step function as it starts) are not
+    kept in the checkpoint. A checkpoint write that was killed (OUT.ckpt.tmp) goes when the run resumes."""
+    out = tmp_path / "toy.safetensors"
+    m, opt = _toy()
+    ck = Checkpoint(out, m, opt)
+    inner = _stepper(m, 6, _interrupt)
+
+    def counted():
+        ck.tokens += 100                                       # as the real steps do: before the step's work
+        return inner()
+
+    with pytest.raises(KeyboardInterrupt):
+        train_loop("toy", list(m.parameters()), opt, 1e-2, 10.0, ck, counted)
+    out.with_suffix(".ckpt.tmp").write_bytes(b"half a checkpoint")
+    m2, opt2 = _toy(seed=1)
+    again = Checkpoint(out, m2, opt2)
+    assert again.resume()[0] == 5 and again.tokens == 500
+    assert not out.with_suffix(".ckpt.tmp").exists()
+
+
+@pytest.mark.parametrize("name", ["h.json", "h.ckpt", "h.curve.jsonl", "h.pt", "h"])
+def test_an_out_that_is_not_a_safetensors_file_is_refused(name, tmp_path):
+    """--out h.json was overwritten by the run's report and h.ckpt deleted with the checkpoint (the trained
+    head lost, exit 0)."""
+    from specdec.train.features import check_output
+
+    with pytest.raises(SpecdecError, match="--out must name a .safetensors file"):
+        check_output(tmp_path / name, overwrite=True)
+
+
+@pytest.mark.parametrize("side", [".json", ".curve.jsonl"])
+def test_a_report_or_curve_already_beside_out_is_not_overwritten_silently(side, tmp_path):
+    from specdec.train.features import check_output
+
+    out = tmp_path / "h.safetensors"
+    out.with_suffix(side).write_text("a user's notes")
+    with pytest.raises(SpecdecError, match=f"h{side} exists; pass --overwrite"):
+        check_output(out, overwrite=False)
+    check_output(out, overwrite=True)                          # asked for
+    out.with_suffix(".ckpt").write_bytes(b"")                   # a run to resume: its own files
+    check_output(out, overwrite=False)
+
+
+def test_cached_features_of_other_shapes_are_extracted_again(tmp_path, capsys):
+    from specdec.train.features import cached
+
+    f = tmp_path / "features.pt"
+    torch.save([torch.zeros(3, 5)], f)
+    got = cached(f, lambda: [torch.ones(4, 8)], [(4, 8)])
+    assert torch.equal(got[0], torch.ones(4, 8)) and "extracting again" in capsys.readouterr().out
+    assert torch.equal(cached(f, lambda: [torch.zeros(1)], [(4, 8)])[0], torch.ones(4, 8))    # kept now

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import names
-from .errors import SpecdecError
+from .errors import SpecdecError, terminate_as_interrupt
 
 DEFAULT_METHOD = names.AUTO_METHOD
 
@@ -361,6 +361,9 @@ def run(argv: list[str]) -> int:
     if a.command is None:
         ap.print_help(sys.stderr)
         return 2
+    if a.command == "train":                       # runs are stopped with `kill` too: SIGTERM ends one as Ctrl-C does
+        with terminate_as_interrupt():
+            return a.func(a)
     return a.func(a)
 
 

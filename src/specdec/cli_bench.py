@@ -186,6 +186,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
     out = Path(a.out) if a.out else default_out(a.suite)
     with no_empty_dirs_left(out):
         writable_dir(out, "--out")                                 # after the options' checks, before the run
+        if (out / "results.json").exists():
+            print(f"specdec: the report in {out} will be replaced by this run's", file=sys.stderr)
         return _bench(a, out, categories, peer_names)
 
 
@@ -236,4 +238,6 @@ def _bench(a: argparse.Namespace, out: Path, categories: list[str], peer_names: 
         print(f"specdec: error: {eq['failures']} greedy outputs differ from 'none' ({', '.join(eq['failed_ids'])}); "
               f"see {paths[1]}", file=sys.stderr)
         return 1
+    if eq["checked"]:
+        print("equality: every method's greedy output is token-identical to plain decoding's ('none')", file=sys.stderr)
     return 0

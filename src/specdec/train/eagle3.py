@@ -203,7 +203,9 @@ def shard_features(target: Transformer, rows: list[Row], seqs: list[list[int]], 
         f = cache / f"features3-{shard}-{len(idx)}-{max_seq}-{tag}-{sequences_digest([seqs[i] for i in idx])}.pt"
         if not f.exists() and some and time.time() >= deadline:
             continue
-        part = cached(f, lambda: extract_aux(target, [seqs[i] for i in idx], layers))   # never half-written
+        width = target.config.dim * (1 + len(layers))
+        part = cached(f, lambda: extract_aux(target, [seqs[i] for i in idx], layers),    # never half-written
+                      [(len(seqs[i]), width) for i in idx])
         for i, t in zip(idx, part):
             feats[i] = t
         some = True
@@ -293,7 +295,11 @@ def initial_head(target: Transformer, seqs: list[list[int]], opts: Eagle3Options
         raw = json.loads(meta["config"])
         cfg = Eagle3Config(**{**raw, "aux_layers": tuple(raw["aux_layers"])})
         head = Eagle3Head(target, cfg, sd.pop("vocab_ids").long())
-        missing, unexpected = head.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
+        try:
+            missing, unexpected = head.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
+        except RuntimeError as e:                  # a tensor of another shape than its configuration says
+            last = (str(e).strip().splitlines() or [""])[-1].strip()
+            raise SpecdecError(f"{opts.init} does not fit an EAGLE-3 head ({last[:160]})") from None
         if unexpected or [m for m in missing if m != "vocab_ids"]:
             raise SpecdecError(f"{opts.init} does not fit an EAGLE-3 head: missing {missing}, unexpected {unexpected}")
         if opts.mlp_width and opts.mlp_width != cfg.hidden_dim:

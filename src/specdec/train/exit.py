@@ -73,7 +73,8 @@ def train_exit(model: str, data: Path, out: Path, minutes: float, layers: list[i
     writable_dir(cache_dir, "--features")
     cache_file = cache_dir / (f"features-exit{'-'.join(map(str, layers))}-{len(seqs)}-{max_seq}-"
                               f"{sequences_digest(seqs)}.pt")             # other data never reads these features
-    feats = cached(cache_file, lambda: extract_aux(target, seqs, tuple(n - 1 for n in layers)))
+    feats = cached(cache_file, lambda: extract_aux(target, seqs, tuple(n - 1 for n in layers)),
+                   [(len(s), target.config.dim * (1 + len(layers))) for s in seqs])
     H = target.config.dim
     reports = {}
     for j, n in enumerate(layers):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -59,9 +59,15 @@ def check_output(out: Path, overwrite: bool) -> None:
     from ..errors import SpecdecError
     from ..files import writable_file
 
+    if out.suffix != ".safetensors":
+        raise SpecdecError(f"--out must name a .safetensors file (the trained weights; the report, learning curve "
+                           f"and checkpoint are written beside it), got {out}")
     writable_file(out, "--out")
-    if out.exists() and not overwrite and not out.with_suffix(".ckpt").exists():
-        raise SpecdecError(f"{out} exists; pass --overwrite to replace it")
+    if overwrite or out.with_suffix(".ckpt").exists():
+        return
+    for f in (out, out.with_suffix(".json"), out.with_suffix(".curve.jsonl")):
+        if f.exists():
+            raise SpecdecError(f"{f} exists; pass --overwrite to replace it")
 
 
 def split_heldout(n: int) -> tuple[list[int], list[int]]:
@@ -92,10 +98,17 @@ def begin(model: str, out: Path, overwrite: bool, seed: int) -> tuple[Transforme
 
 
 def vocab_subset(seqs: list[list[int]], size: int, vocab: int) -> Tensor:
-    """The `size` most frequent token ids of the data (sorted ids)."""
+    """The `size` most frequent token ids of the data (sorted ids); a clear error where the data holds ids
+    outside the target's vocabulary (data written for another model)."""
+    from ..errors import SpecdecError
+
     counts = torch.zeros(vocab, dtype=torch.long)
     for s in seqs:
-        counts += torch.bincount(torch.tensor(s), minlength=vocab)
+        ids = torch.tensor(s, dtype=torch.long)
+        if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < vocab:
+            raise SpecdecError(f"the training data holds token ids outside the target's vocabulary [0, {vocab}): "
+                               "data for another model? (--data)")
+        counts += torch.bincount(ids, minlength=vocab)
     return counts.topk(min(size, vocab)).indices.sort().values
 
 
@@ -111,13 +124,18 @@ def sequences_digest(seqs: list[list[int]]) -> str:
     return h.hexdigest()[:12]
 
 
-def cached(path: Path, compute: Callable[[], list[Tensor]]) -> list[Tensor]:
+def cached(path: Path, compute: Callable[[], list[Tensor]], shapes: Sequence[tuple[int, ...]] = ()) -> list[Tensor]:
     """Features kept in `path`: loaded where a whole file is there, else computed and written atomically (a
     temporary file renamed into place, so an interrupted write never leaves a file that looks whole). A file
-    that does not load (damaged) is computed again, with a note."""
+    that does not load (damaged), or whose tensors are not of `shapes` (where given), is computed again, with a
+    note."""
     if path.exists():
         try:
-            return torch.load(path, weights_only=True)
+            feats = torch.load(path, weights_only=True)
+            if shapes and not (isinstance(feats, list) and len(feats) == len(shapes) and all(
+                    isinstance(t, Tensor) and tuple(t.shape) == tuple(want) for t, want in zip(feats, shapes))):
+                raise ValueError("its tensors are not of the shapes these rows give")
+            return feats
         except (RuntimeError, OSError, EOFError, ValueError) as e:
             print(f"note: {path} does not load ({(str(e).strip().splitlines() or [''])[0][:120]}); extracting again")
     feats = compute()

@@ -33,6 +33,7 @@ class Checkpoint:
 
     def resume(self) -> tuple[int, float]:
         """Load the state if a checkpoint exists. -> (step, seconds already spent); (0, 0.0) for a fresh run."""
+        self.path.with_suffix(".ckpt.tmp").unlink(missing_ok=True)    # a write that was killed: never read
         if not self.path.exists():
             return 0, 0.0
         try:
@@ -73,6 +74,7 @@ class Checkpoint:
     def done(self) -> None:
         """The final weights are written: the checkpoint is no longer needed."""
         self.path.unlink(missing_ok=True)
+        self.path.with_suffix(".ckpt.tmp").unlink(missing_ok=True)
 
 
 def autocast(dtype: torch.dtype) -> ContextManager:
@@ -127,6 +129,7 @@ def train_loop(desc: str, params: list[torch.nn.Parameter], opt: torch.optim.Opt
     bar = tqdm(desc=desc, unit="step", initial=step, mininterval=0.1 if sys.stderr.isatty() else 60.0)
     reports, step_s = _Reports(report_every_s), 0.0
     try:
+        counted = ckpt.tokens                                  # tokens of the steps done (step_fn counts its own first)
         with terminate_as_interrupt():
             while (elapsed := time.time() - t0) < budget:
                 a = time.time()
@@ -139,6 +142,7 @@ def train_loop(desc: str, params: list[torch.nn.Parameter], opt: torch.optim.Opt
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 opt.step()
                 step += 1
+                counted = ckpt.tokens
                 step_s = time.time() - a
                 bar.update(1)
                 bar.set_postfix(loss=f"{float(loss.detach()):.3f}", **fields, refresh=False)
@@ -151,6 +155,7 @@ def train_loop(desc: str, params: list[torch.nn.Parameter], opt: torch.optim.Opt
                         tqdm.write(f"step {step}: {line}")
                     reports.ran(time.time() - a)
     except KeyboardInterrupt:
+        ckpt.tokens = counted                                  # a step cut short trained nothing
         ckpt.save(step, time.time() - t0)
         bar.close()
         raise Interrupted(f"state saved in {ckpt.path}; run the same command again to resume") from None

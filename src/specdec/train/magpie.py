@@ -267,15 +267,35 @@ def unreadable(f: Path, e: Exception) -> SpecdecError:
     return SpecdecError(f"{f} is not a readable shard ({type(e).__name__}: {e}); move it away or delete it")
 
 
+def shard_defect(toks: np.ndarray, mask: np.ndarray, off: np.ndarray, cat: np.ndarray) -> str:
+    """What makes a shard's arrays not a shard ("" where nothing does): the layout `write_shard` writes."""
+    if toks.ndim != 1 or not np.issubdtype(toks.dtype, np.integer) or (toks.size and int(toks.min()) < 0):
+        return "tokens must be one array of non-negative integer ids"
+    if mask.shape != toks.shape:
+        return f"answer_mask has {mask.size} entries for {toks.size} tokens"
+    if cat.ndim != 1 or off.ndim != 1 or not np.issubdtype(off.dtype, np.integer) or len(off) != len(cat) + 1:
+        return f"offsets must be one integer array of rows + 1 = {len(cat) + 1} entries, got {off.shape}"
+    if len(off) and (int(off[0]) != 0 or int(off[-1]) != toks.size or bool((np.diff(off) < 0).any())):
+        return f"offsets must rise from 0 to the {toks.size} tokens"
+    return ""
+
+
 def read_shards(path: Path) -> list[Row]:
     """Every row of the `magpie-*.npz` shards in `path` (none: an empty list)."""
     rows: list[Row] = []
     for f in shard_files(Path(path)):
-        with open_shard(f) as z:
+        z = open_shard(f)
+        if not isinstance(z, np.lib.npyio.NpzFile):
+            raise unreadable(f, ValueError("one array, not an .npz archive of tokens, answer_mask, offsets, category"))
+        with z:
             try:
-                toks, mask, off, cat = z["tokens"].astype(np.int64), z["answer_mask"], z["offsets"], z["category"]
+                toks, mask, off, cat = z["tokens"], z["answer_mask"], z["offsets"], z["category"]
             except (KeyError, ValueError, OSError, zipfile.BadZipFile) as e:
                 raise unreadable(f, e) from None
+        why = shard_defect(toks, mask, off, cat)
+        if why:
+            raise unreadable(f, ValueError(why))
+        toks = toks.astype(np.int64)
         for i in range(len(cat)):
             a, b = int(off[i]), int(off[i + 1])
             rows.append(Row(toks[a:b].tolist(), mask[a:b].tolist(), str(cat[i]), f"{f.stem}/{i}"))
