@@ -238,6 +238,6 @@ def _bench(a: argparse.Namespace, out: Path, categories: list[str], peer_names: 
         print(f"specdec: error: {eq['failures']} greedy outputs differ from 'none' ({', '.join(eq['failed_ids'])}); "
               f"see {paths[1]}", file=sys.stderr)
         return 1
-    if eq["checked"]:
+    if eq.get("checked"):
         print("equality: every method's greedy output is token-identical to plain decoding's ('none')", file=sys.stderr)
     return 0

@@ -59,10 +59,10 @@ def check_output(out: Path, overwrite: bool) -> None:
     from ..errors import SpecdecError
     from ..files import writable_file
 
+    writable_file(out, "--out")
     if out.suffix != ".safetensors":
         raise SpecdecError(f"--out must name a .safetensors file (the trained weights; the report, learning curve "
                            f"and checkpoint are written beside it), got {out}")
-    writable_file(out, "--out")
     if overwrite or out.with_suffix(".ckpt").exists():
         return
     for f in (out, out.with_suffix(".json"), out.with_suffix(".curve.jsonl")):
