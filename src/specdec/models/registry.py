@@ -107,7 +107,10 @@ def file_sha256(path: Path) -> str:
         digest = file_digest(path)
         live = {k: v for k, v in known.items() if _still_there(k)}   # entries of deleted or rewritten files go
         live[stamp] = digest
-        write_atomic(book, json.dumps(live, indent=1).encode())
+        try:
+            write_atomic(book, json.dumps(live, indent=1).encode())
+        except SpecdecError:                         # a read-only cache: hashed again next time, nothing lost
+            pass
         return digest
     return known[stamp]
 
