@@ -48,6 +48,7 @@ def test_leak_check_catches_a_benchmark_prompt():
     (["train", "eagle3", "--out", "x.safetensors", "--window", "5"], "leaves no position for draft position 4"),
     (["train", "eagle", "--out", "x.safetensors", "--window", "2"], "--window must be >= 4"),
     (["train", "eagle3", "--out", "x.safetensors", "--minutes", "inf"], "--minutes must be > 0 and finite, got inf"),
+    (["train", "eagle3", "--out", "x.safetensors", "--bogus"], "unrecognized arguments: --bogus (see specdec train eagle3 --help)"),
 ])
 def test_train_cli_errors(argv, msg, capsys):
     assert main(argv) == 2
@@ -286,3 +287,12 @@ def test_a_shard_that_is_one_array_and_data_of_another_vocabulary_are_clear_erro
         read_shards(tmp_path)
     with pytest.raises(SpecdecError, match=r"token ids outside the target's vocabulary \[0, 97\)"):
         vocab_subset([[1, 2], [5000]], 8, 97)
+
+
+def test_data_that_is_missing_or_a_file_is_named_as_such(tmp_path):
+    from specdec.train.magpie import no_shards
+
+    assert str(no_shards(tmp_path / "nope")) == f"--data {tmp_path / 'nope'} not found"
+    (tmp_path / "f.npz").write_bytes(b"")
+    assert "is a file; give the folder" in str(no_shards(tmp_path / "f.npz"))
+    assert "no magpie-*.npz shards in" in str(no_shards(tmp_path))

@@ -357,7 +357,9 @@ def run(argv: list[str]) -> int:
     check_command(ap, argv)
     a, extra = ap.parse_known_args(argv)
     if extra:                                                # named by the command's parser: its --help lists them
-        ap.subparsers.get(a.command, ap).error(f"unrecognized arguments: {' '.join(extra)}")
+        parser = ap.subparsers.get(a.command, ap)
+        parser = parser.subparsers.get(getattr(a, "kind", ""), parser)     # `train KIND`: the kind's own parser
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if a.command is None:
         ap.print_help(sys.stderr)
         return 2

@@ -185,6 +185,7 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     """`specdec train KIND`: one parser per kind, declared in a row (long, but a flat table of options)."""
     p = sub.add_parser("train", help="train drafts for a target (data, magpie, draft, eagle, eagle3, exit, medusa)", formatter_class=fmt)
     tsub = p.add_subparsers(dest="kind", required=True, metavar="KIND")
+    p.subparsers = tsub.choices                   # an unknown option is named by its kind's parser (cli.run)
 
     d = tsub.add_parser("data", help="the target's own generations for training prompts (resumable shards)",
                         formatter_class=fmt)

@@ -26,7 +26,7 @@ from ..models.eagle import read_weights
 from ..models.eagle3 import Eagle3Config, Eagle3Head
 from .features import begin, cached, sequences_digest, vocab_subset, windows
 from .loop import Checkpoint, autocast, train_loop
-from .magpie import Row, read_shards
+from .magpie import Row, no_shards, read_shards
 
 STEP_DECAY = 0.8
 
@@ -281,7 +281,7 @@ def train_eagle3(model: str, data: Path, out: Path, overwrite: bool, opts: Eagle
         raise SpecdecError("EAGLE-3 training needs a lean GGUF target")
     rows: list[Row] = read_shards(data)
     if not rows:
-        raise SpecdecError(f"no magpie-*.npz shards in {data}; write some with `specdec train magpie`")
+        raise no_shards(Path(data))
     rows = rows[:opts.max_rows] if opts.max_rows > 0 else rows
     return fit_eagle3(target, name, rows, out, opts, cache, rng, started)
 

@@ -20,7 +20,7 @@ from ..models.early_exit import EarlyExitDraft
 from .eagle3 import extract_aux
 from .features import begin, cached, check_output, default_feature_dir, sequences_digest, vocab_subset
 from .loop import Checkpoint, train_loop
-from .magpie import read_shards
+from .magpie import no_shards, read_shards
 
 
 def exit_losses(draft: EarlyExitDraft, feats: Tensor, w_sub: Tensor) -> tuple[Tensor, float]:
@@ -65,7 +65,7 @@ def train_exit(model: str, data: Path, out: Path, minutes: float, layers: list[i
         raise SpecdecError(f"--layers must be in 1..{L - 1}, got {layers}")
     rows = read_shards(data)
     if not rows:
-        raise SpecdecError(f"no magpie-*.npz shards in {data}; write some with `specdec train magpie`")
+        raise no_shards(Path(data))
     rows = rows[:max_rows] if max_rows > 0 else rows
     seqs = [r.tokens[:max_seq] for r in rows]
     ids = vocab_subset(seqs, min(vocab_size, target.vocab_size), target.vocab_size)

@@ -280,6 +280,15 @@ def shard_defect(toks: np.ndarray, mask: np.ndarray, off: np.ndarray, cat: np.nd
     return ""
 
 
+def no_shards(data: Path) -> SpecdecError:
+    """The error for --data that holds no shards: not there, not a folder, or a folder without them."""
+    if not data.exists():
+        return SpecdecError(f"--data {data} not found")
+    if not data.is_dir():
+        return SpecdecError(f"--data {data} is a file; give the folder of magpie-*.npz shards")
+    return SpecdecError(f"no magpie-*.npz shards in {data}; write some with `specdec train magpie`")
+
+
 def read_shards(path: Path) -> list[Row]:
     """Every row of the `magpie-*.npz` shards in `path` (none: an empty list)."""
     rows: list[Row] = []
