@@ -355,7 +355,7 @@ def test_staged_refuses_a_draft_with_another_tokenizer_at_load():
     (["train", "medusa", "--out", "/nonexistent-dir/x.safetensors", "--data", "/nonexistent-data"],
      "no training data"),
     (["train", "eagle3", "--out", "/nonexistent-dir/x.safetensors", "--data", "/nonexistent-data"],
-     "no magpie-"),
+     "--data /nonexistent-data not found"),
     (["export", "eagle3", "/nonexistent-dir/out", "--weights", "/nonexistent/head.safetensors"], "weights not found"),
     (["export", "medusa", "/nonexistent-dir/out", "--format", "sglang"], "vllm only"),
 ])

@@ -276,6 +276,8 @@ def train_eagle3(model: str, data: Path, out: Path, overwrite: bool, opts: Eagle
     """Train an EAGLE-3 head for `model` on the magpie shards in `data` (features kept in `cache`);
     the time budget starts now."""
     started = time.time()
+    if not Path(data).is_dir():                       # before the model loads
+        raise no_shards(Path(data))
     target, name, rng = begin(model, out, overwrite, opts.seed)
     if not isinstance(target, Transformer):
         raise SpecdecError("EAGLE-3 training needs a lean GGUF target")

@@ -57,6 +57,8 @@ def train_exit(model: str, data: Path, out: Path, minutes: float, layers: list[i
     if overwrite:                                              # every exit's interrupted run is discarded
         for path in paths.values():
             path.with_suffix(".ckpt").unlink(missing_ok=True)
+    if not Path(data).is_dir():                       # before the model loads
+        raise no_shards(Path(data))
     target, name, rng = begin(model, out, overwrite, seed)
     if not isinstance(target, Transformer):
         raise SpecdecError("exit training needs a lean GGUF target")
