@@ -51,7 +51,7 @@ LLAMACPP_CMAKE := -DCMAKE_C_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" \
 
 bench: install
 	$(BIN)/python -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS='$(LLAMACPP_CMAKE)' $(BIN)/pip install -q --no-cache-dir -e ".[llamacpp]"
-	$(BIN)/specdec bench --suite mini --methods none,ngram,ngram@auto,suffix,lookahead,lookahead@auto,draft,draft@auto,staged,self,self@auto,eagle,eagle@auto,eagle3,eagle3@auto,eagle:4x16,medusa,hybrid,hybrid@auto --peers llamacpp,transformers --repeats 1
+	$(BIN)/specdec bench --suite mini --methods none,ngram,ngram@auto,suffix,suffix@auto,lookahead,lookahead@auto,draft,draft@auto,staged,self,self@auto,eagle,eagle@auto,eagle3,eagle3@auto,eagle:4x16,medusa,hybrid,hybrid@auto --peers llamacpp,transformers --repeats 1
 
 serve: install
 	$(BIN)/specdec serve

@@ -385,25 +385,31 @@ def test_export_checks_what_needs_no_model_before_loading_one(tmp_path, monkeypa
     err = capsys.readouterr().err
     assert "Medusa heads export to vllm only" in err and "config.json exists; pass --overwrite" in err
     assert main(["export", "eagle3", str(tmp_path / "g"), "--model", "gemma3-270m"]) == 2
-    assert "no shipped eagle3 weights for 'gemma3-270m'; train them" in capsys.readouterr().err.replace("\n", " ")
+    assert ("no shipped eagle3 weights for 'gemma3-270m'; write training data first (`specdec train magpie --model "
+            "gemma3-270m`), then train them") in capsys.readouterr().err.replace("\n", " ")
     assert not (tmp_path / "g").exists()
 
 
-def test_a_method_without_weights_for_the_target_is_refused_before_loading_and_by_the_server():
+def test_a_method_without_weights_for_the_target_is_refused_before_loading_and_by_the_server(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     from specdec.server.app import ApiError, speculation
     from specdec.server.schema import Speculative
     from specdec.server.scheduler import SpecChoice
 
-    for method, message in [("eagle", r"no shipped eagle weights for 'gemma3-270m'; train them \(`specdec train eagle "
-                                      r"--model gemma3-270m --out FILE.safetensors`\)"),
+    monkeypatch.chdir(tmp_path)                     # no runs/data/gemma3-270m: the data command comes first
+    for method, message in [("eagle", r"no shipped eagle weights for 'gemma3-270m'; write training data first "
+                                      r"\(`specdec train data --model gemma3-270m`\), then train them \(`specdec train "
+                                      r"eagle --model gemma3-270m --out FILE.safetensors`\)"),
                             ("self", r"train exit --model gemma3-270m --out FILE.safetensors --layers N"),
                             ("staged", r"need a draft model for 'gemma3-270m'.*specdec train draft --model gemma3-270m")]:
         with pytest.raises(SpecdecError, match=message):
             specdec.load("gemma3-270m", method=method)        # before loading: nothing to load for it
     from specdec.api import missing, no_draft_for
 
+    (tmp_path / "runs" / "data" / "gemma3-270m").mkdir(parents=True)
+    (tmp_path / "runs" / "data" / "gemma3-270m" / "shard-0000.jsonl").write_text("")
+    assert missing("gemma3-270m", "medusa").startswith("no shipped medusa weights for 'gemma3-270m'; train them (")
     for message in (missing("my-model.Q4_0", "eagle"), str(no_draft_for("my-model.Q4_0"))):  # a GGUF path's target
         assert "trains them for a registered model (smollm2-135m, gemma3-270m), not for 'my-model.Q4_0'" in message
         assert "--model my-model" not in message                    # `specdec train` would refuse it

@@ -559,8 +559,13 @@ def _lookahead_proposer(x: ProposerInputs) -> Proposer:
 
 def train_hint(model: str, kind: str, extra: str = "") -> str:
     """How to get `kind` weights for `model`: the training command where `specdec train` takes the model."""
+    from .train import DATA_COMMAND, has_default_data
+
     if model in MODELS:
-        return f"train them (`specdec train {kind} --model {model} --out FILE.safetensors{extra}`)"
+        train = f"train them (`specdec train {kind} --model {model} --out FILE.safetensors{extra}`)"
+        if has_default_data(model, kind):
+            return train
+        return f"write training data first (`specdec train {DATA_COMMAND[kind]} --model {model}`), then {train}"
     return f"`specdec train` trains them for a registered model ({', '.join(MODELS)}), not for {model!r}"
 
 

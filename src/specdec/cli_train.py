@@ -10,6 +10,7 @@ from .cli import set_threads
 from .errors import SpecdecError
 from .files import writable_dir, writable_file
 from .models.registry import DEFAULT_MODEL, MODELS
+from .train import data_dir, magpie_dir
 
 
 def _check_target(model: str) -> None:
@@ -63,21 +64,12 @@ def _threads_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default, all cores)")
 
 
-def magpie_dir(given: str | None, model: str) -> Path:
-    """A shard directory as given on the command line; else data/MODEL of the source tree specdec runs from (the
-    shards shipped in the repository) where that exists, else data/MODEL under the working directory."""
-    if given:
-        return Path(given)
-    tree = Path(__file__).resolve().parents[2] / "data"
-    return (tree if tree.is_dir() else Path("data")) / model
-
-
 def cmd_data(a: argparse.Namespace) -> int:
     from .train.data import generate_data
 
     _check_target(a.model)
     _check_args(a)
-    out = Path(a.out or f"runs/data/{a.model}")
+    out = data_dir(a.out, a.model)
     writable_dir(out, "--out")
     set_threads(a)
     out = generate_data(a.model, out, a.max_prompts, a.max_new_tokens, a.batch, a.greedy_fraction, a.seed)
@@ -103,7 +95,7 @@ def cmd_eagle(a: argparse.Namespace) -> int:
     _check_target(a.model)
     _check_args(a)
     _refuse_overwrite(a)
-    report = train_eagle(a.model, Path(a.data or f"runs/data/{a.model}"), Path(a.out), a.minutes, a.vocab_size,
+    report = train_eagle(a.model, data_dir(a.data, a.model), Path(a.out), a.minutes, a.vocab_size,
                          a.window, a.batch, a.lr, a.max_seq, a.overwrite, a.max_rows, train_dtype=_train_dtype(a))
     print(json.dumps(report, indent=2))
     return 0
@@ -152,7 +144,7 @@ def cmd_medusa(a: argparse.Namespace) -> int:
     _check_target(a.model)
     _check_args(a)
     _refuse_overwrite(a)
-    report = train_medusa(a.model, Path(a.data or f"runs/data/{a.model}"), Path(a.out), a.minutes, a.vocab_size,
+    report = train_medusa(a.model, data_dir(a.data, a.model), Path(a.out), a.minutes, a.vocab_size,
                           a.heads, a.window, a.batch, a.lr, a.max_seq, a.max_rows, a.overwrite,
                           train_dtype=_train_dtype(a))
     print(json.dumps(report, indent=2))
@@ -169,7 +161,7 @@ def cmd_draft(a: argparse.Namespace) -> int:
         layers = [int(x) for x in a.layers.split(",")] if a.layers else []         # []: the first and the last
     except ValueError:
         raise SpecdecError(f"--layers takes comma-separated layer numbers, got {a.layers!r}") from None
-    report = train_draft(a.model, Path(a.data or f"runs/data/{a.model}"), Path(a.out), a.minutes, layers,
+    report = train_draft(a.model, data_dir(a.data, a.model), Path(a.out), a.minutes, layers,
                          a.vocab_size, a.window, a.batch, a.lr, a.max_seq, a.max_rows, a.overwrite,
                          train_dtype=_train_dtype(a))
     print(json.dumps(report, indent=2))
