@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import signal
 import subprocess
@@ -160,12 +161,17 @@ def test_every_option_has_help_and_shows_its_default_once():
     (["generate", "--prompt", "hi", "--top-k", "-2"], "argument --top-k: must be an integer >= 0, got -2"),
     (["generate", "--prompt", "hi", "--num-draft-tokens", "0"], "argument --num-draft-tokens: must be an integer in [1, 64]"),
     (["serve", "--port", "70000"], "argument --port: must be an integer in [0, 65535], got 70000"),
+    (["serve", "--cors-origin", ""], "argument --cors-origin: expected an origin such as http://localhost:3000 or *"),
     (["generate", "--prompt", "hi", "--method", "eagel"], "unknown method 'eagel'; did you mean 'eagle'?"),
     (["generate", "--prompt", "hi", "--dtype", "flaot32"], "unknown dtype 'flaot32'; did you mean 'float32'?"),
     (["generate", "--prompt", "hi", "--draft-policy", "atuo"], "unknown draft policy 'atuo'; did you mean 'auto'?"),
     (["bench", "--draft-policy", "fixd"], "unknown draft policy 'fixd'; did you mean 'fixed'?"),
     (["bench", "--methods", "none,eagel"], "unknown method 'eagel'; did you mean 'eagle'?"),
     (["generate", "--prompt", "hi", "--model", "smolm2-135m"], "unknown model 'smolm2-135m'; did you mean 'smollm2-135m'?"),
+    *[([*cmd, flag, "99999"], f"argument {flag}: must be 0 or at most this machine's {os.cpu_count()} CPUs, got 99999")
+      for cmd, flag in [(["generate", "--prompt", "hi"], "--threads"), (["serve"], "--threads"),
+                        (["serve"], "--prefill-threads"), (["bench"], "--threads"), (["info"], "--threads"),
+                        (["train", "eagle3", "--out", "h.safetensors"], "--threads"), (["train", "magpie"], "--threads")]],
 ])
 def test_cli_errors_name_the_flag_and_the_closest_name(argv, message, capsys):
     assert main(argv) == 2

@@ -129,6 +129,7 @@ def test_completion_greedy_equals_offline(gen, client):
     assert got.usage.total_tokens == want.prompt_tokens + len(want.tokens)
     spec = got.speculative
     assert spec["method"] == "ngram" and spec["num_draft_tokens"] == 4 and spec["tau"] >= 1.0
+    assert spec["draft_policy"] == gen.policy_name == "fixed"      # K is the draft length, not where it starts
     assert spec["acceptance_rate"] is not None and isinstance(spec["acceptance_per_position"], list)
 
 
@@ -342,10 +343,12 @@ def test_a_non_streaming_client_that_goes_away_frees_the_slot(single):
     assert got.usage.completion_tokens == 4
 
 
-def test_a_full_engine_pool_answers_429_then_evicts_an_idle_engine(gen):
-    """--max-engines 2: the default engine and one more. While a suffix stream keeps the second engine busy,
-    a request naming yet another (method, K) gets a 429 naming the loaded engines and the flag; once the
-    stream ends, the same request is served and the idle suffix engine is dropped (least recently used)."""
+def test_a_request_for_a_full_engine_pool_waits_for_an_engine_then_evicts_an_idle_one(gen):
+    """--max-engines 2: the default engine and one more. While a suffix stream keeps the second engine busy, a
+    request naming yet another (method, K) waits (no 429) and the default engine keeps serving; once the stream
+    ends, the waiting request is served exactly and the idle suffix engine is dropped (least recently used)."""
+    import threading
+
     srv = LiveServer(ServerState(gen, ServeConfig(max_batch=2, max_prompt_tokens=64, max_tokens=200, max_engines=2)))
     try:
         client = srv.client()
@@ -354,25 +357,23 @@ def test_a_full_engine_pool_answers_429_then_evicts_an_idle_engine(gen):
                                            extra_body={"speculative": {"method": "suffix"}})
         assert next(iter(stream)).choices[0].text
         other = {"speculative": {"method": "ngram", "num_draft_tokens": 2}}
-        with pytest.raises(openai.RateLimitError) as full:
-            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, extra_body=other)
-        message = full.value.body["message"]
-        assert full.value.status_code == 429 and "\n" not in message
-        assert full.value.body["code"] == "rate_limit_exceeded"
-        assert "ngram with K=2" in message and "the default ngram K=4 and busy ones" in message
-        assert "(suffix K=4)" in message and "--max-engines 2" in message
-        assert full.value.response.headers["retry-after"] == "1"
+        answers: list = []
+        waiter = threading.Thread(target=lambda: answers.append(client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, extra_body=other)))
+        waiter.start()
+        deadline = time.monotonic() + 30
+        while not srv.state.scheduler.waiting:
+            assert time.monotonic() < deadline and waiter.is_alive(), answers
+            time.sleep(0.05)
         got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
                                         extra_body={"speculative": {"method": "none"}})   # the default engine serves
         assert got.usage.completion_tokens == 4
+        assert waiter.is_alive() and not answers                  # still waiting for an engine
         stream.close()
-        deadline = time.monotonic() + 30
-        while any(e.busy for e in srv.state.pool.engines.values()):
-            assert time.monotonic() < deadline, "the cancelled stream still holds its engine"
-            time.sleep(0.1)
-        got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, extra_body=other)
-        assert got.choices[0].text == offline(gen, PROMPT, 8, chat=False).text
+        waiter.join(60)
+        assert not waiter.is_alive() and answers[0].choices[0].text == offline(gen, PROMPT, 8, chat=False).text
         assert [(k.method, k.num_draft_tokens) for k in srv.state.pool.engines] == [("ngram", 4), ("ngram", 2)]
+        assert 'status="429"' not in srv.metrics()
     finally:
         srv.stop()
 
@@ -724,6 +725,36 @@ def test_a_failed_generation_is_a_500_and_logged_with_its_traceback(server, clie
     assert "method ngram" in records[0].getMessage() and records[0].exc_info is not None
     assert "RuntimeError: boom in the engine" in caplog.text and "Traceback" in caplog.text
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3).usage.completion_tokens == 3
+
+
+def test_a_stream_that_ends_in_an_error_event_is_logged_as_refused_requests_are(server, monkeypatch, caplog):
+    """A stream already answered 200 reports a failure as an error event; the log still gets the request's line
+    with its status, as a request refused before its stream began does."""
+    import logging
+
+    import requests
+
+    from specdec.engine import Engine
+
+    step, steps = Engine.step, []
+
+    def boom_later(self, *args):                # the stream has begun when the third step fails
+        steps.append(1)
+        if len(steps) > 2:
+            raise RuntimeError("boom in the engine")
+        return step(self, *args)
+
+    with monkeypatch.context() as m:
+        m.setattr(Engine, "step", boom_later)
+        with caplog.at_level(logging.INFO, logger="specdec"):
+            with requests.post(server.url + "/v1/completions", stream=True, timeout=20, json={
+                    "model": MODEL, "prompt": PROMPT, "max_tokens": 30, "temperature": 0, "stream": True,
+                    "speculative": {"method": "ngram", "num_draft_tokens": 4}}) as r:
+                events = [line for line in r.iter_lines() if line.startswith(b"data: ")]
+    assert r.status_code == 200 and b"boom in the engine" in events[-1]
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "specdec"]
+    assert any(line.startswith("POST /v1/completions -> 500 (in the stream) ") and "boom" in line
+               for line in lines), lines
 
 
 def test_malloc_trim_is_looked_up_on_first_use():

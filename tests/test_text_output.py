@@ -292,6 +292,21 @@ def test_counters_keep_only_the_drafts_of_tokens_the_output_keeps():
         assert c.accepted < c.new_tokens and c.new_tokens - c.accepted <= c.target_forwards
         assert sum(c.accepted_at) == c.accepted and sum(c.drafted_at) == c.drafted
         assert c.accepted == c.drafted                 # every draft kept was accepted (the draft is the target)
+        assert all(c.drafted_at) and c.as_dict()["acceptance_per_position"] == [1.0] * len(c.drafted_at)
+
+
+def test_positions_only_a_dropped_step_drafted_leave_the_per_position_rates():
+    """A first step of 6 drafts cut to 3 kept tokens: positions 4-6 were never drafted for the output, so the
+    per-position list ends at position 3 instead of reporting 0.0 there (a rate of nothing)."""
+    from specdec.metrics import Counters
+
+    c = Counters()
+    c.record_step(6, 6, 7)
+    c.drop_last(4)
+    assert (c.drafted, c.accepted, c.new_tokens) == (3, 3, 3)
+    assert c.as_dict()["acceptance_per_position"] == [1.0, 1.0, 1.0]
+    c.record_step(2, 1, 2)
+    assert c.as_dict()["acceptance_per_position"] == [1.0, 0.5, 1.0]
 
 
 def test_a_step_that_ends_on_its_recovered_eos_keeps_every_draft_it_verified():

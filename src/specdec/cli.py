@@ -103,8 +103,17 @@ def add_model_args(p: argparse.ArgumentParser, default_method: str = DEFAULT_MET
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
 
 
+def thread_count(text: str) -> int:
+    """An argparse type: 0 (torch's default) or a thread count up to this machine's CPUs (torch crashes far above)."""
+    cpus = os.cpu_count() or 1
+    value = int_in(0)(text)
+    if value > cpus:
+        raise argparse.ArgumentTypeError(f"must be 0 or at most this machine's {cpus} CPUs, got {value}")
+    return value
+
+
 def add_threads_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int_in(0), default=0,
+    p.add_argument("--threads", type=thread_count, default=0,
                    help="torch CPU threads (0 = torch's default, all cores); kernels are chosen per thread count, "
                         "so greedy text can differ between counts")
 

@@ -42,7 +42,7 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs must equal none's)")
     p.add_argument("--repeats", type=int, default=1, help="timed repeats of every (prompt, method)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
-    from .cli import add_dtype_arg, int_in, one_of
+    from .cli import add_dtype_arg, int_in, one_of, thread_count
 
     add_dtype_arg(p)
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
@@ -52,7 +52,7 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     p.add_argument("--num-draft-tokens", type=int_in(1, MAX_DRAFT_TOKENS), default=4, help="drafts per step, K")
     p.add_argument("--draft-policy", default="fixed", type=one_of("draft policy", POLICIES), choices=POLICIES,
                    help="draft length policy")
-    p.add_argument("--threads", type=int_in(0), default=0,
+    p.add_argument("--threads", type=thread_count, default=0,
                    help="CPU threads of our methods and of every peer (llama.cpp: decoding and prefill alike); "
                         "0 = torch's default")
     p.add_argument("--peers", default="auto", help=f"comma-separated peers to run side by side: {', '.join(PEERS)}; "

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .cli import add_model_args, int_in
+from .cli import add_model_args, int_in, thread_count
 from .errors import SpecdecError
 from .names import AUTO_METHOD, DRAFTLESS
 
@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     p.add_argument("--max-prompt-tokens", type=int_in(1), default=1024,
                    help="longest prompt a request may send, in tokens (400 beyond)")
     p.add_argument("--max-tokens", type=int_in(1), default=512, help="largest max_tokens a request may ask for")
-    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN", type=origin,
                    help="let browser apps from ORIGIN (e.g. http://localhost:3000; * for any) call the API: CORS "
                         "headers and preflights (repeatable) (default: none: browsers refuse cross-origin calls)")
     p.add_argument("--max-body-bytes", type=int_in(1), default=1 << 20, help="largest request body (413 beyond)")
@@ -44,11 +44,11 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
     p.add_argument("--prefix-cache-mb", type=int_in(0), default=512,
                    help="memory for the prefix cache: prompts that start like a recent one (the next turn of a chat, a "
                         "shared system prompt) reuse its keys and values in pieces of 128 tokens, bit for bit (0 = off)")
-    p.add_argument("--threads", type=int_in(0), default=0,
+    p.add_argument("--threads", type=thread_count, default=0,
                    help="torch CPU threads for decode steps (0 = torch's default, all cores); the engines run in the "
                         "main thread, the HTTP side in a helper thread that needs little CPU; measured on 2 cores "
                         "(benchmarks/serve_load.py): 2 threads serve 1.2x (batched) to 1.27x (one at a time) the tokens/s of 1")
-    p.add_argument("--prefill-threads", type=int_in(0), default=0,
+    p.add_argument("--prefill-threads", type=thread_count, default=0,
                    help="torch CPU threads while a step prefills new prompts (0 = torch's default, all cores)")
     p.add_argument("--max-engines", type=int_in(1), default=4,
                    help="engines kept at once, the default method's included: each other (method, K) a request names "
@@ -68,6 +68,13 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
                    help="log level on stderr of uvicorn and of the server's own log (the specdec logger: refused "
                         "requests at info (4xx) or warning (5xx), failed generations at error)")
     p.set_defaults(func=cmd_serve)
+
+
+def origin(text: str) -> str:
+    """An argparse type: a browser origin, not empty."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected an origin such as http://localhost:3000 or *, got an empty string")
+    return text
 
 
 def drafts_for_server(a: argparse.Namespace, gen: Generator) -> dict[str, str | CausalLM]:

@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-from .cli import set_threads
+from .cli import set_threads, thread_count
 from .errors import SpecdecError
 from .files import writable_dir, writable_file
 from .models.registry import DEFAULT_MODEL, MODELS
@@ -61,7 +61,7 @@ def _train_dtype(a: argparse.Namespace):
 
 
 def _threads_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default, all cores)")
+    p.add_argument("--threads", type=thread_count, default=0, help="torch CPU threads (0 = torch's default, all cores)")
 
 
 def cmd_data(a: argparse.Namespace) -> int:

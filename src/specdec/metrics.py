@@ -54,6 +54,9 @@ class Counters:
             self.drafted_at[i] += sign
             if i < accepted:
                 self.accepted_at[i] += sign
+        while self.drafted_at and not self.drafted_at[-1]:    # positions only a dropped step drafted: gone
+            self.drafted_at.pop()
+            self.accepted_at.pop()
 
     def merge(self, other: "Counters") -> None:
         for name in ("new_tokens", "target_forwards", "drafted", "accepted",

@@ -475,11 +475,7 @@ class Routes:
     def error_response(self, request: HttpRequest, status: int, message: str, param: str | None = None,
                        code: str | None = None, headers: Mapping[str, str] | None = None) -> JSONResponse:
         self.count(request, status)
-        # one line per refused request (info: a client's mistake; warning: the server's own trouble)
-        # (a client's text may hold lone surrogates, which no log stream can encode: escaped)
-        line = f"{request.method} {request.url.path} -> {status} {message[:300]}"
-        log.log(logging.INFO if status < 500 else logging.WARNING, "%s",
-                line.encode("utf-8", "backslashreplace").decode("utf-8"))
+        log_refusal(request, status, message)
         headers = dict(headers or {}) | ({"WWW-Authenticate": "Bearer"} if status == 401 else
                                          {"Retry-After": "1"} if status == 429 else {})
         return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
@@ -570,6 +566,7 @@ class Routes:
                     return
                 else:
                     status = event.status
+                    log_refusal(request, status, event.message, "(in the stream)")
                     yield sse(error_body(event.status, event.message, None, event.code))
                     return
                 event = await self.next_or_keep_alive(job)
@@ -577,6 +574,14 @@ class Routes:
             if status == 499:
                 self.state.scheduler.cancel(job)
             self.count(request, status)
+
+
+def log_refusal(request: HttpRequest, status: int, message: str, where: str = "") -> None:
+    """One log line per refused request (info: a client's mistake; warning: the server's own trouble); a client's
+    text may hold lone surrogates, which no log stream can encode: escaped."""
+    line = f"{request.method} {request.url.path} -> {status}{' ' + where if where else ''} {message[:300]}"
+    log.log(logging.INFO if status < 500 else logging.WARNING, "%s",
+            line.encode("utf-8", "backslashreplace").decode("utf-8"))
 
 
 def create_app(state: ServerState) -> FastAPI:

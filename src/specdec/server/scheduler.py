@@ -199,10 +199,11 @@ class ServerMetrics:
             self.accepted_per_pos.labels(str(pos)).inc(n)
 
 
-def speculation_report(seq: SequenceState, spec: SpecChoice) -> dict:
-    """The per-request `speculative` extension object of a response."""
+def speculation_report(seq: SequenceState, spec: SpecChoice, policy: str) -> dict:
+    """The per-request `speculative` extension object of a response (`policy`: the server's draft-length policy,
+    under which K is the draft length (fixed) or where it starts (heuristic, auto))."""
     m = seq.counters.as_dict()
-    return {"method": spec.method, "num_draft_tokens": spec.num_draft_tokens, "tau": m["tau"],
+    return {"method": spec.method, "num_draft_tokens": spec.num_draft_tokens, "draft_policy": policy, "tau": m["tau"],
             "acceptance_rate": m["acceptance_rate"], "acceptance_per_position": m["acceptance_per_position"],
             "draft_tokens": seq.counters.drafted, "accepted_tokens": seq.counters.accepted,
             "target_forwards": m["target_forwards"], "accepted_prediction_tokens": m["accepted_prediction_tokens"],
@@ -279,10 +280,7 @@ class EnginePool:
             return (f"{asked} is not available: this server runs only its default method {self.default.method} "
                     f"(--max-engines 1); ask for {ask}, or start the server with a larger --max-engines")
         busy = ", ".join(f"{k.method} K={k.num_draft_tokens}" for k in self.engines if k != self.default)
-        return (f"{asked} needs an engine of its own: {len(self.engines)} are loaded (--max-engines "
-                f"{self.max_engines}), the default {self.default.method} K={self.default.num_draft_tokens} and busy "
-                f"ones that cannot be dropped yet ({busy}): retry later, ask for a loaded method, or start the server "
-                f"with a larger --max-engines")
+        return f"{asked} waits for an engine of its own: the pool (--max-engines {self.max_engines}) holds busy ones ({busy})"
 
     def key_of(self, eng: Engine) -> SpecChoice:
         """The (method, K) an engine of this pool serves."""
@@ -429,16 +427,26 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Move waiting jobs into engines while fewer than max_batch run (the engines prefill their
-        prompts in bounded steps between decode steps); a job whose method gets no engine fails with a 429."""
+        prompts in bounded steps between decode steps). A job whose (method, K) finds the engine pool full of busy
+        engines keeps waiting, and so do the jobs after it that need an engine other than the default one (first
+        come, first served: the busy engines drain, one is dropped, the job gets its own); with --max-engines 1
+        no other engine can ever be built, so such a job fails with a 429 at once."""
+        deferred: list[Job] = []
         while self.waiting and len(self.running) < self.max_batch:
             job = self.waiting.popleft()
             key, speculate = self.pool.route(job.spec)
+            if deferred and key != self.pool.default:
+                deferred.append(job)
+                continue
             try:
                 eng = self.pool.get(key)
                 req = job.request
                 job.seq = eng.add(replace(req, speculate=speculate))
             except PoolFull as e:
-                self._fail(job, str(e), 429)
+                if self.pool.max_engines == 1:
+                    self._fail(job, str(e), 429)
+                else:
+                    deferred.append(job)
                 continue
             except SpecdecError as e:
                 self._fail(job, str(e), 400)
@@ -451,6 +459,7 @@ class Scheduler:
             self.running[id(job.seq)] = job
             self.peak_running = max(self.peak_running, len(self.running))
             self.metrics.prompt_tokens.inc(len(req.prompt))
+        self.waiting.extendleft(reversed(deferred))
 
     def _step_all(self) -> None:
         for eng in self.pool.busy():
@@ -500,7 +509,7 @@ class Scheduler:
                 proposer = job.engine.proposer
                 self._learn(lambda: self.learner.finished(proposer, seq))
             self._send(job, Done(seq.text, seq.finish_reason, len(seq.request.prompt), len(seq.generated),
-                                 speculation_report(seq, job.spec)))
+                                 speculation_report(seq, job.spec, self.pool.gen.policy_name)))
             self._close(job)
 
     def _fail_engine(self, eng: Engine, message: str) -> None:
