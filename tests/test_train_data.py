@@ -38,7 +38,7 @@ def test_leak_check_catches_a_benchmark_prompt():
     (["train", "eagle3", "--out", "x.safetensors", "--target-temperature", "0"], "--target-temperature must be > 0"),
     (["train", "eagle3", "--out", "x.safetensors", "--prompt-weight", "-1"], "--prompt-weight must be >= 0"),
     (["train", "eagle3", "--out", "x.safetensors", "--mlp-width", "-5"], "--mlp-width must be >= 0"),
-    (["train", "eagle3", "--out", "x.safetensors", "--threads", "-2"], "--threads must be >= 0"),
+    (["train", "eagle3", "--out", "x.safetensors", "--threads", "-2"], "argument --threads: must be an integer >= 0, got -2"),
     (["train", "eagle3", "--out", "/proc/nope/x.safetensors"], "cannot write the folder of --out"),
     (["train", "eagle", "--out", "/"], "--out / is a directory; give a file path"),
     (["train", "eagle3", "--out", "x.safetensors", "--features", "/proc/nope"], "cannot write --features"),

@@ -19,7 +19,7 @@ def _check_target(model: str) -> None:
 
 
 def _check_args(a: argparse.Namespace) -> None:
-    """Before any work: sizes and budgets positive (max_rows, threads, mlp_width, head_layers: 0 = the default), the paths
+    """Before any work: sizes and budgets positive (max_rows, mlp_width, head_layers: 0 = the default), the paths
     the command writes writable."""
     for name in ("minutes", "vocab_size", "window", "batch", "lr", "max_seq", "heads", "max_prompts",
                  "max_new_tokens", "shards", "rows", "steps", "report_minutes", "target_temperature"):
@@ -36,7 +36,7 @@ def _check_args(a: argparse.Namespace) -> None:
         raise SpecdecError(f"--greedy-fraction must be in [0, 1], got {a.greedy_fraction}")
     if not getattr(a, "prompt_weight", 0) >= 0:
         raise SpecdecError(f"--prompt-weight must be >= 0, got {a.prompt_weight}")
-    for name in ("max_rows", "threads", "mlp_width", "head_layers"):
+    for name in ("max_rows", "mlp_width", "head_layers"):
         if getattr(a, name, 0) < 0:
             raise SpecdecError(f"--{name.replace('_', '-')} must be >= 0 (0 = the default), got {getattr(a, name)}")
     if getattr(a, "out", None) and Path(a.out).suffix == ".safetensors":     # the trained file: writable, first

@@ -33,7 +33,11 @@ from torch import Tensor
 from ..errors import SpecdecError
 
 PACK_ROWS = 8             # oneDNN's row hint when prepacking: 1 makes a lone row take a gemv path
-CHECK_COUNTS = (2, 3, 5, 8, 17, 33)  # row counts compared against a forward of `max_rows` rows
+CHECK_COUNTS = (2, 3, 5, 8, 17, 33)  # row counts tried at every offset of CHECK_OFFSETS (the others once each)
+CHECK_OFFSETS = (0, 1, 7)  # where a call's rows start among the check's inputs
+CHECK_VERSION = 2         # of `check_rows` (part of the book's name: a stronger check is run again): 2 = every
+                          # row count up to the limit (oneDNN's bfloat16 [576 x 576] at 2 threads on an Intel Xeon
+                          # with AMX gave calls of 25-32 rows other bits than calls of 64; 17 and 33 rows passed)
 CHECK_ROWS = 64           # the most rows per call a check can prove; larger calls go in chunks
 ROW_LIMITS = (64, 32, 16, 8, 4, 2)   # rows per call tried, largest first (AMX switches kernels above 32)
 
@@ -60,18 +64,30 @@ def check_inputs(n_in: int, dtype: torch.dtype) -> Tensor:
     return (torch.randn(CHECK_ROWS, n_in, generator=g) * scale).to(dtype)
 
 
-def check_rows(fn: Callable[[Tensor], Tensor], x: Tensor) -> RowCheck:
+def check_calls(limit: int, n: int, every_count: bool = True) -> list[tuple[int, int]]:
+    """(rows, offset) of the calls `check_rows` compares for a limit of `limit` rows among n check inputs: the
+    sampled counts at every offset of CHECK_OFFSETS and, with `every_count`, every other count from 2 to the
+    limit once, its call placed by turns at the start, one row in and at the end of the inputs (where a split
+    of a call's rows among threads showed other bits)."""
+    sampled = [(m, j) for m in (*CHECK_COUNTS, limit) if m <= limit for j in CHECK_OFFSETS if j + m <= n]
+    rest = [(m, (0, 1, n - m)[m % 3]) for m in range(2, limit + 1) if m not in CHECK_COUNTS and m != limit]
+    return sampled + rest if every_count else sampled
+
+
+def check_rows(fn: Callable[[Tensor], Tensor], x: Tensor, every_count: bool = True) -> RowCheck:
     """Bit-for-bit check of fn ([M, in] -> [M, out]) on x [CHECK_ROWS, in], for the largest limit L in
     ROW_LIMITS that passes: the rows of fn(x[j:j+M]) against the same rows of x computed in calls of L
-    rows (other neighbours, other places in the call), for M in CHECK_COUNTS up to L and offsets
-    0, 1 and 7; then every row alone against them.
+    rows (other neighbours, other places in the call), for every M from 2 to L (`check_calls`; without
+    `every_count` the sampled counts only: for the native kernels, whose rows get the same operations
+    whatever the row or thread count by construction, the check confirms that); then every row alone
+    against them.
 
-    Kernels may switch algorithm with the row count (oneDNN's AMX bfloat16 kernels do above 32 rows),
-    so a kernel invariant only up to L rows is used in calls of at most L rows."""
+    Kernels may switch algorithm with the row count (oneDNN's AMX bfloat16 kernels do above 32 rows) and,
+    with several threads, split a call's rows among them by its row count, so a kernel invariant only up
+    to L rows is used in calls of at most L rows, and no row count up to L goes unchecked."""
     for limit in ROW_LIMITS:
         ref = torch.cat([fn(c) for c in x.split(limit)])                   # [CHECK_ROWS, out] in calls of `limit`
-        if all(torch.equal(fn(x[j:j + m]), ref[j:j + m])
-               for m in (*CHECK_COUNTS, limit) if m <= limit for j in (0, 1, 7)):
+        if all(torch.equal(fn(x[j:j + m]), ref[j:j + m]) for m, j in check_calls(limit, len(x), every_count)):
             lone = all(torch.equal(fn(x[j:j + 1]), ref[j:j + 1]) for j in range(len(x)))
             return RowCheck(True, lone, limit)
     return RowCheck(False, False, 1)
@@ -111,7 +127,7 @@ def book_path() -> Path:
     from .registry import cache_dir
 
     m = probe()
-    stamp = f"{m.cpu}|{torch.__version__}|{m.torch_capability}|{m.isa_limit}|{torch.get_num_threads()}"
+    stamp = f"{m.cpu}|{torch.__version__}|{m.torch_capability}|{m.isa_limit}|{torch.get_num_threads()}|{CHECK_VERSION}"
     return cache_dir() / "kernel-checks" / f"{hashlib.sha256(stamp.encode()).hexdigest()[:16]}.json"
 
 
@@ -122,7 +138,8 @@ def announce() -> None:
                                       "in %s) ...", book_path().parent)
 
 
-def checked(key: tuple, kernel: Callable[[Tensor], Tensor], n_in: int, dtype: torch.dtype) -> RowCheck:
+def checked(key: tuple, kernel: Callable[[Tensor], Tensor], n_in: int, dtype: torch.dtype,
+            every_count: bool = True) -> RowCheck:
     """`check_rows` of `kernel`, run once per machine for each `key` (a kernel family and its shape: kernels
     are chosen by those, not by the values) and kept in `book_path()`, so a start does not pay for it again
     (the LM head's check alone took ~0.4 s)."""
@@ -133,7 +150,7 @@ def checked(key: tuple, kernel: Callable[[Tensor], Tensor], n_in: int, dtype: to
             entry = book.get(name)
             if not _row_entry(entry):
                 announce()
-                c = check_rows(kernel, check_inputs(n_in, dtype))
+                c = check_rows(kernel, check_inputs(n_in, dtype), every_count)
                 entry = book[name] = [c.many_rows, c.lone_row, c.max_rows]
     return RowCheck(*entry)
 

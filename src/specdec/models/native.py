@@ -383,7 +383,8 @@ class Q8Head:
         isa = q8x8_isa()
         head = Q8Head(q, d, RowCheck(True, True), quantized, isa)
         name = "native-q8x8" if quantized else "native-q8"
-        return Q8Head(q, d, checked((name, *q.shape), head, q.shape[1], torch.bfloat16), quantized, isa)
+        check = checked((name, *q.shape), head, q.shape[1], torch.bfloat16, every_count=False)
+        return Q8Head(q, d, check, quantized, isa)
 
 
 def q8x8_isa(limit: int = 2) -> int:
@@ -619,7 +620,7 @@ class Q8Rows:
         isa = q8x8_isa()
         k = Q8Rows(layout["codes"], layout["d"], RowCheck(True, True), isa, dtype)
         key = ("native-q8r", *k.shape) if k.kind == ROWS_Q8 else ("native-q8h", *k.shape)
-        return replace(k, check=checked(key, k, k.shape[1], torch.bfloat16))
+        return replace(k, check=checked(key, k, k.shape[1], torch.bfloat16, every_count=False))
 
 
 @dataclass(frozen=True)
@@ -658,4 +659,5 @@ class Q4Linear:
 
         isa = q8x8_isa()
         k = Q4Linear(layout["codes"], layout["scale"], layout["zero"], RowCheck(True, True), isa)
-        return Q4Linear(k.codes, k.scale, k.zero, checked(("native-q4", *k.shape), k, k.shape[1], torch.float32), isa)
+        check = checked(("native-q4", *k.shape), k, k.shape[1], torch.float32, every_count=False)
+        return Q4Linear(k.codes, k.scale, k.zero, check, isa)
