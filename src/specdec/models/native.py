@@ -28,6 +28,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -416,11 +417,9 @@ class LayerLoop:
     def __init__(self, lib: ctypes.CDLL, handle: int, keep: list, max_rows: int, dtype: torch.dtype) -> None:
         self._lib, self._handle, self._keep = lib, handle, keep
         self.max_rows, self.dtype = max_rows, dtype
-
-    def __del__(self) -> None:
-        if getattr(self, "_handle", None):
-            self._lib.specdec_loop_free(self._handle)
-            self._handle = None
+        # freed with the loop; not at interpreter exit (the process's memory goes anyway, and a second Ctrl-C
+        # landing in a finalizer then printed "Exception ignored" with a traceback)
+        weakref.finalize(self, lib.specdec_loop_free, handle).atexit = False
 
     @staticmethod
     def of(model) -> "LayerLoop | None":
