@@ -280,7 +280,8 @@ class EnginePool:
             return (f"{asked} is not available: this server runs only its default method {self.default.method} "
                     f"(--max-engines 1); ask for {ask}, or start the server with a larger --max-engines")
         busy = ", ".join(f"{k.method} K={k.num_draft_tokens}" for k in self.engines if k != self.default)
-        return f"{asked} waits for an engine of its own: the pool (--max-engines {self.max_engines}) holds busy ones ({busy})"
+        return (f"{asked} waits for an engine of its own: the pool (--max-engines {self.max_engines}) holds busy "
+                f"ones ({busy})")
 
     def key_of(self, eng: Engine) -> SpecChoice:
         """The (method, K) an engine of this pool serves."""
