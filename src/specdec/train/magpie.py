@@ -11,6 +11,7 @@ features are recomputed from the ids.
 """
 from __future__ import annotations
 
+import io
 import random
 import re
 import sys
@@ -256,9 +257,10 @@ def next_shard(path: Path) -> int:
 
 
 def open_shard(f: Path):
-    """np.load of a shard, or a one-line error naming it (truncated, not a shard)."""
+    """np.load of a shard (read whole: a shard is small, and np.load left a file it could not parse open), or a
+    one-line error naming it (truncated, not a shard)."""
     try:
-        return np.load(f, allow_pickle=False)
+        return np.load(io.BytesIO(f.read_bytes()), allow_pickle=False)
     except (OSError, ValueError, zipfile.BadZipFile) as e:
         raise unreadable(f, e) from None
 
