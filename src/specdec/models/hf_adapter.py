@@ -17,6 +17,7 @@ get one mask per type.
 """
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import torch
@@ -55,6 +56,8 @@ class HFCausalLM(nn.Module):
         cfg = _text_config(model.config)
         self.text_config = cfg
         self.base = getattr(model, model.base_model_prefix, None)
+        # the KV cache's argument and output field: `cache` in newer transformers, `past_key_values` before
+        self.cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         if self.base is None or self.base is model:
             raise SpecdecError(f"{type(model).__name__} has no separate base model to take hidden states from")
         self.n_layers = int(cfg.num_hidden_layers)
@@ -172,8 +175,8 @@ class HFCausalLM(nn.Module):
             else:
                 mask = self._additive(visible)
             res = self.base(input_ids=tokens[b:b + 1], position_ids=pos[None], attention_mask=mask,
-                            past_key_values=past, use_cache=True)
-            pkv = res.past_key_values
+                            use_cache=True, **{self.cache_arg: past})
+            pkv = getattr(res, self.cache_arg)
             for i in range(self.n_layers):
                 layer = pkv.layers[i]
                 if layer.keys.shape[-2] != L + T:
