@@ -343,10 +343,12 @@ def test_a_non_streaming_client_that_goes_away_frees_the_slot(single):
     assert got.usage.completion_tokens == 4
 
 
-def test_a_request_for_a_full_engine_pool_waits_for_an_engine_then_evicts_an_idle_one(gen):
+def test_requests_for_a_full_engine_pool_wait_in_order_then_evict_idle_engines(gen):
     """--max-engines 2: the default engine and one more. While a suffix stream keeps the second engine busy, a
-    request naming yet another (method, K) waits (no 429) and the default engine keeps serving; once the stream
-    ends, the waiting request is served exactly and the idle suffix engine is dropped (least recently used)."""
+    request naming yet another (method, K) waits (no 429) and the default engine keeps serving, and a later suffix
+    request waits behind it (first come, first served: it does not keep the busy engine busy); once the stream
+    ends, the waiting requests are served exactly, in order: the ngram one drops the idle suffix engine, the
+    suffix one then drops the ngram engine."""
     import threading
 
     srv = LiveServer(ServerState(gen, ServeConfig(max_batch=2, max_prompt_tokens=64, max_tokens=200, max_engines=2)))
@@ -365,14 +367,23 @@ def test_a_request_for_a_full_engine_pool_waits_for_an_engine_then_evicts_an_idl
         while not srv.state.scheduler.waiting:
             assert time.monotonic() < deadline and waiter.is_alive(), answers
             time.sleep(0.05)
+        later: list = []
+        behind = threading.Thread(target=lambda: later.append(client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"speculative": {"method": "suffix"}})))
+        behind.start()
+        while len(srv.state.scheduler.waiting) < 2:
+            assert time.monotonic() < deadline and behind.is_alive(), later
+            time.sleep(0.05)
         got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
                                         extra_body={"speculative": {"method": "none"}})   # the default engine serves
         assert got.usage.completion_tokens == 4
-        assert waiter.is_alive() and not answers                  # still waiting for an engine
+        assert waiter.is_alive() and not answers and behind.is_alive()    # still waiting for an engine
         stream.close()
         waiter.join(60)
+        behind.join(60)
         assert not waiter.is_alive() and answers[0].choices[0].text == offline(gen, PROMPT, 8, chat=False).text
-        assert [(k.method, k.num_draft_tokens) for k in srv.state.pool.engines] == [("ngram", 4), ("ngram", 2)]
+        assert not behind.is_alive() and later[0].choices[0].text == offline(gen, PROMPT, 6, chat=False).text
+        assert [(k.method, k.num_draft_tokens) for k in srv.state.pool.engines] == [("ngram", 4), ("suffix", 4)]
         assert 'status="429"' not in srv.metrics()
     finally:
         srv.stop()
