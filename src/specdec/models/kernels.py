@@ -70,8 +70,9 @@ def check_calls(limit: int, n: int, every_count: bool = True) -> list[tuple[int,
     limit once, its call placed by turns at the start, one row in and at the end of the inputs (where a split
     of a call's rows among threads showed other bits)."""
     sampled = [(m, j) for m in (*CHECK_COUNTS, limit) if m <= limit for j in CHECK_OFFSETS if j + m <= n]
-    rest = [(m, (0, 1, n - m)[m % 3]) for m in range(2, limit + 1) if m not in CHECK_COUNTS and m != limit]
-    return sampled + rest if every_count else sampled
+    if not every_count:
+        return sampled
+    return sampled + [(m, (0, 1, n - m)[m % 3]) for m in range(2, limit) if m not in CHECK_COUNTS]
 
 
 def check_rows(fn: Callable[[Tensor], Tensor], x: Tensor, every_count: bool = True) -> RowCheck:

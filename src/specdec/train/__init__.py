@@ -24,5 +24,7 @@ def data_dir(given: str | None, model: str) -> Path:
 def has_default_data(model: str, kind: str) -> bool:
     """Whether the default data directory of `kind` (see DATA_COMMAND) holds shards for `model`."""
     if DATA_COMMAND[kind] == "magpie":
-        return any(magpie_dir(None, model).glob("magpie-*.npz"))
+        from .magpie import shard_files
+
+        return bool(shard_files(magpie_dir(None, model)))
     return any(data_dir(None, model).glob("shard-*.jsonl"))
