@@ -215,6 +215,11 @@ def test_cli_exit_status_follows_equality(fake_cli, tmp_path):
     (["--temperature", "0.5", "--peers", "transformers"], "greedy only"),
     (["--temperature", "inf"], "--temperature must be a finite number >= 0"),
     (["--out", "/proc/nope"], "cannot write --out /proc/nope"),
+    (["--out", ""], "--out is empty"),
+    (["--categories", "qa,code,qa"], "--categories names 'qa' twice"),
+    (["--methods", "none,lookahead=2,3"], "lookahead shape is W,N,G"),
+    (["--methods", "eagle3=no-such-head.safetensors"], "draft 'no-such-head.safetensors' of method 'eagle3' not found"),
+    (["--methods", "draft", "--draft-model", "no-such-draft"], "draft 'no-such-draft' of method 'draft' not found"),
 ])
 def test_bad_input_lists_valid_names(monkeypatch, capsys, args, listed):
     import specdec.cli_bench as cli_bench
@@ -222,6 +227,38 @@ def test_bad_input_lists_valid_names(monkeypatch, capsys, args, listed):
     monkeypatch.setattr(cli_bench, "load_suite", lambda suite, categories: list(PROMPTS))
     assert main(["bench", *args]) == 2
     assert listed in capsys.readouterr().err
+
+
+def test_the_report_command_repeats_the_options_that_differ_from_the_defaults(monkeypatch):
+    import specdec.cli_bench as cli_bench
+    from specdec.cli import build_parser
+
+    monkeypatch.setattr(cli_bench.sys, "argv", ["python"])          # not run as `specdec`: the command is rebuilt
+    a = build_parser().parse_args(["bench", "--peers", "", "--device", "cuda:1", "--methods", "ngram"])
+    line = cli_bench.command_line(a)
+    assert "--peers ''" in line and "--device cuda:1" in line
+    assert "--peers" not in cli_bench.command_line(build_parser().parse_args(["bench"]))
+
+
+def test_prediction_drafts_are_reported_apart_from_the_methods_own(target, tmp_path):
+    """An `edit` prompt drafts from its prediction: the method's acceptance leaves those drafts out, and the
+    report gives the prediction's own acceptance."""
+    found = systems(target, "none,ngram")
+    tok = ChatTokenizer(target.vocab_size)
+    plain = found[0].generate(runner.turn_ids(tok, ("5 6 7 8",), []), 10, runner.SamplingParams()).tokens
+    prompt = Prompt("edit", "edit/1", ("5 6 7 8",), 10, prediction=tok.decode(plain))   # what the target writes
+    config = {"model": "tiny", "dtype": "float32", "suite": "test", "num_draft_tokens": 3,
+              "draft_policy": "fixed", "draft_model": None}
+    results = runner.benchmark(found, [*PROMPTS, prompt], tok, config, runner.machine_info("float32"),
+                               "specdec bench (test)", repeats=1, progress=False)
+    (r,) = [r for r in results["runs"] if r["prompt_id"] == "edit/1" and r["system"] == "ngram"]
+    assert r["accepted_prediction"] >= 8 and len(r["drafted_at"]) <= 3      # K = 3: the prediction's 8 apart
+    assert r["drafted"] == sum(r["drafted_at"]) and r["accepted"] == sum(r["accepted_at"])
+    ngram, none = (results["summary"]["methods"][m]["overall"] for m in ("ngram", "none"))
+    assert ngram["prediction_drafts"] >= 8 and ngram["prediction_acceptance"] > 0.5
+    assert none["prediction_drafts"] == 0 and none["prediction_acceptance"] is None   # plain decoding: no prediction
+    report.write_report(results, tmp_path)
+    assert "prediction drafts accepted" in (tmp_path / "report.md").read_text()
 
 
 def test_method_specs():

@@ -342,9 +342,10 @@ def test_text_a_terminal_cannot_encode_is_replaced_not_a_traceback(monkeypatch, 
     import io
     from types import SimpleNamespace
 
+    from specdec.metrics import Counters
 
-    metrics = {"new_tokens": 2, "wall_seconds": 0.1, "tokens_per_second": 20.0, "target_forwards": 2, "tau": 1.0,
-               "acceptance_rate": None}
+    metrics = {**Counters().as_dict(), "new_tokens": 2, "wall_seconds": 0.1, "tokens_per_second": 20.0,
+               "target_forwards": 2, "tau": 1.0}
 
     class Gen:
         method, tokenizer = "none", SimpleNamespace(has_chat_template=False)
@@ -362,6 +363,29 @@ def test_text_a_terminal_cannot_encode_is_replaced_not_a_traceback(monkeypatch, 
     stats = capsys.readouterr().err.strip()             # what the rate counts: the prefill too
     assert re.fullmatch(r"method none, 2 tokens in 0\.10 s after a prompt of 3 \(20\.0 tokens/s, prefill included; "
                         r"first text after \d\.\d\d s\), 2 target forwards, tau 1\.00", stats), stats
+
+
+def test_the_summary_names_the_predictions_accepted_drafts(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from specdec.metrics import Counters
+
+    c = Counters(wall_seconds=0.5)
+    c.record_step(2, 1, 2)
+    c.record_step(8, 6, 7, predicted=True)
+
+    class Gen:
+        method, tokenizer = "ngram", SimpleNamespace(has_chat_template=False)
+        last_result = SimpleNamespace(metrics=c.as_dict(), prompt_tokens=3)
+
+        def stream(self, prompt, **kw):
+            yield "text"
+
+    monkeypatch.setattr(specdec, "load", lambda *a, **kw: Gen())
+    assert main(["generate", "--prompt", "Hi"]) == 0
+    err = capsys.readouterr().err
+    assert "acceptance 0.70 (per position: 1.00 0.50 1.00 1.00 1.00 1.00 0.00 0.00)" in err
+    assert "prediction: 6 of its 8 drafted tokens accepted (counted in the acceptance above)" in err
 
 
 def test_serve_shares_a_draft_of_the_same_tokenizer_and_names_one_of_another(monkeypatch):

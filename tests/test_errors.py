@@ -297,6 +297,23 @@ def test_load_checks_types_before_loading():
         specdec.load("smollm2-135m", tree="4x16")
 
 
+def test_load_refuses_a_draft_that_is_not_there_before_loading(monkeypatch, tmp_path):
+    import specdec.api as api
+
+    monkeypatch.setattr(api, "load_model", lambda *a: (_ for _ in ()).throw(RuntimeError("got past the checks")))
+    for method, draft, message in [("eagle3", "nope.safetensors", "draft 'nope.safetensors' of method 'eagle3' not found"),
+                                   ("draft", "no-such-model", "it takes a registered model, a .gguf file, self:N"),
+                                   ("medusa", tmp_path / "gone", "of method 'medusa' not found"),
+                                   ("lookahead", "2,3", "lookahead shape is W,N,G")]:
+        with pytest.raises(SpecdecError, match=message):
+            specdec.load("smollm2-135m", method=method, draft_model=draft)
+    (tmp_path / "head.safetensors").write_bytes(b"")
+    for method, draft in [("draft", "self:4"), ("draft", "gemma3-270m"), ("self", "self:6"),
+                          ("eagle3", str(tmp_path / "head.safetensors")), ("lookahead", "2,3,2")]:
+        with pytest.raises(RuntimeError, match="got past the checks"):
+            specdec.load("smollm2-135m", method=method, draft_model=draft)
+
+
 def test_a_chain_spelled_1xN_is_the_default_chain(monkeypatch):
     """tree "1x16" is the chain "1" is: accepted with the default method (which has no tree), as "1" is."""
     import specdec.api as api

@@ -309,6 +309,28 @@ def test_positions_only_a_dropped_step_drafted_leave_the_per_position_rates():
     assert c.as_dict()["acceptance_per_position"] == [1.0, 0.5, 1.0]
 
 
+def test_prediction_drafts_are_counted_apart_and_follow_a_dropped_step():
+    """Steps that drafted from the request's prediction are the prediction's in `own()` and in the
+    *_prediction counts, also after the last one is cut; merging keeps them apart too."""
+    from specdec.metrics import Counters
+
+    c = Counters()
+    c.record_step(3, 1, 2)                             # the method's own: 3 drafted, 1 accepted
+    c.record_step(8, 8, 9, predicted=True)             # the prediction's: 8 drafted, all accepted
+    assert c.own() == ([1, 1, 1], [1, 0, 0])
+    assert (c.accepted_prediction, c.rejected_prediction) == (8, 0)
+    c.drop_last(5)                                     # 4 kept: the prediction's positions 5-8 are gone
+    assert c.own() == ([1, 1, 1], [1, 0, 0])
+    assert (c.accepted_prediction, c.rejected_prediction, c.drafted_at) == (4, 0, [2, 2, 2, 1])
+    d = Counters()
+    d.record_step(6, 2, 3, predicted=True)
+    d.record_step(2, 2, 3)
+    c.merge(d)
+    assert c.own() == ([2, 2, 1], [2, 1, 0])
+    assert (c.accepted_prediction, c.rejected_prediction) == (6, 4)
+    assert c.predicted_at == [2, 2, 2, 2, 1, 1] and c.accepted_predicted_at == [2, 2, 1, 1, 0, 0]
+
+
 def test_a_step_that_ends_on_its_recovered_eos_keeps_every_draft_it_verified():
     """Drafts all rejected, the last step's recovered token the EOS: nothing follows it, so the counters are
     those of the same tokens ended by max_new_tokens with the drafts uncut (K per step)."""

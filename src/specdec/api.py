@@ -486,6 +486,31 @@ def serve_sample_drafts(setting: str, method: str) -> str:
     return "off" if setting == "on" and method not in SAMPLED_HEADS else setting
 
 
+DRAFT_FILES = {"draft": "a registered model, a .gguf file, self:N or a distilled draft (.safetensors)",
+               "eagle": "an EAGLE head (.safetensors)", "eagle3": "an EAGLE-3 head (.safetensors or an export's folder)",
+               "hybrid": "an EAGLE-3 head (.safetensors or an export's folder)",
+               "medusa": "Medusa heads (.safetensors)", "self": "an exit (.safetensors) or self:N"}
+DRAFT_FILES["staged"] = DRAFT_FILES["draft"]
+
+
+def check_draft_source(method: str, source: str) -> None:
+    """Refuse, before anything loads, a draft named by a string that cannot be one: a file that is not there
+    (lookahead: a shape that does not parse)."""
+    if method == "lookahead":
+        from .proposers.lookahead import LookaheadShape
+
+        LookaheadShape.parse(source)
+        return
+    if method not in DRAFT_FILES:
+        return
+    if source.startswith("self:") and method in ("draft", "staged", "self"):
+        return
+    if source in MODELS and method in ("draft", "staged"):
+        return
+    if not Path(source).expanduser().exists():
+        raise SpecdecError(f"draft {source!r} of method {method!r} not found: it takes {DRAFT_FILES[method]}")
+
+
 def make_proposer(method: str, target: CausalLM, target_tok: Tokenizer, source: DraftSource,
                   dtype: str, device: str, tree: TreeShape = TreeShape(),
                   sample_drafts: str = names.DEFAULT_SAMPLE_DRAFTS) -> Proposer:
@@ -776,6 +801,8 @@ def load(model: str | Path = DEFAULT_MODEL, method: str = names.AUTO_METHOD, dty
         raise SpecdecError(f"a draft tree shape ({tree}) applies to methods 'eagle' and 'eagle3' only, not {method!r}")
     if method != names.AUTO_METHOD:
         sample_drafts_from(sample_drafts, method, tree)      # a setting that does not apply fails before loading
+    if isinstance(draft_model, (str, Path)):
+        check_draft_source(method, str(draft_model))
     kind = WEIGHTS_OF.get(method, "")                       # shipped weights it lacks: refused before loading too
     if draft_model is None and kind and str(model) in MODELS and not has_shipped(str(model), kind):
         raise no_draft_for(str(model)) if kind == "draft" else SpecdecError(missing(str(model), kind))

@@ -255,6 +255,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
         per = " ".join(f"{x:.2f}" for x in m["acceptance_per_position"])
         lines.append(f"acceptance {m['acceptance_rate']:.2f} (per position: {per}); "
                      f"draft {m['draft_seconds']:.2f} s, target {m['target_seconds']:.2f} s")
+    taken = m["accepted_prediction_tokens"] + m["rejected_prediction_tokens"]
+    if taken:
+        lines.append(f"prediction: {m['accepted_prediction_tokens']} of its {taken} drafted tokens accepted "
+                     f"(counted in the acceptance above)")
     print("\n".join(lines), file=sys.stderr)
     return 0
 

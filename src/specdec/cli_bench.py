@@ -71,9 +71,11 @@ def parse_categories(text: str | None) -> list[str] | None:
     items = [c.strip() for c in text.split(",") if c.strip()]
     if not items:
         raise SpecdecError(f"no categories given; valid categories: {', '.join(CATEGORIES)}")
-    for item in items:
+    for i, item in enumerate(items):
         if item not in CATEGORIES:
             raise SpecdecError(f"unknown benchmark category {item!r}; valid categories: {', '.join(CATEGORIES)}")
+        if item in items[:i]:
+            raise SpecdecError(f"--categories names {item!r} twice")
     return items
 
 
@@ -121,7 +123,8 @@ def command_line(a: argparse.Namespace) -> str:
              "--temperature", str(a.temperature), "--repeats", str(a.repeats), "--seed", str(a.seed),
              "--dtype", a.dtype, "--num-draft-tokens", str(a.num_draft_tokens), "--draft-policy", a.draft_policy]
     for flag, value in (("--categories", a.categories), ("--limit", a.limit), ("--draft-model", a.draft_model),
-                        ("--threads", a.threads or None), ("--peers", a.peers or None), ("--out", a.out)):
+                        ("--threads", a.threads or None), ("--peers", None if a.peers == "auto" else a.peers),
+                        ("--device", None if a.device == "cpu" else a.device), ("--out", a.out)):
         if value is not None:
             parts += [flag, str(value)]
     return " ".join([*env, shlex.join(parts)])
@@ -178,7 +181,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
     _check_numbers(a)
     categories = parse_categories(a.categories)
-    runner.parse_methods(a.methods, a.draft_model)                  # fail fast, before any loading
+    resolve(a.model)                                                # fail fast, before any loading
+    runner.parse_methods(a.methods, a.draft_model)
+    if a.out is not None and not a.out.strip():
+        raise SpecdecError("--out is empty; give a folder (or leave --out out for a new one per run)")
     auto = default_peers() if a.temperature == 0 else ""          # peers run greedy only
     peer_names = parse_peers(auto if a.peers == "auto" else a.peers)
     if peer_names and a.temperature != 0:

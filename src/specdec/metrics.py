@@ -17,6 +17,8 @@ class Counters:
     wall_seconds: float = 0.0
     accepted_prediction: int = 0                       # drafts taken from the request's prediction: accepted
     rejected_prediction: int = 0                       # ... and rejected
+    predicted_at: list[int] = field(default_factory=list)  # per draft position: drafts taken from the prediction
+    accepted_predicted_at: list[int] = field(default_factory=list)
     last: tuple[int, int, int, bool] = (0, 0, 0, False)   # the last step's (valid, accepted, committed, predicted)
 
     def record_step(self, valid: int, accepted: int, committed: int, predicted: bool = False) -> None:
@@ -47,24 +49,30 @@ class Counters:
         if predicted:
             self.accepted_prediction += sign * accepted
             self.rejected_prediction += sign * (valid - accepted)
-        while len(self.drafted_at) < valid:
-            self.drafted_at.append(0)
-            self.accepted_at.append(0)
-        for i in range(valid):
-            self.drafted_at[i] += sign
-            if i < accepted:
-                self.accepted_at[i] += sign
-        while self.drafted_at and not self.drafted_at[-1]:    # positions only a dropped step drafted: gone
-            self.drafted_at.pop()
-            self.accepted_at.pop()
+        _add_steps(self.drafted_at, self.accepted_at, valid, accepted, sign)
+        if predicted:
+            _add_steps(self.predicted_at, self.accepted_predicted_at, valid, accepted, sign)
+
+    def own(self) -> tuple[list[int], list[int]]:
+        """(drafted_at, accepted_at) of the method's own drafts: the prediction's left out."""
+        n = len(self.drafted_at)
+        pred = self.predicted_at + [0] * (n - len(self.predicted_at))
+        acc = self.accepted_predicted_at + [0] * (n - len(self.accepted_predicted_at))
+        drafted = [d - p for d, p in zip(self.drafted_at, pred)]
+        accepted = [a - p for a, p in zip(self.accepted_at, acc)]
+        while drafted and not drafted[-1]:
+            drafted.pop()
+            accepted.pop()
+        return drafted, accepted
 
     def merge(self, other: "Counters") -> None:
         for name in ("new_tokens", "target_forwards", "drafted", "accepted",
                      "draft_seconds", "target_seconds", "wall_seconds", "accepted_prediction", "rejected_prediction"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        n = max(len(self.drafted_at), len(other.drafted_at))
-        self.drafted_at = [a + b for a, b in zip(self.drafted_at + [0] * n, other.drafted_at + [0] * n)][:n]
-        self.accepted_at = [a + b for a, b in zip(self.accepted_at + [0] * n, other.accepted_at + [0] * n)][:n]
+        for name in ("drafted_at", "accepted_at", "predicted_at", "accepted_predicted_at"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            n = max(len(mine), len(theirs))
+            setattr(self, name, [a + b for a, b in zip(mine + [0] * n, theirs + [0] * n)][:n])
 
     def as_dict(self) -> dict:
         """The public metrics object (keys fixed by the CLI's --json contract)."""
@@ -81,3 +89,18 @@ class Counters:
             "accepted_prediction_tokens": self.accepted_prediction,
             "rejected_prediction_tokens": self.rejected_prediction,
         }
+
+
+def _add_steps(drafted_at: list[int], accepted_at: list[int], valid: int, accepted: int, sign: int) -> None:
+    """Count (sign 1) or uncount (sign -1) one step's `valid` drafts, `accepted` of them, per position; positions
+    no step drafts any more are dropped."""
+    while len(drafted_at) < valid:
+        drafted_at.append(0)
+        accepted_at.append(0)
+    for i in range(valid):
+        drafted_at[i] += sign
+        if i < accepted:
+            accepted_at[i] += sign
+    while drafted_at and not drafted_at[-1]:
+        drafted_at.pop()
+        accepted_at.pop()

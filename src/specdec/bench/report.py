@@ -53,7 +53,7 @@ def _heading(results: dict) -> list[str]:
     return [
         f"# specdec benchmark: {c['model']}, {c['suite']} suite",
         "",
-        f"{len(results['prompts'])} prompts ({', '.join(c['categories'])}), {c['repeats']} repeats, "
+        f"{len(results['prompts'])} prompts ({', '.join(c['categories'])}), {c['repeats']} repeat{'s' * (c['repeats'] != 1)}, "
         f"{c['dtype']}, {mode}, batch 1, chat template {'on' if c['chat_template'] else 'off'}, "
         f"K={c['num_draft_tokens']} ({c['draft_policy']} policy){draft}. "
         f"Measured {results['machine']['date']}, {results['elapsed_seconds'] / 60:.1f} min.",
@@ -83,20 +83,27 @@ def summary_table(results: dict) -> str:
 
 def _detail_table(results: dict) -> list[str]:
     greedy = results["config"]["greedy"]
+    methods = results["summary"]["methods"]
+    predicted = any(cells["overall"].get("prediction_drafts") for cells in methods.values())
     rows = []
-    for name, cells in results["summary"]["methods"].items():
+    for name, cells in methods.items():
         cell = cells["overall"]
         per = " ".join(f"{x:.2f}" for x in cell["acceptance_per_position"]) or "–"
         share = cell.get("draft_share")
+        pred = [_num(cell.get("prediction_acceptance"))] if predicted else []
         rows.append([f"`{name}`", _num(cell["tokens_per_second"], 1), _times(cell["speedup"]),
-                     _times(cell["speedup_total"]), _num(cell["tau"]), _num(cell["acceptance_rate"]), per,
+                     _times(cell["speedup_total"]), _num(cell["tau"]), _num(cell["acceptance_rate"]), per, *pred,
                      "–" if share is None else f"{100 * share:.0f}%", _equality(cell, name, greedy)])
     header = ["method", "tokens/s (median)", "speedup (median)", "speedup (summed time)", "tau",
-              "acceptance rate", "acceptance per position", "time proposing", "output = `none`"]
+              "acceptance rate", "acceptance per position", *(["prediction drafts accepted"] if predicted else []),
+              "time proposing", "output = `none`"]
+    note = (" Acceptance counts the method's own drafts; the drafts a step takes from a request's prediction "
+            "(the `edit` category) are counted apart (prediction drafts accepted); tau counts every token."
+            if predicted else "")
     return ["## Throughput, acceptance, equality (all categories)", "", *_table(header, rows), "",
             "Time proposing: the share of the generation time (summed over runs) spent outside the target's "
             "forwards and verification: drafting, and the proposer's and the engine's bookkeeping of each step "
-            "(for `none`, that bookkeeping alone)."]
+            "(for `none`, that bookkeeping alone)." + note]
 
 
 def _tps_table(results: dict) -> list[str]:

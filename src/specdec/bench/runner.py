@@ -40,7 +40,7 @@ from typing import Protocol
 
 import torch
 
-from ..api import METHODS, Generator, make_proposer, sample_drafts_from
+from ..api import METHODS, Generator, check_draft_source, make_proposer, sample_drafts_from
 from ..names import DEFAULT_SAMPLE_DRAFTS, DRAFTLESS, SAMPLE_DRAFTS
 from ..engine import Request, scratch_slots
 from ..errors import Interrupted, SpecdecError, terminate_as_interrupt
@@ -139,6 +139,8 @@ def parse_methods(specs: str | Sequence[str], draft_model: str | None) -> list[M
                                    f" (or sample={'|'.join(SAMPLE_DRAFTS)})")
         if not draft:
             draft = draft_model if method == "draft" else None
+        if draft:
+            check_draft_source(method, draft)
         if any(s.label == item for s in out):
             raise SpecdecError(f"method {item!r} is given twice")
         out.append(MethodSpec(item, method, draft or None, policy, tree, sample or DEFAULT_SAMPLE_DRAFTS))
@@ -270,13 +272,16 @@ def run_record(system: System, prompt: Prompt, repeat: int, turns: list[Generati
     total = Counters()
     for c in counters:
         total.merge(c)
+    drafted_at, accepted_at = total.own()                  # the method's own drafts; the prediction's apart
+    drafted, accepted = sum(drafted_at), sum(accepted_at)
     record.update({
-        "target_forwards": total.target_forwards, "drafted": total.drafted, "accepted": total.accepted,
-        "drafted_at": total.drafted_at, "accepted_at": total.accepted_at,
+        "target_forwards": total.target_forwards, "drafted": drafted, "accepted": accepted,
+        "drafted_at": drafted_at, "accepted_at": accepted_at,
+        "accepted_prediction": total.accepted_prediction, "rejected_prediction": total.rejected_prediction,
         "draft_seconds": total.draft_seconds, "target_seconds": total.target_seconds,
         "tau": total.new_tokens / total.target_forwards if total.target_forwards else 0.0,
-        "acceptance_rate": total.accepted / total.drafted if total.drafted else None,
-        "acceptance_per_position": _rates(total.accepted_at, total.drafted_at),
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "acceptance_per_position": _rates(accepted_at, drafted_at),
     })
     return record
 
@@ -382,7 +387,8 @@ def _pooled(records: list[dict]) -> dict:
     """tau, acceptance and the share of the time spent drafting, pooled over runs that carry engine counters."""
     counted = [r for r in records if "target_forwards" in r]
     if not counted:
-        return {"tau": None, "acceptance_rate": None, "acceptance_per_position": [], "draft_share": None}
+        return {"tau": None, "acceptance_rate": None, "acceptance_per_position": [], "prediction_drafts": 0,
+                "prediction_acceptance": None, "draft_share": None}
     timed = [r for r in counted if "draft_seconds" in r]          # results written before it was recorded: none
     seconds = sum(r["seconds"] for r in timed)
     forwards = sum(r["target_forwards"] for r in counted)
@@ -390,10 +396,14 @@ def _pooled(records: list[dict]) -> dict:
     width = max(len(r["drafted_at"]) for r in counted)
     drafted_at = [sum(r["drafted_at"][i] for r in counted if i < len(r["drafted_at"])) for i in range(width)]
     accepted_at = [sum(r["accepted_at"][i] for r in counted if i < len(r["accepted_at"])) for i in range(width)]
+    predicted = sum(r.get("accepted_prediction", 0) + r.get("rejected_prediction", 0) for r in counted)
     return {
         "tau": sum(r["new_tokens"] for r in counted) / forwards if forwards else 0.0,
         "acceptance_rate": sum(r["accepted"] for r in counted) / drafted if drafted else None,
         "acceptance_per_position": _rates(accepted_at, drafted_at),
+        "prediction_drafts": predicted,
+        "prediction_acceptance": (sum(r.get("accepted_prediction", 0) for r in counted) / predicted
+                                  if predicted else None),
         "draft_share": sum(r["draft_seconds"] for r in timed) / seconds if timed and seconds > 0 else None,
     }
 
