@@ -167,6 +167,9 @@ def test_every_option_has_help_and_shows_its_default_once():
     (["generate", "--prompt", "hi", "--draft-policy", "atuo"], "unknown draft policy 'atuo'; did you mean 'auto'?"),
     (["bench", "--draft-policy", "fixd"], "unknown draft policy 'fixd'; did you mean 'fixed'?"),
     (["bench", "--methods", "none,eagel"], "unknown method 'eagel'; did you mean 'eagle'?"),
+    (["serve", "--port", "0", "--draft-model", "no-such-draft"], "draft 'no-such-draft' of method 'draft' not found"),
+    (["generate", "--prompt", "hi", "--method", "eagle3", "--draft-model", "h.safetensors"],
+     "draft 'h.safetensors' of method 'eagle3' not found: it takes an EAGLE-3 head"),
     (["generate", "--prompt", "hi", "--model", "smolm2-135m"], "unknown model 'smolm2-135m'; did you mean 'smollm2-135m'?"),
     *[([*cmd, flag, "99999"], f"argument {flag}: must be 0 or at most this machine's {os.cpu_count()} CPUs, got 99999")
       for cmd, flag in [(["generate", "--prompt", "hi"], "--threads"), (["serve"], "--threads"),

@@ -115,7 +115,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     import uvicorn
 
     import specdec
-    from .api import serve_sample_drafts
+    from .api import check_draft_source, serve_sample_drafts
     from .server import ServeConfig, ServerState, create_app
     from .server.learn import LearnConfig
     from .tree import TreeShape
@@ -136,6 +136,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise SpecdecError("--learn-checkpoint goes with --learn")
     torch.set_num_threads(a.threads or cores)
     own_draft = a.draft_model if a.method not in (*DRAFTLESS, AUTO_METHOD) else None   # else: method 'draft' uses it
+    if a.draft_model is not None and own_draft is None:
+        check_draft_source("draft", a.draft_model)                # a draft that is not there: before loading
     gen = specdec.load(a.model, method=a.method, dtype=a.dtype, device=a.device, draft_model=own_draft,
                        num_draft_tokens=a.num_draft_tokens, draft_policy=a.draft_policy, tree=a.tree,
                        sample_drafts=serve_sample_drafts(a.sample_drafts, a.method))
