@@ -184,6 +184,12 @@ def test_stop_and_seeded_sampling(gen, client):
         got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0.9, top_p=0.95,
                                         seed=7)
         assert got.choices[0].text == sampled.text
+    for seed in (-1, 7 + (1 << 62), (1 << 64) - 1):             # every 64-bit seed is offline's, none folded
+        want = offline(gen, PROMPT, 6, chat=False, temperature=0.9, seed=seed).text
+        got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0.9, seed=seed)
+        assert got.choices[0].text == want, seed
+    assert offline(gen, PROMPT, 6, chat=False, temperature=0.9, seed=7 + (1 << 62)).text != \
+        offline(gen, PROMPT, 6, chat=False, temperature=0.9, seed=7).text
     nucleus_of_one = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0.9, top_p=0,
                                                seed=7)
     assert nucleus_of_one.choices[0].text == offline(gen, PROMPT, 16, chat=False).text   # top_p 0: the argmax

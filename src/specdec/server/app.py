@@ -191,8 +191,8 @@ def check_model(value: Any, state: ServerState) -> None:
 
 
 def seed_of(value: int | None) -> int:
-    """A request's 64-bit seed folded into the samplers' range (absent: a random one)."""
-    return random.getrandbits(62) if value is None else value % (1 << 62)
+    """A request's seed as given, any 64-bit integer, as offline generation takes it (absent: a random one)."""
+    return random.getrandbits(64) if value is None else value
 
 
 def include_usage(req: CommonRequest) -> bool:
