@@ -368,6 +368,14 @@ def test_text_a_terminal_cannot_encode_is_replaced_not_a_traceback(monkeypatch, 
                         r"first text after \d\.\d\d s\), 2 target forwards, tau 1\.00", stats), stats
 
 
+def test_stop_strings_read_backslash_escapes(monkeypatch):
+    from specdec.cli import build_parser
+
+    a = build_parser().parse_args(["generate", "--prompt", "hi", "--stop", "\\n\\n", "--stop", "a\\tb\\\\n",
+                                   "--stop", "\\d", "--stop", "\n"])
+    assert a.stop == ["\n\n", "a\tb\\n", "\\d", "\n"]
+
+
 def test_the_summary_names_the_predictions_accepted_drafts(monkeypatch, capsys):
     from types import SimpleNamespace
 

@@ -288,6 +288,17 @@ class SpecdecParser(argparse.ArgumentParser):
         raise SpecdecError(f"{message} (see {self.prog} --help)")
 
 
+STOP_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def stop_string(text: str) -> str:
+    """--stop's value with \\n, \\t, \\r and \\\\ read as the characters they stand for (a shell passes them
+    as typed); any other backslash stays as it is."""
+    import re
+
+    return re.sub(r"\\([ntr\\])", lambda m: STOP_ESCAPES[m.group(1)], text)
+
+
 def build_parser() -> SpecdecParser:
     fmt = HelpFormatter
     ap = SpecdecParser(prog="specdec", description="Lossless speculative decoding for LLMs.",
@@ -317,7 +328,9 @@ def build_parser() -> SpecdecParser:
                    help="sampling seed (temperature > 0): the same seed, the same text; for methods that sample "
                         "their drafts (draft, self; eagle, eagle3, hybrid where --sample-drafts samples) only under "
                         "--draft-policy fixed")
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable) (default: none)")
+    g.add_argument("--stop", action="append", default=[], type=stop_string,
+                   help="stop string (repeatable); \\n, \\t, \\r and \\\\ in it are a newline, a tab, a carriage "
+                        "return and a backslash, so --stop '\\n\\n' stops at a blank line (default: none)")
     g.add_argument("--truncate", action="store_true", help="keep the end of a prompt that is too long for the context")
     g.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     add_threads_arg(g)
