@@ -53,7 +53,8 @@ def _heading(results: dict) -> list[str]:
     return [
         f"# specdec benchmark: {c['model']}, {c['suite']} suite",
         "",
-        f"{len(results['prompts'])} prompts ({', '.join(c['categories'])}), {c['repeats']} repeat{'s' * (c['repeats'] != 1)}, "
+        f"{len(results['prompts'])} prompts ({', '.join(c['categories'])}), "
+        f"{c['repeats']} repeat{'s' * (c['repeats'] != 1)}, "
         f"{c['dtype']}, {mode}, batch 1, chat template {'on' if c['chat_template'] else 'off'}, "
         f"K={c['num_draft_tokens']} ({c['draft_policy']} policy){draft}. "
         f"Measured {results['machine']['date']}, {results['elapsed_seconds'] / 60:.1f} min.",
