@@ -223,6 +223,43 @@ def test_an_interrupted_data_run_keeps_its_answers_and_continues(tmp_path, monke
     assert len(rows) == 10 and len({r["prompt"] for r in rows}) == 10
 
 
+def test_a_resumed_data_run_writes_what_an_uninterrupted_one_writes(tmp_path, monkeypatch):
+    """Each batch's greedy-or-sampled choice and seed depend on the batch alone: a run interrupted and continued
+    gives the rows of one that never stopped; a damaged shard is a one-line error."""
+    import specdec
+    from specdec.errors import Interrupted, SpecdecError
+    from specdec.train.data import generate_data, read_data
+
+    class Fake:
+        def __init__(self, stop_at: int) -> None:
+            self.calls, self.stop_at = 0, stop_at
+            self.tokenizer = self
+
+        def encode(self, text, chat):
+            return [len(text) % 50, 1]
+
+        def generate(self, ids, max_new_tokens, temperature, seed, **kw):
+            self.calls += 1
+            if self.calls == self.stop_at:
+                raise KeyboardInterrupt
+            return [type("R", (), {"tokens": [int(temperature * 10), seed % 97]})() for _ in ids]
+
+    monkeypatch.setattr(specdec, "load", lambda *a, **kw: Fake(stop_at=0))
+    generate_data("tiny", tmp_path / "whole", 12, 4, 2, 0.5, seed=0, shard_size=6)
+    monkeypatch.setattr(specdec, "load", lambda *a, **kw: Fake(stop_at=5))
+    with pytest.raises(Interrupted):
+        generate_data("tiny", tmp_path / "resumed", 12, 4, 2, 0.5, seed=0, shard_size=6)
+    monkeypatch.setattr(specdec, "load", lambda *a, **kw: Fake(stop_at=0))
+    generate_data("tiny", tmp_path / "resumed", 12, 4, 2, 0.5, seed=0, shard_size=6)
+    whole, resumed = read_data(tmp_path / "whole"), read_data(tmp_path / "resumed")
+    assert len(whole) == 12 and resumed == whole
+    assert len({r["temperature"] for r in whole}) == 2
+    shard = tmp_path / "whole" / "shard-0001.jsonl"
+    shard.write_text(shard.read_text()[:-20])
+    with pytest.raises(SpecdecError, match="shard-0001.jsonl, line 6: not a JSON row"):
+        read_data(tmp_path / "whole")
+
+
 def test_an_interrupted_magpie_run_keeps_its_conversations_as_a_shard(tmp_path, monkeypatch):
     from tqdm import tqdm
 

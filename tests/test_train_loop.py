@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import time
 from collections.abc import Callable
 
@@ -44,12 +45,12 @@ def test_interrupted_run_saves_and_resumes(tmp_path):
     step_fn = _stepper(m, 6, _interrupt)
 
     with pytest.raises(KeyboardInterrupt):
-        train_loop("toy", list(m.parameters()), opt, 1e-2, 10.0, Checkpoint(out, m, opt), step_fn)
+        train_loop("toy", list(m.parameters()), opt, 1e-2, 10.0, Checkpoint(out, m, opt, random.Random(0)), step_fn)
     assert out.with_suffix(".ckpt").exists()
     w_saved = m.weight.detach().clone()
 
     m2, opt2 = _toy(seed=1)                                    # a fresh process: other weights, empty optimiser
-    ck = Checkpoint(out, m2, opt2)
+    ck = Checkpoint(out, m2, opt2, random.Random(0))
     step, spent = ck.resume()
     assert step == 5 and 0 < spent < 10
     assert torch.equal(m2.weight, w_saved)
@@ -61,10 +62,10 @@ def test_interrupted_run_saves_and_resumes(tmp_path):
 def test_a_checkpoint_of_other_settings_is_a_one_line_error(tmp_path):
     out = tmp_path / "toy.safetensors"
     m, opt = _toy()
-    Checkpoint(out, m, opt).save(3, 1.0)
+    Checkpoint(out, m, opt, random.Random(0)).save(3, 1.0)
     other = torch.nn.Linear(5, 2)                                           # e.g. another --heads
     with pytest.raises(SpecdecError, match="toy.ckpt holds a run this command cannot resume .*--overwrite"):
-        Checkpoint(out, other, torch.optim.AdamW(other.parameters())).resume()
+        Checkpoint(out, other, torch.optim.AdamW(other.parameters()), random.Random(0)).resume()
 
 
 def test_a_checkpoint_over_another_draft_vocabulary_is_refused(tmp_path):
@@ -73,15 +74,15 @@ def test_a_checkpoint_over_another_draft_vocabulary_is_refused(tmp_path):
     out = tmp_path / "toy.safetensors"
     m, opt = _toy()
     m.register_buffer("vocab_ids", torch.arange(8))
-    Checkpoint(out, m, opt).save(3, 1.0)
+    Checkpoint(out, m, opt, random.Random(0)).save(3, 1.0)
     m2, opt2 = _toy()
     m2.register_buffer("vocab_ids", torch.arange(8) * 2)
     with pytest.raises(SpecdecError, match="over another vocab_ids than this command's") as refused:
-        Checkpoint(out, m2, opt2).resume()
+        Checkpoint(out, m2, opt2, random.Random(0)).resume()
     assert "cannot resume" not in str(refused.value)                        # said once, not wrapped in another
     m3, opt3 = _toy()
     m3.register_buffer("vocab_ids", torch.arange(8))
-    assert Checkpoint(out, m3, opt3).resume()[0] == 3
+    assert Checkpoint(out, m3, opt3, random.Random(0)).resume()[0] == 3
 
 
 def test_overwrite_starts_afresh(tmp_path):
@@ -100,7 +101,7 @@ def test_a_resumed_curve_drops_the_points_after_its_checkpoint(tmp_path):
 
     out = tmp_path / "head.safetensors"
     m, opt = _toy()
-    ckpt = Checkpoint(out, m, opt)
+    ckpt = Checkpoint(out, m, opt, random.Random(0))
     ckpt.save(9, 1.0)
     curve_file = out.with_suffix(".curve.jsonl")
     curve_file.write_text("".join(json.dumps({"step": s}) + "\n" for s in (3, 6, 9, 12, 15)))
@@ -121,18 +122,54 @@ def test_sigterm_stops_a_run_like_ctrl_c_and_keeps_its_state(tmp_path):
 
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(KeyboardInterrupt):
-        train_loop("toy", list(m.parameters()), opt, 1e-2, 10.0, Checkpoint(out, m, opt), step_fn)
+        train_loop("toy", list(m.parameters()), opt, 1e-2, 10.0, Checkpoint(out, m, opt, random.Random(0)), step_fn)
     assert signal.getsignal(signal.SIGTERM) is before
-    step, _ = Checkpoint(out, *_toy(seed=1)).resume()
+    step, _ = Checkpoint(out, *_toy(seed=1), random.Random(0)).resume()
     assert 3 <= step <= 4                                     # the signal lands during step 4 or just after
+
+
+def test_a_resumed_run_draws_the_batches_an_uninterrupted_run_would(tmp_path):
+    """The batch sampler's state is in the checkpoint as of the last finished step: a resumed run goes on
+    with the next batches, not the first ones again (and a step cut short gives its draws back)."""
+    out = tmp_path / "toy.safetensors"
+    expected = random.Random(0)
+    expected = [expected.random() for _ in range(6)]
+
+    def run(stop_at: int) -> list[float]:
+        m, opt = _toy()
+        rng, drawn = random.Random(0), []
+
+        def step_fn():
+            drawn.append(rng.random())
+            if len(drawn) == stop_at:
+                raise KeyboardInterrupt
+            return m(torch.ones(1, 4)).sum(), {}
+        with pytest.raises(KeyboardInterrupt):
+            train_loop("toy", list(m.parameters()), opt, 1e-2, 10.0, Checkpoint(out, m, opt, rng), step_fn)
+        return drawn
+
+    assert run(4) == expected[:4]                # steps 1-3 done, the 4th cut short
+    assert run(3) == expected[3:6]               # steps 4-5, then the 6th cut short
+
+
+def test_a_finished_loop_keeps_a_checkpoint_until_the_weights_are_written(tmp_path):
+    """The final validation after the loop may take minutes: an interrupt there loses no step."""
+    out = tmp_path / "toy.safetensors"
+    m, opt = _toy()
+    steps, _ = train_loop("toy", list(m.parameters()), opt, 1e-2, 0.5 / 60, Checkpoint(out, m, opt, random.Random(0)),
+                          lambda: (m(torch.ones(1, 4)).sum(), {}))
+    m2, opt2 = _toy(seed=1)
+    ck = Checkpoint(out, m2, opt2, random.Random(0))
+    assert ck.resume()[0] == steps and torch.equal(m2.weight, m.weight)
+    assert train_loop("toy", list(m2.parameters()), opt2, 1e-2, 0.5 / 60, ck, lambda: 1 / 0)[0] == steps
 
 
 def test_budget_counts_across_runs(tmp_path):
     out = tmp_path / "toy.safetensors"
     m, opt = _toy()
-    ck = Checkpoint(out, m, opt)
+    ck = Checkpoint(out, m, opt, random.Random(0))
     ck.save(step=7, seconds=3600.0)                            # an earlier run already spent an hour
-    steps, minutes = train_loop("toy", list(m.parameters()), opt, 1e-2, 30.0, Checkpoint(out, m, opt),
+    steps, minutes = train_loop("toy", list(m.parameters()), opt, 1e-2, 30.0, Checkpoint(out, m, opt, random.Random(0)),
                                 lambda: (m(torch.ones(1, 4)).sum(), {}))
     assert steps == 7 and minutes >= 60                        # nothing left of a 30-minute budget
 
@@ -191,7 +228,7 @@ def test_training_runs_in_the_chosen_dtype(tmp_path, dtype):
         losses.append(float(loss.detach()))
         return loss, {}
 
-    steps, _ = train_loop("toy", list(m.parameters()), opt, 1e-2, 0.01, Checkpoint(tmp_path / "t.safetensors", m, opt),
+    steps, _ = train_loop("toy", list(m.parameters()), opt, 1e-2, 0.01, Checkpoint(tmp_path / "t.safetensors", m, opt, random.Random(0)),
                           step_fn, dtype=dtype)
     assert steps > 10 and set(seen) == {dtype == torch.bfloat16}
     assert losses[-1] < losses[0]
@@ -214,7 +251,7 @@ def test_a_slow_report_does_not_overrun_the_budget(tmp_path):
         return "slow"
 
     t = time.time()
-    train_loop("toy", list(m.parameters()), opt, 1e-2, budget_s / 60, Checkpoint(tmp_path / "t.safetensors", m, opt),
+    train_loop("toy", list(m.parameters()), opt, 1e-2, budget_s / 60, Checkpoint(tmp_path / "t.safetensors", m, opt, random.Random(0)),
                step_fn, report, report_every_s=0.0)
     assert time.time() - t < budget_s + step_s + 0.3
     assert len(reports) >= 1                                   # it does report where there is time
@@ -223,7 +260,7 @@ def test_a_slow_report_does_not_overrun_the_budget(tmp_path):
 def test_setup_time_counts_toward_the_budget(tmp_path):
     m, opt = _toy()
     t = time.time()
-    train_loop("toy", list(m.parameters()), opt, 1e-2, 2.0 / 60, Checkpoint(tmp_path / "t.safetensors", m, opt),
+    train_loop("toy", list(m.parameters()), opt, 1e-2, 2.0 / 60, Checkpoint(tmp_path / "t.safetensors", m, opt, random.Random(0)),
                lambda: (time.sleep(0.05) or m(torch.ones(1, 4)).sum(), {}), setup_s=1.5)
     assert time.time() - t < 0.5 + 0.05 + 0.2                  # 1.5 s of the 2 s were spent before the loop
 
@@ -315,11 +352,11 @@ def test_an_eagle3_run_leaves_a_usable_head_at_every_report_and_resumes_over_it(
 
 def test_tokens_seen_survive_a_checkpoint(tmp_path):
     m, opt = _toy()
-    ck = Checkpoint(tmp_path / "t.safetensors", m, opt)
+    ck = Checkpoint(tmp_path / "t.safetensors", m, opt, random.Random(0))
     ck.tokens = 1234
     ck.save(step=3, seconds=10.0)
     m2, opt2 = _toy(seed=1)
-    ck2 = Checkpoint(tmp_path / "t.safetensors", m2, opt2)
+    ck2 = Checkpoint(tmp_path / "t.safetensors", m2, opt2, random.Random(0))
     assert ck2.resume() == (3, 10.0) and ck2.tokens == 1234
 
 
@@ -351,7 +388,7 @@ def test_the_schedule_starts_at_the_peak_after_a_long_setup(tmp_path):
         time.sleep(0.02)
         return m(torch.ones(1, 4)).sum(), {}
 
-    train_loop("toy", list(m.parameters()), opt, 1e-2, 2.0 / 60, Checkpoint(tmp_path / "t.safetensors", m, opt),
+    train_loop("toy", list(m.parameters()), opt, 1e-2, 2.0 / 60, Checkpoint(tmp_path / "t.safetensors", m, opt, random.Random(0)),
                step_fn, setup_s=1.0)
     assert lrs[0] > 0.99e-2 and lrs[-1] < 0.2e-2
 
@@ -416,7 +453,7 @@ def test_a_budget_spent_before_the_first_step_is_an_error_not_an_untrained_resul
     m, opt = _toy()
     out = tmp_path / "t.safetensors"
     with pytest.raises(SpecdecError, match="ran out before the first training step"):
-        train_loop("toy", list(m.parameters()), opt, 1e-2, 1.0 / 60, Checkpoint(out, m, opt),
+        train_loop("toy", list(m.parameters()), opt, 1e-2, 1.0 / 60, Checkpoint(out, m, opt, random.Random(0)),
                    lambda: (m(torch.ones(1, 4)).sum(), {}), setup_s=2.0)
     assert not out.exists() and not out.with_suffix(".ckpt").exists()
 
@@ -444,7 +481,7 @@ def test_an_interrupted_step_is_not_counted_and_a_killed_write_is_cleared(tmp_pa
     kept in the checkpoint. A checkpoint write that was killed (OUT.ckpt.tmp) goes when the run resumes."""
     out = tmp_path / "toy.safetensors"
     m, opt = _toy()
-    ck = Checkpoint(out, m, opt)
+    ck = Checkpoint(out, m, opt, random.Random(0))
     inner = _stepper(m, 6, _interrupt)
 
     def counted():
@@ -455,7 +492,7 @@ def test_an_interrupted_step_is_not_counted_and_a_killed_write_is_cleared(tmp_pa
         train_loop("toy", list(m.parameters()), opt, 1e-2, 10.0, ck, counted)
     out.with_suffix(".ckpt.tmp").write_bytes(b"half a checkpoint")
     m2, opt2 = _toy(seed=1)
-    again = Checkpoint(out, m2, opt2)
+    again = Checkpoint(out, m2, opt2, random.Random(0))
     assert again.resume()[0] == 5 and again.tokens == 500
     assert not out.with_suffix(".ckpt.tmp").exists()
 

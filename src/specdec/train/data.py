@@ -144,9 +144,8 @@ def generate_data(model: str, out: Path, max_prompts: int, max_new_tokens: int, 
     gen = specdec.load(model, method="none", dtype="auto")
     shards = [prompts[i:i + shard_size] for i in range(0, len(prompts), shard_size)]
     bar = tqdm(total=len(prompts), desc="generating", unit="prompt")
-    rng = random.Random(seed)
     with terminate_as_interrupt():
-        _answer_shards(gen, out, shards, bar, rng, max_new_tokens, batch, greedy_fraction, seed)
+        _answer_shards(gen, out, shards, bar, max_new_tokens, batch, greedy_fraction, seed)
     bar.close()
     return out
 
@@ -158,12 +157,12 @@ def _write_shard(path: Path, rows: list[dict]) -> None:
     tmp.replace(path)
 
 
-def _answer_shards(gen, out: Path, shards: list[list[str]], bar: tqdm, rng: random.Random, max_new_tokens: int,
+def _answer_shards(gen, out: Path, shards: list[list[str]], bar: tqdm, max_new_tokens: int,
                    batch: int, greedy_fraction: float, seed: int) -> None:
     """Answer every shard's prompts not yet answered; a shard is written when done or when interrupted."""
     for si, shard in enumerate(shards):
         path = out / f"shard-{si:04d}.jsonl"
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+        rows = _shard_rows(path) if path.exists() else []
         have = [r["prompt"] for r in rows]
         if len(have) > len(shard) and have[:len(shard)] == shard:
             bar.update(len(shard))
@@ -177,6 +176,7 @@ def _answer_shards(gen, out: Path, shards: list[list[str]], bar: tqdm, rng: rand
         try:
             for i in range(earlier, len(shard), batch):
                 chunk = shard[i:i + batch]
+                rng = random.Random(f"{seed}/{si}/{i}")    # a batch's draws: the same whether or not a run resumed
                 temp = 0.0 if rng.random() < greedy_fraction else 0.8
                 ids = [gen.tokenizer.encode(p, chat=True)[-768:] for p in chunk]
                 res = gen.generate(ids, max_new_tokens=max_new_tokens, temperature=temp, top_p=0.95,
@@ -195,10 +195,27 @@ def _answer_shards(gen, out: Path, shards: list[list[str]], bar: tqdm, rng: rand
         bar.set_postfix(tokens_per_s=f"{n_new / (time.perf_counter() - t0):.0f}")
 
 
+def _shard_rows(path: Path) -> list[dict]:
+    """The rows of one `train data` shard; a line that is no JSON row is a clear error naming the file."""
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SpecdecError(f"{path}, line {n}: not a JSON row ({e.msg}); a damaged shard: delete it and run "
+                               "`specdec train data` again to rewrite it") from None
+        if not isinstance(row, dict) or not isinstance(row.get("tokens"), list):
+            raise SpecdecError(f"{path}, line {n}: not a row of `specdec train data` (no token list)")
+        rows.append(row)
+    return rows
+
+
 def read_data(path: Path) -> list[dict]:
     rows = []
     for f in sorted(Path(path).glob("shard-*.jsonl")):
-        rows += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+        rows += _shard_rows(f)
     if not rows:
         raise SpecdecError(f"no training data in {path}; run `specdec train data` first")
     return rows

@@ -57,7 +57,7 @@ def train_draft(model: str, data: Path, out: Path, minutes: float, layers: list[
         loss, agree = draft_losses(draft, *windows(seqs, feats, idx, window, rng)[:3], w_sub)
         return loss, {"agree": f"{agree:.2f}"}
 
-    ckpt = Checkpoint(out, draft, opt)
+    ckpt = Checkpoint(out, draft, opt, rng)
     steps, spent_min = train_loop("train draft", params, opt, lr, minutes, ckpt, step_fn, dtype=train_dtype)
     draft.eval()
     with torch.no_grad():

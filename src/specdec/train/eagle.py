@@ -64,7 +64,7 @@ def train_eagle(model: str, data: Path, out: Path, minutes: float, vocab_size: i
 
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    ckpt = Checkpoint(out, head, opt)
+    ckpt = Checkpoint(out, head, opt, rng)
     steps, spent_min = train_loop("train eagle", params, opt, lr, minutes, ckpt, step_fn, dtype=train_dtype)
     head.eval()
     with torch.no_grad():

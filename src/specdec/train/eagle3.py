@@ -388,7 +388,7 @@ def fit_eagle3(target: Transformer, name: str, rows: list[Row], out: Path, opts:
     head.train()
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.0)
-    ckpt = Checkpoint(out, head, opt)
+    ckpt = Checkpoint(out, head, opt, rng)
     curve = Curve(out, ckpt)
 
     def step_fn() -> tuple[Tensor, dict[str, str]]:
@@ -404,7 +404,7 @@ def fit_eagle3(target: Transformer, name: str, rows: list[Row], out: Path, opts:
         acc = validate(head, seqs, feats, {c: v[:16] for c, v in val_by_cat.items()}, opts.window, w_sub,
                        opts.steps)
         head.train()
-        curve.add(step, ckpt.tokens, (time.time() - started) / 60, acc)
+        curve.add(step, ckpt.tokens, (ckpt.spent_before + time.time() - started) / 60, acc)
         # the head as it stands, usable while the run goes on (the final write replaces it with the full report)
         head.save(out, {"report": json.dumps({"target": name, "snapshot_at_step": step, "tokens_seen": ckpt.tokens,
                                               "validation_sample_top1_agreement_per_position": acc})})
@@ -424,7 +424,8 @@ def fit_eagle3(target: Transformer, name: str, rows: list[Row], out: Path, opts:
               "target_temperature": opts.target_temperature, "prompt_weight": opts.prompt_weight,
               "validation_top1_agreement_per_position": final,
               "served_top1_agreement_per_position": served}
-    curve.add(n_steps, ckpt.tokens, (time.time() - started) / 60, {c: final[c] for c in sorted(final)})
+    curve.add(n_steps, ckpt.tokens, (ckpt.spent_before + time.time() - started) / 60,
+              {c: final[c] for c in sorted(final)})
     head.save(out, {"report": json.dumps(report)})
     out.with_suffix(".json").write_text(json.dumps(report, indent=2))
     ckpt.done()

@@ -107,7 +107,7 @@ def _train_one(target: Transformer, name: str, n_layers: int, ids: Tensor, rows,
 
     params = [draft.scale, draft.proj]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    ckpt = Checkpoint(out, draft, opt)
+    ckpt = Checkpoint(out, draft, opt, rng)
     steps, spent = train_loop(f"train exit N={n_layers}", params, opt, lr, minutes, ckpt, step_fn,
                               dtype=train_dtype)
     draft.eval()

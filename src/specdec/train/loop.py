@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import random
 import sys
 import time
 from pathlib import Path
@@ -22,14 +23,16 @@ class Checkpoint:
     The time budget counts across runs: a resumed run trains only for what is left of it.
     """
 
-    def __init__(self, out: Path, module: torch.nn.Module, opt: torch.optim.Optimizer, every_s: float = 120.0):
+    def __init__(self, out: Path, module: torch.nn.Module, opt: torch.optim.Optimizer, rng: random.Random,
+                 every_s: float = 120.0):
         self.path = Path(out).with_suffix(".ckpt")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.module, self.opt, self.every_s = module, opt, every_s
+        self.module, self.opt, self.rng, self.every_s = module, opt, rng, every_s   # rng: the batches' draws
         self.last_save = time.time()
         self.tokens = 0                                        # training tokens seen (the step function counts)
         self.setup = 0.0                                       # seconds of the budget spent before the first step
         self.resumed_at = 0                                    # the step a resumed run continues from
+        self.spent_before = 0.0                                # seconds of the budget earlier runs spent
 
     def resume(self) -> tuple[int, float]:
         """Load the state if a checkpoint exists. -> (step, seconds already spent); (0, 0.0) for a fresh run."""
@@ -56,14 +59,18 @@ class Checkpoint:
         self.tokens = int(state.get("tokens", 0))
         self.setup = float(state.get("setup", 0.0))
         self.resumed_at = int(state["step"])
+        self.spent_before = float(state["seconds"])
+        if "rng" in state:                                     # the batches go on as an uninterrupted run's would
+            version, internal, gauss = state["rng"]
+            self.rng.setstate((version, tuple(internal), gauss))
         print(f"resumed from {self.path} at step {state['step']} ({state['seconds'] / 60:.1f} min spent)")
         return int(state["step"]), float(state["seconds"])
 
     def save(self, step: int, seconds: float) -> None:
         tmp = self.path.with_suffix(".ckpt.tmp")
         torch.save({"module": self.module.state_dict(), "opt": self.opt.state_dict(), "step": step,
-                    "seconds": seconds, "tokens": self.tokens,
-                    "setup": self.setup}, tmp)
+                    "seconds": seconds, "tokens": self.tokens, "setup": self.setup,
+                    "rng": self.rng.getstate()}, tmp)
         tmp.replace(self.path)                                 # never a half-written checkpoint
         self.last_save = time.time()
 
@@ -130,6 +137,7 @@ def train_loop(desc: str, params: list[torch.nn.Parameter], opt: torch.optim.Opt
     reports, step_s = _Reports(report_every_s), 0.0
     try:
         counted = ckpt.tokens                                  # tokens of the steps done (step_fn counts its own first)
+        drawn = ckpt.rng.getstate()                            # ... and the batch draws after them
         with terminate_as_interrupt():
             while (elapsed := time.time() - t0) < budget:
                 a = time.time()
@@ -142,7 +150,7 @@ def train_loop(desc: str, params: list[torch.nn.Parameter], opt: torch.optim.Opt
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 opt.step()
                 step += 1
-                counted = ckpt.tokens
+                counted, drawn = ckpt.tokens, ckpt.rng.getstate()
                 step_s = time.time() - a
                 bar.update(1)
                 bar.set_postfix(loss=f"{float(loss.detach()):.3f}", **fields, refresh=False)
@@ -156,10 +164,13 @@ def train_loop(desc: str, params: list[torch.nn.Parameter], opt: torch.optim.Opt
                     reports.ran(time.time() - a)
     except KeyboardInterrupt:
         ckpt.tokens = counted                                  # a step cut short trained nothing
+        ckpt.rng.setstate(drawn)
         ckpt.save(step, time.time() - t0)
         bar.close()
         raise Interrupted(f"state saved in {ckpt.path}; run the same command again to resume") from None
     bar.close()
+    if step > ckpt.resumed_at:         # the final validation and write may take minutes: an interrupt keeps the steps
+        ckpt.save(step, time.time() - t0)
     if step == 0:                      # nothing trained: no untrained weights written as if they were the result
         raise SpecdecError(f"--minutes {minutes:g} ran out before the first training step (the set-up took "
                            f"{ckpt.setup / 60:.1f} min); what it did is kept (cached features): run again with "

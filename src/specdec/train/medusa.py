@@ -50,7 +50,7 @@ def train_medusa(model: str, data: Path, out: Path, minutes: float, vocab_size: 
 
     params = [heads.w, heads.b]
     opt = torch.optim.AdamW(params, lr=lr)
-    ckpt = Checkpoint(out, heads, opt)
+    ckpt = Checkpoint(out, heads, opt, rng)
     steps, spent_min = train_loop("train medusa", params, opt, lr, minutes, ckpt, step_fn, dtype=train_dtype)
     with torch.no_grad():
         ev = [medusa_loss(heads, feats[i].float()[None], w_sub)[1] for i in eval_idx if len(seqs[i]) > n_heads + 2]
