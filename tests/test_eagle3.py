@@ -136,6 +136,46 @@ def test_import_refuses_a_head_of_another_target(tmp_path):
         import_eagle3(tmp_path, target)
 
 
+def test_import_of_a_damaged_export_is_one_line(tmp_path):
+    import json
+    import shutil
+
+    import pytest
+    from safetensors.torch import load_file, save_file
+
+    from specdec.errors import SpecdecError
+    from specdec.export import export_eagle3, import_eagle3
+
+    target, head = _head()
+    good = export_eagle3(head, "vllm", tmp_path / "good")
+    cfg = json.loads((good / "config.json").read_text())
+
+    def damaged(name: str, config=None, tensors=None, raw: bytes | None = None):
+        d = tmp_path / name
+        shutil.copytree(good, d)
+        if config is not None:
+            (d / "config.json").write_text(json.dumps(config))
+        if tensors is not None:
+            save_file(tensors, str(d / "model.safetensors"))
+        if raw is not None:
+            (d / "model.safetensors").write_bytes(raw)
+        return d
+
+    sd = load_file(str(good / "model.safetensors"))
+    cases = [
+        (damaged("json", config=None), None),
+        (damaged("inter", {k: v for k, v in cfg.items() if k != "intermediate_size"}), "names no intermediate_size"),
+        (damaged("vocab", {**cfg, "draft_vocab_size": cfg["draft_vocab_size"] + 3}), "offsets for a draft vocabulary"),
+        (damaged("d2t", tensors={**sd, "d2t": sd["d2t"] + 10_000}), "outside the target's vocabulary"),
+        (damaged("trunc", raw=(good / "model.safetensors").read_bytes()[:100]), "corrupt weights file"),
+    ]
+    (cases[0][0] / "config.json").write_text("{not json")
+    cases[0] = (cases[0][0], "is not JSON")
+    for d, message in cases:
+        with pytest.raises(SpecdecError, match=message):
+            import_eagle3(d, target)
+
+
 def test_medusa_export_matches_vllms_medusa_model(tmp_path):
     import json
 

@@ -33,6 +33,8 @@ def test_leak_check_catches_a_benchmark_prompt():
     (["train", "draft", "--out", "x.safetensors", "--layers", "first,last"], "comma-separated layer numbers"),
     (["train", "eagle", "--out", "x.safetensors", "--minutes", "0"], "--minutes must be > 0"),
     (["train", "medusa", "--out", "x.safetensors", "--heads", "-1"], "--heads must be > 0"),
+    (["train", "medusa", "--out", "x.safetensors", "--heads", "8", "--window", "8"], "no position for head 8"),
+    (["train", "eagle3", "--out", "x.safetensors", "--init", "/tmp"], "--init /tmp is a folder (an export?)"),
     (["train", "draft", "--out", "x.safetensors", "--max-rows", "-5"], "--max-rows must be >= 0"),
     (["train", "data", "--batch", "0"], "--batch must be > 0"),
     (["train", "eagle3", "--out", "x.safetensors", "--target-temperature", "0"], "--target-temperature must be > 0"),
@@ -103,7 +105,7 @@ def test_exits_already_written_are_kept_on_a_re_run_and_refused_when_all_are(tmp
     paths = ex.exit_paths(out, [6, 12])
     assert paths == {6: tmp_path / "x-6.safetensors", 12: tmp_path / "x-12.safetensors"}
     started = []
-    monkeypatch.setattr(ex, "begin", lambda *a: started.append(a) or (_ for _ in ()).throw(RuntimeError("stop")))
+    monkeypatch.setattr(ex, "begin", lambda *a, **kw: started.append(a) or (_ for _ in ()).throw(RuntimeError("stop")))
     paths[6].write_bytes(b"done")
     with pytest.raises(RuntimeError, match="stop"):                         # one left to train: the run goes on
         ex.train_exit("smollm2-135m", tmp_path, out, 1.0, [6, 12], 8192, 8, 1e-3, 64, overwrite=False)
@@ -113,6 +115,19 @@ def test_exits_already_written_are_kept_on_a_re_run_and_refused_when_all_are(tmp
     with pytest.raises(SpecdecError, match="names a layer count twice"):
         ex.train_exit("smollm2-135m", tmp_path, out, 1.0, [6, 6], 8192, 8, 1e-3, 64, overwrite=True)
     assert len(started) == 1
+
+
+def test_a_single_exit_at_out_does_not_block_a_run_of_several(tmp_path, monkeypatch):
+    """`--layers 6` wrote OUT; `--layers 6,12` writes OUT-6 and OUT-12 and must not be refused because of OUT."""
+    import specdec.api
+    import specdec.train.exit as ex
+
+    out = tmp_path / "x.safetensors"
+    out.write_bytes(b"a single exit")
+    monkeypatch.setattr(specdec.api, "load_model", lambda *a: (_ for _ in ()).throw(RuntimeError("got to loading")))
+    with pytest.raises(RuntimeError, match="got to loading"):
+        ex.train_exit("smollm2-135m", tmp_path, out, 1.0, [6, 12], 8192, 8, 1e-3, 64, overwrite=False)
+    assert out.read_bytes() == b"a single exit"
 
 
 @pytest.mark.integration
@@ -173,7 +188,7 @@ def test_exit_features_are_cached_per_data_and_overwrite_drops_every_exits_check
 
     target = tiny_model(layers=4)
     extracted, trained = [], []
-    monkeypatch.setattr(ex, "begin", lambda *a: (target, "tiny", __import__("random").Random(0)))
+    monkeypatch.setattr(ex, "begin", lambda *a, **kw: (target, "tiny", __import__("random").Random(0)))
     real_extract = ex.extract_aux
     monkeypatch.setattr(ex, "extract_aux", lambda *a: extracted.append(1) or real_extract(*a))
     monkeypatch.setattr(ex, "_train_one", lambda *a: trained.append(a[3]) or {})

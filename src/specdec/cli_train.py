@@ -29,6 +29,9 @@ def _check_args(a: argparse.Namespace) -> None:
     for name in ("window", "max_seq"):                  # a window needs positions to draft from and to draft
         if getattr(a, name, 4) < 4:
             raise SpecdecError(f"--{name.replace('_', '-')} must be >= 4, got {getattr(a, name)}")
+    if hasattr(a, "window") and hasattr(a, "heads") and a.window < a.heads + 2:
+        raise SpecdecError(f"--window {a.window} leaves no position for head {a.heads} (--heads) to learn from; "
+                           f"use --window {a.heads + 2} or more")
     if hasattr(a, "window") and hasattr(a, "steps") and a.window < a.steps + 2:
         raise SpecdecError(f"--window {a.window} leaves no position for draft position {a.steps} (--steps); "
                            f"use --window {a.steps + 2} or more")
@@ -109,6 +112,9 @@ def cmd_eagle3(a: argparse.Namespace) -> int:
     _check_args(a)
     _refuse_overwrite(a)
     set_threads(a)
+    if a.init and Path(a.init).is_dir():
+        raise SpecdecError(f"--init {a.init} is a folder (an export?); it takes a head file (.safetensors) written by "
+                           "`specdec train eagle3` (or shipped)")
     if a.init and not Path(a.init).is_file():
         raise SpecdecError(f"--init: no such head file: {a.init}")
     opts = Eagle3Options(a.minutes, a.vocab_size, a.window, a.batch, a.lr, a.max_seq, a.steps, a.max_rows,

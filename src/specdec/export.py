@@ -119,7 +119,12 @@ def import_eagle3(path: Path, target: Transformer) -> Eagle3Head:
     files = sorted(p.glob("*.safetensors"))
     if not cfg_file.is_file() or not files:
         raise SpecdecError(f"{p} is not an EAGLE-3 export (needs config.json and *.safetensors)")
-    raw = json.loads(cfg_file.read_text())
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SpecdecError(f"{cfg_file} is not JSON ({e}): not an EAGLE-3 export") from None
+    if not isinstance(raw, dict):
+        raise SpecdecError(f"{cfg_file} is not a JSON object: not an EAGLE-3 export")
     tc = target.config
     L = tc.n_layers
     aux = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
@@ -134,15 +139,29 @@ def import_eagle3(path: Path, target: Transformer) -> Eagle3Head:
         raise SpecdecError(f"{p}: only one-layer heads over three aux layers in 1..{L - 1} load here")
     sd: dict[str, Tensor] = {}
     for f in files:
-        sd.update(load_file(str(f)))
-    draft_vocab = int(raw.get("draft_vocab_size") or tc.vocab_size)
+        try:
+            sd.update(load_file(str(f)))
+        except Exception as e:                              # safetensors' own error types: a damaged file
+            raise SpecdecError(f"corrupt weights file {f}: {type(e).__name__}: {e}") from None
+    if "intermediate_size" not in raw:
+        raise SpecdecError(f"{cfg_file} names no intermediate_size: not an EAGLE-3 export")
+    try:
+        draft_vocab = int(raw.get("draft_vocab_size") or tc.vocab_size)
+        cfg = Eagle3Config(tc.dim, tc.n_heads, tc.n_kv_heads, int(raw.get("head_dim", tc.head_dim)),
+                           int(raw["intermediate_size"]), float(raw.get("rms_norm_eps", tc.norm_eps)),
+                           float(raw.get("rope_theta", tc.rope_base)), tc.max_seq_len, tc.vocab_size, draft_vocab,
+                           tuple(int(i) for i in aux))
+    except (TypeError, ValueError) as e:
+        raise SpecdecError(f"{cfg_file}: a field of the wrong type ({e})") from None
     d2t = sd.pop("d2t", torch.zeros(draft_vocab, dtype=torch.long)).long()
     sd.pop("t2d", None)
     sd.pop("embed_tokens.weight", None)
     sd = {k.removeprefix("model."): v for k, v in sd.items()}
-    cfg = Eagle3Config(tc.dim, tc.n_heads, tc.n_kv_heads, int(raw.get("head_dim", tc.head_dim)),
-                       int(raw["intermediate_size"]), float(raw.get("rms_norm_eps", tc.norm_eps)),
-                       float(raw.get("rope_theta", tc.rope_base)), tc.max_seq_len, tc.vocab_size, draft_vocab,
-                       tuple(int(i) for i in aux))
-    sd["vocab_ids"] = d2t + torch.arange(draft_vocab)
+    if d2t.shape != (draft_vocab,):
+        raise SpecdecError(f"{p}: d2t holds {tuple(d2t.shape)} offsets for a draft vocabulary of {draft_vocab} "
+                           "(draft_vocab_size in config.json)")
+    ids = d2t + torch.arange(draft_vocab)
+    if draft_vocab and not (0 <= int(ids.min()) and int(ids.max()) < tc.vocab_size):
+        raise SpecdecError(f"{p}: its d2t maps draft tokens outside the target's vocabulary of {tc.vocab_size}")
+    sd["vocab_ids"] = ids
     return Eagle3Head.from_state(target, cfg, sd, str(p))

@@ -24,7 +24,7 @@ from ..errors import SpecdecError
 from ..models.decoder import Transformer
 from ..models.eagle import read_weights
 from ..models.eagle3 import Eagle3Config, Eagle3Head
-from .features import begin, cached, sequences_digest, vocab_subset, windows
+from .features import begin, cached, check_ids, sequences_digest, vocab_subset, windows
 from .loop import Checkpoint, autocast, train_loop
 from .magpie import Row, no_shards, read_shards
 
@@ -293,6 +293,7 @@ def initial_head(target: Transformer, seqs: list[list[int]], opts: Eagle3Options
     `opts.init` (continuing a shipped or earlier head with a fresh optimiser), else a new head whose draft
     vocabulary is the data's most frequent tokens and whose LM head starts from the target's rows."""
     if opts.init:
+        check_ids(seqs, target.vocab_size)
         sd, meta = read_weights(Path(opts.init), "eagle3", target)
         raw = json.loads(meta["config"])
         cfg = Eagle3Config(**{**raw, "aux_layers": tuple(raw["aux_layers"])})

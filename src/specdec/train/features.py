@@ -82,14 +82,15 @@ def split_heldout(n: int) -> tuple[list[int], list[int]]:
     return list(range(n_eval, n)), list(range(n_eval))
 
 
-def begin(model: str, out: Path, overwrite: bool, seed: int) -> tuple[Transformer, str, random.Random]:
+def begin(model: str, out: Path, overwrite: bool, seed: int, checked: bool = False) -> tuple[Transformer, str, random.Random]:
     """The common start of a training run: refuse to overwrite `out` (unless a checkpoint beside it says the run
-    resumes: runs refresh `out` while they train; with `overwrite` the checkpoint goes: a fresh run), seed, load
-    the target (dtype auto)."""
+    resumes: runs refresh `out` while they train; with `overwrite` the checkpoint goes: a fresh run; `checked`:
+    the caller decided about its own outputs), seed, load the target (dtype auto)."""
     from ..api import load_model
 
-    check_output(out, overwrite)
-    if overwrite:
+    if not checked:
+        check_output(out, overwrite)
+    if overwrite and not checked:
         out.with_suffix(".ckpt").unlink(missing_ok=True)     # --overwrite starts afresh: no old run resumes
         out.with_suffix(".ckpt.tmp").unlink(missing_ok=True)
     torch.manual_seed(seed)
@@ -100,16 +101,22 @@ def begin(model: str, out: Path, overwrite: bool, seed: int) -> tuple[Transforme
 def vocab_subset(seqs: list[list[int]], size: int, vocab: int) -> Tensor:
     """The `size` most frequent token ids of the data (sorted ids); a clear error where the data holds ids
     outside the target's vocabulary (data written for another model)."""
-    from ..errors import SpecdecError
 
+    check_ids(seqs, vocab)
     counts = torch.zeros(vocab, dtype=torch.long)
     for s in seqs:
-        ids = torch.tensor(s, dtype=torch.long)
-        if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < vocab:
+        counts += torch.bincount(torch.tensor(s, dtype=torch.long), minlength=vocab)
+    return counts.topk(min(size, vocab)).indices.sort().values
+
+
+def check_ids(seqs: list[list[int]], vocab: int) -> None:
+    """A clear error where the data holds token ids outside the target's vocabulary (data for another model)."""
+    from ..errors import SpecdecError
+
+    for s in seqs:
+        if s and not 0 <= min(s) <= max(s) < vocab:
             raise SpecdecError(f"the training data holds token ids outside the target's vocabulary [0, {vocab}): "
                                "data for another model? (--data)")
-        counts += torch.bincount(ids, minlength=vocab)
-    return counts.topk(min(size, vocab)).indices.sort().values
 
 
 def sequences_digest(seqs: list[list[int]]) -> str:

@@ -35,9 +35,10 @@ def train_medusa(model: str, data: Path, out: Path, minutes: float, vocab_size: 
     heads = MedusaHeads(target, vocab_subset(seqs, vocab_size, target.vocab_size), n_heads)
     w_sub = heads.lm_weight().float().detach()
     train_idx, eval_idx = split_heldout(len(seqs))
-    usable = [i for i in train_idx if len(seqs[i]) > window // 2]
+    shortest = max(window // 2, n_heads + 1)                   # every head has positions to learn in a window
+    usable = [i for i in train_idx if len(seqs[i]) > shortest]
     if not usable or not [i for i in eval_idx if len(seqs[i]) > n_heads + 2]:
-        raise SpecdecError(f"no rows long enough to train (> {window // 2} tokens) or validate (> {n_heads + 2}) on; "
+        raise SpecdecError(f"no rows long enough to train (> {shortest} tokens) or validate (> {n_heads + 2}) on; "
                            "give more data")
 
     def step_fn() -> tuple[torch.Tensor, dict[str, str]]:
