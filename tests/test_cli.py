@@ -168,6 +168,8 @@ def test_every_option_has_help_and_shows_its_default_once():
     (["bench", "--draft-policy", "fixd"], "unknown draft policy 'fixd'; did you mean 'fixed'?"),
     (["bench", "--methods", "none,eagel"], "unknown method 'eagel'; did you mean 'eagle'?"),
     (["serve", "--port", "0", "--draft-model", "no-such-draft"], "draft 'no-such-draft' of method 'draft' not found"),
+    (["serve", "--port", "0", "--learn", "--max-engines", "1", "--method", "suffix", "--threads", "1"],
+     "with --max-engines 1 this server runs its default method suffix alone"),
     (["generate", "--prompt", "hi", "--method", "eagle3", "--draft-model", "h.safetensors"],
      "draft 'h.safetensors' of method 'eagle3' not found: it takes an EAGLE-3 head"),
     (["generate", "--prompt", "hi", "--model", "smolm2-135m"], "unknown model 'smolm2-135m'; did you mean 'smollm2-135m'?"),

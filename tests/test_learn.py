@@ -213,6 +213,25 @@ def test_a_checkpoint_that_does_not_fit_or_cannot_be_written_is_refused_at_start
         Eagle3Head.load(misshapen, target)
 
 
+def test_one_server_at_a_time_learns_into_a_checkpoint(target, head_file, tmp_path):
+    """A second learner on the same file is refused (the last save would drop the first one's learning) until
+    the first one closes; a report that is JSON but no object counts as none."""
+    from safetensors.torch import load_file, save_file
+
+    from specdec.server.learn import OnlineLearner
+    from prometheus_client import CollectorRegistry
+
+    path = tmp_path / "learnt.safetensors"
+    first = OnlineLearner(learn_config(path), target, "tiny", CollectorRegistry())
+    with pytest.raises(SpecdecError, match="another specdec server learns into .*learnt.safetensors"):
+        OnlineLearner(learn_config(path), target, "tiny", CollectorRegistry())
+    first.close()
+    OnlineLearner(learn_config(path), target, "tiny", CollectorRegistry()).close()
+    odd = tmp_path / "odd.safetensors"
+    save_file(load_file(str(head_file)), str(odd), {"report": "[1, 2]"})
+    assert earlier_report(odd) == {}
+
+
 def test_the_buffer_keeps_the_most_recent_tokens():
     buf = TrafficBuffer(10)
     for n in (4, 4, 4):

@@ -108,6 +108,15 @@ def learn_line(method: str, checkpoint: Path) -> str:
     return f"specdec: learning from eagle3 and hybrid requests ({kept} {checkpoint}){note}"
 
 
+def check_learning(a: argparse.Namespace, method: str) -> None:
+    """--learn where no request could ever teach the head is refused."""
+    from .server.learn import LEARNED_METHODS
+
+    if a.learn and a.max_engines == 1 and method not in LEARNED_METHODS:
+        raise SpecdecError(f"--learn learns from eagle3 and hybrid requests, but with --max-engines 1 this server runs "
+                           f"its default method {method} alone; use --method hybrid (or eagle3), or more engines")
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     import signal
 
@@ -135,12 +144,15 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if a.learn_checkpoint and not a.learn:
         raise SpecdecError("--learn-checkpoint goes with --learn")
     torch.set_num_threads(a.threads or cores)
+    if a.method != AUTO_METHOD:
+        check_learning(a, a.method)                          # before the model loads
     own_draft = a.draft_model if a.method not in (*DRAFTLESS, AUTO_METHOD) else None   # else: method 'draft' uses it
     if a.draft_model is not None and own_draft is None:
         check_draft_source("draft", a.draft_model)                # a draft that is not there: before loading
     gen = specdec.load(a.model, method=a.method, dtype=a.dtype, device=a.device, draft_model=own_draft,
                        num_draft_tokens=a.num_draft_tokens, draft_policy=a.draft_policy, tree=a.tree,
                        sample_drafts=serve_sample_drafts(a.sample_drafts, a.method))
+    check_learning(a, gen.method)                            # `auto` is known now
     context = gen.target.max_seq_len
     if a.max_prompt_tokens > context - 2:                      # a prompt, one answer token and the spare slot
         raise SpecdecError(f"--max-prompt-tokens {a.max_prompt_tokens} leaves no room for an answer in {gen.name}'s "

@@ -24,13 +24,14 @@ eagle3 and hybrid engines share one learnt head: with --learn both draft from th
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 import weakref
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, cast
+from typing import IO, Protocol, cast
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -331,10 +332,25 @@ class HeadTrainer:
     def save(self, path: Path, report: dict) -> None:
         """The learnt head as an EAGLE-3 weights file (written beside, then renamed into place)."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")     # this process's own: no other writer's
         with torch.inference_mode(False):
             self.head.save(tmp, {"report": json.dumps(report)})
         tmp.replace(path)
+
+
+def hold_lock(path: Path) -> IO[bytes]:
+    """An exclusive lock beside the checkpoint `path`, held while the returned file stays open: a second server
+    learning into the same file would drop the first one's learning (the last save wins), so it is refused."""
+    import fcntl
+
+    f = path.with_name(f".{path.name}.lock").open("a+b")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise SpecdecError(f"another specdec server learns into {path}; give this one its own --learn-checkpoint "
+                           "(or stop the other)") from None
+    return f
 
 
 def earlier_report(path: Path) -> dict[str, int]:
@@ -346,6 +362,8 @@ def earlier_report(path: Path) -> dict[str, int]:
             report = json.loads((f.metadata() or {}).get("report", "{}"))
         except ValueError:
             return {}
+    if not isinstance(report, dict):
+        return {}
     return {k: int(report[k]) for k in ("learnt_updates", "learnt_tokens") if isinstance(report.get(k), int)}
 
 
@@ -361,6 +379,7 @@ class OnlineLearner:
         if self.path.exists():
             Eagle3Head.load(self.path, target)               # another target's or a misshapen file: refused at start
             self.earlier.update(earlier_report(self.path))
+        self.lock = hold_lock(self.path)                     # one server learns into a checkpoint at a time
         self.metrics = LearnMetrics(registry)
         self.buffer = TrafficBuffer(config.buffer_tokens)
         self.stats = {m: AcceptanceStats(config.recent_requests) for m in LEARNED_METHODS}   # per method
@@ -399,7 +418,9 @@ class OnlineLearner:
         if tap is not proposer:
             return
         tokens, feats = tap.take(seq)
-        self.stats[tap.method].add(seq.counters.drafted_at, seq.counters.accepted_at, self.swapped > 0)
+        drafted, accepted = seq.counters.own()              # the head's drafts, a prediction's left out
+        learnt = self.swapped > 0 or self.earlier["learnt_updates"] > 0      # a restart drafts with a learnt head
+        self.stats[tap.method].add(drafted, accepted, learnt)
         if len(tokens) >= 2:
             self.buffer.add(tokens, feats)
             self.metrics.collected.inc(len(tokens))
@@ -438,6 +459,7 @@ class OnlineLearner:
     def close(self) -> None:
         if self.updates > self.saved_updates:
             self.save()
+        self.lock.close()                                    # another server may learn into the file now
 
     def save(self) -> None:
         """Write the learnt head to the checkpoint file."""
