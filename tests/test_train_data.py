@@ -275,6 +275,20 @@ def test_a_resumed_data_run_writes_what_an_uninterrupted_one_writes(tmp_path, mo
         read_data(tmp_path / "whole")
 
 
+def test_a_follow_up_keeps_the_first_answer_marked_where_its_text_encodes_to_other_tokens():
+    """The second turn's prompt is the chat encoded again from its text: the first answer (generated as 3 tokens
+    and EOS 2) may come back as other tokens, and its mask follows it, through its end-of-turn token."""
+    from specdec.train.magpie import prompt_mask
+
+    tokens, mask = [9, 9, 5, 30, 31, 32, 2], [0, 0, 0, 1, 1, 1, 1]          # prompt 9 9 5, answer 30 31 32 EOS
+    reencoded = [9, 9, 5, 40, 41, 2, 7, 8, 5]                                # answer as 40 41, then the next turn
+    assert prompt_mask(tokens, mask, reencoded, frozenset({2})) == [0, 0, 0, 1, 1, 1, 0, 0, 0]
+    kept = tokens + [7, 8, 5]                                                # encoded the same: the mask as it was
+    assert prompt_mask(tokens, mask, kept, frozenset({2})) == mask + [0, 0, 0]
+    longer = [9, 9, 5, 40, 41, 42, 43, 44, 2, 7, 5]
+    assert prompt_mask(tokens, mask, longer, frozenset({2})) == [0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0]
+
+
 def test_an_interrupted_magpie_run_keeps_its_conversations_as_a_shard(tmp_path, monkeypatch):
     from tqdm import tqdm
 

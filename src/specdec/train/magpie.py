@@ -127,6 +127,29 @@ def user_turn_prefix(tok, messages: list[dict]) -> list[int]:
     return tok.encode_text(text[:text.index(mark)])
 
 
+def prompt_mask(tokens: list[int], mask: list[int], prompt: list[int], ends: frozenset[int]) -> list[int]:
+    """The answer mask over `prompt`, the conversation so far (`tokens`, answers marked in `mask`) encoded again
+    from its text with the next question: where the encoding kept the earlier tokens, their mask; else (an
+    answer's text encodes to other tokens than were generated) each earlier answer found again, from where its
+    turn's prompt ended through its end-of-turn token."""
+    if prompt[:len(tokens)] == tokens:
+        return mask + [0] * (len(prompt) - len(tokens))
+    out, i, j = [], 0, 0                                # i: in tokens/mask, j: in prompt
+    while i < len(tokens):
+        if not mask[i]:                                 # template and question tokens are encoded the same
+            if j >= len(prompt) or prompt[j] != tokens[i]:
+                break
+            out.append(0)
+            i, j = i + 1, j + 1
+            continue
+        while i < len(tokens) and mask[i]:              # the generated answer, up to its end-of-turn token
+            i += 1
+        end = next((k for k in range(j, len(prompt)) if prompt[k] in ends), len(prompt) - 1)
+        out += [1] * (end + 1 - j)
+        j = end + 1
+    return out + [0] * (len(prompt) - len(out))
+
+
 class MagpieWriter:
     """Writes shards of conversations with generator `gen` (method none)."""
 
@@ -157,9 +180,8 @@ class MagpieWriter:
                                 seed=rng.randrange(1 << 30), chat=False)
         for c, p, r in zip(convs, prompts, res):
             c.messages.append({"role": "assistant", "content": r.text})
-            grown = p + r.tokens
-            c.answer_mask = c.answer_mask + [0] * (len(p) - len(c.tokens)) + [1] * len(r.tokens)
-            c.tokens = grown
+            c.answer_mask = prompt_mask(c.tokens, c.answer_mask, p, self.tok.eos_ids) + [1] * len(r.tokens)
+            c.tokens = p + r.tokens
 
     def batch_of(self, category: str, rng: random.Random) -> list[Conversation]:
         """Up to `batch` new conversations of one category (fewer if questions were dropped)."""
