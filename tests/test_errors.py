@@ -405,6 +405,8 @@ def test_export_checks_what_needs_no_model_before_loading_one(tmp_path, monkeypa
     assert ("no shipped eagle3 weights for 'gemma3-270m'; write training data first (`specdec train magpie --model "
             "gemma3-270m`), then train them") in capsys.readouterr().err.replace("\n", " ")
     assert not (tmp_path / "g").exists()
+    assert main(["export", "eagle3", str(tmp_path / "h"), "--weights", str(tmp_path / "nope.safetensors")]) == 2
+    assert "nope.safetensors: weights not found" in capsys.readouterr().err and not (tmp_path / "h").exists()
 
 
 def test_a_method_without_weights_for_the_target_is_refused_before_loading_and_by_the_server(tmp_path, monkeypatch):

@@ -91,9 +91,10 @@ def test_overwrite_starts_afresh(tmp_path):
     out = tmp_path / "head.safetensors"
     out.write_bytes(b"x")
     out.with_suffix(".ckpt").write_bytes(b"an interrupted run")
+    out.with_suffix(".json").write_text("{}")                 # a finished run's report
     with pytest.raises(SpecdecError, match="no-such-model"):
         begin("no-such-model", out, overwrite=True, seed=0)
-    assert not out.with_suffix(".ckpt").exists()
+    assert not out.with_suffix(".ckpt").exists() and not out.with_suffix(".json").exists()
 
 
 def test_a_resumed_curve_drops_the_points_after_its_checkpoint(tmp_path):

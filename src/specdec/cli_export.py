@@ -31,6 +31,9 @@ def cmd_export(a: argparse.Namespace) -> int:
     if not a.weights and not has_shipped(name, a.kind):
         raise SpecdecError(f"no shipped {a.kind} weights for {name!r}; {train_hint(name, a.kind, '')}; then export "
                            "that file with --weights FILE")
+    if a.weights and not Path(a.weights).is_file():
+        raise SpecdecError(f"--weights {a.weights}: " + ("a folder, not a weights file" if Path(a.weights).is_dir()
+                                                         else "weights not found"))
     out_dir = Path(a.out_dir)
     with no_empty_dirs_left(out_dir):                           # a failed export leaves no directory it made
         check_out(out_dir, a.overwrite)

@@ -92,6 +92,7 @@ def begin(model: str, out: Path, overwrite: bool, seed: int, checked: bool = Fal
         check_output(out, overwrite)
     if overwrite and not checked:
         out.with_suffix(".ckpt").unlink(missing_ok=True)     # --overwrite starts afresh: no old run resumes
+        out.with_suffix(".json").unlink(missing_ok=True)     # ... and no old run's report sits beside its head
         out.with_suffix(".ckpt.tmp").unlink(missing_ok=True)
     torch.manual_seed(seed)
     target, _, name = load_model(model, "auto")
