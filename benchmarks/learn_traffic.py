@@ -129,7 +129,12 @@ def main() -> None:
     p.add_argument("--json", type=Path, help="write the figures here too")
     a = p.parse_args()
     texts = [next(q for q in load_suite("mini", c)).turns[0] for c in CATEGORIES]
-    checkpoint = Path(tempfile.mkdtemp()) / "learnt.safetensors"
+    with tempfile.TemporaryDirectory(prefix="learn-traffic-") as tmp:     # the learnt head goes with the run
+        run_all(a, texts, Path(tmp) / "learnt.safetensors")
+
+
+def run_all(a: argparse.Namespace, texts: list[str], checkpoint: Path) -> None:
+    """The passes on one learning server, then (`--restart`) one more on a new server over its checkpoint."""
     srv = Server(a, checkpoint)
     rows, first = [], None
     try:
