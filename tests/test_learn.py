@@ -232,6 +232,43 @@ def test_one_server_at_a_time_learns_into_a_checkpoint(target, head_file, tmp_pa
     assert earlier_report(odd) == {}
 
 
+def test_a_request_that_started_before_the_first_update_counts_before(target, tmp_path):
+    """Phase `before` is about the head a request started with: one in flight when the first update lands is
+    counted `before`; one that starts after it is not; the head's own drafts are counted, a prediction's not."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from specdec.metrics import Counters
+    from specdec.server.learn import FeatureTap, OnlineLearner
+
+    class Inner:
+        name, feature_layers, head = "eagle3", (), None
+
+        def start(self, rows, prompts, hidden):
+            pass
+
+    learner = OnlineLearner(learn_config(tmp_path / "l.safetensors"), target, "tiny", CollectorRegistry())
+    tap = FeatureTap(Inner(), "eagle3")
+    learner.taps[id(tap)] = tap
+
+    def finish(row: int) -> None:
+        c = Counters()
+        c.record_step(2, 1, 2)
+        c.record_step(8, 8, 9, predicted=True)
+        learner.finished(tap, SimpleNamespace(row=row, tokens=[1, 2, 3, 4], counters=c))
+
+    tap.start(torch.tensor([0]), [[5, 6, 7]], torch.zeros(1, 3, 4))
+    tap.learnt = True                                         # the first update reaches the head meanwhile
+    tap.start(torch.tensor([1]), [[5, 6, 7]], torch.zeros(1, 3, 4))
+    finish(0)
+    finish(1)
+    stats = learner.stats["eagle3"]
+    assert stats.requests["before"] == 1 and stats.before == ([1, 1], [1, 0])
+    assert len(stats.recent) == 2
+    learner.close()
+
+
 def test_the_buffer_keeps_the_most_recent_tokens():
     buf = TrafficBuffer(10)
     for n in (4, 4, 4):

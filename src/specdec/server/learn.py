@@ -103,6 +103,8 @@ class FeatureTap:
         self.name = inner.name
         self.feature_layers = inner.feature_layers
         self.feats: dict[int, list[Tensor]] = {}          # row -> features [n, H*(1+3)] of positions 0, 1, ..
+        self.learnt = False                                # the head has had a learnt update copied in
+        self.started_learnt: dict[int, bool] = {}          # row -> whether its request started with a learnt head
 
     @property
     def head(self) -> Eagle3Head:
@@ -115,6 +117,7 @@ class FeatureTap:
     def start(self, rows: Tensor, prompts: list[list[int]], hidden: Tensor) -> None:
         for i, r in enumerate(rows.tolist()):                 # prompts hold the first token too: P - 1 scored
             self.feats[r] = [hidden[i, :len(prompts[i]) - 1].to(torch.bfloat16, copy=True)]
+            self.started_learnt[r] = self.learnt
         self.inner.start(rows, prompts, hidden)
 
     def propose(self, batch: ActiveBatch, k: int) -> Draft:
@@ -169,7 +172,7 @@ class TrafficBuffer:
 
 # ---- measuring -----------------------------------------------------------------------------
 class AcceptanceStats:
-    """Draft acceptance per position of one method's finished requests: those served before the first learnt
+    """Draft acceptance per position of one method's finished requests: those that started before the first learnt
     update reached the head, and the most recent `recent` ones."""
 
     def __init__(self, recent: int) -> None:
@@ -386,7 +389,7 @@ class OnlineLearner:
         self.taps: weakref.WeakValueDictionary[int, FeatureTap] = weakref.WeakValueDictionary()  # live engines' taps
         self.rng = random.Random(config.seed)
         self.trainer: HeadTrainer | None = None              # built with the first engine of a learning method
-        self.updates = self.swapped = self.saved_updates = 0
+        self.updates = self.saved_updates = 0
         self.tokens_learnt = 0
         self.pending = 0.0                                   # training tokens left (passes x collected)
         self.next_busy = 0.0                                 # time.monotonic() before which a busy worker only serves
@@ -410,6 +413,7 @@ class OnlineLearner:
             self.trainer = HeadTrainer(tap.head, self.target, self.config)
         elif self.updates:
             self.trainer.copy_into(tap.head)                 # a later engine drafts with what was learnt
+        tap.learnt = self.updates > 0 or self.earlier["learnt_updates"] > 0      # a restart drafts with a learnt head
         self.taps[id(tap)] = tap
         return tap
 
@@ -417,9 +421,9 @@ class OnlineLearner:
         tap = self.taps.get(id(proposer))
         if tap is not proposer:
             return
+        learnt = tap.started_learnt.pop(seq.row, tap.learnt)  # phase `before`: started with the head not yet learnt
         tokens, feats = tap.take(seq)
         drafted, accepted = seq.counters.own()              # the head's drafts, a prediction's left out
-        learnt = self.swapped > 0 or self.earlier["learnt_updates"] > 0      # a restart drafts with a learnt head
         self.stats[tap.method].add(drafted, accepted, learnt)
         if len(tokens) >= 2:
             self.buffer.add(tokens, feats)
@@ -440,9 +444,9 @@ class OnlineLearner:
             n, loss = self.trainer.update(self.buffer, self.rng)
             for tap in list(self.taps.values()):
                 self.trainer.copy_into(tap.head)
+                tap.learnt = True
             spent = time.perf_counter() - t0
             self.updates += 1
-            self.swapped = self.updates
             self.tokens_learnt += n
             self.pending = max(0.0, self.pending - n)
             share = self.config.busy_share                   # a busy worker serves (1 - share) / share as long
