@@ -96,6 +96,46 @@ def test_the_cache_directory_comes_from_the_environment_or_fails_in_one_line(tmp
         write_atomic(tmp_path / "file" / "y" / "z.json", b"{}")
 
 
+def test_cache_files_get_the_umask_mode_and_a_file_as_the_cache_is_named(tmp_path, monkeypatch):
+    """A cache one account fills is readable by another (mkstemp alone gives 0600); $SPECDEC_CACHE naming a file
+    says so."""
+    old = os.umask(0o022)
+    try:
+        write_atomic(tmp_path / "w" / "entry.json", b"{}")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "w" / "entry.json").stat().st_mode & 0o777 == 0o644
+    (tmp_path / "f").write_text("x")
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "f"))
+    with pytest.raises(SpecdecError, match=r"\$SPECDEC_CACHE .*/f is a file, not a directory"):
+        cache_dir()
+
+
+def test_a_start_sweeps_what_killed_writers_left_in_a_warm_cache(tmp_path, monkeypatch):
+    past = time.time() - STALE_SECONDS - 5
+    debris = [tmp_path / "weights" / ".tmp-x", tmp_path / "tokenizers" / ".tmp-y", tmp_path / "native" / "tmpz",
+              tmp_path / ".tmp-gemma"]
+    for d in debris:
+        d.parent.mkdir(parents=True, exist_ok=True)
+        d.write_bytes(b"x" * 100)
+        os.utime(d, (past, past))
+    (tmp_path / "weights" / "entry.safetensors").write_bytes(b"kept")
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    assert cache_dir() == tmp_path
+    assert not any(d.exists() for d in debris) and (tmp_path / "weights" / "entry.safetensors").exists()
+
+
+def test_info_counts_the_cache_while_another_process_removes_files(tmp_path, monkeypatch):
+    from specdec import cli
+
+    (tmp_path / "a").write_bytes(b"x" * 10)
+    (tmp_path / "gone").write_bytes(b"x" * 99)
+    real = os.lstat
+    monkeypatch.setattr(cli.os, "lstat", lambda p: (_ for _ in ()).throw(FileNotFoundError(p)) if str(p).endswith("gone")
+                        else real(p))
+    assert cli.tree_bytes(tmp_path) == 10
+
+
 @pytest.mark.parametrize("value, on", [("", True), ("1", True), ("on", True), ("TRUE", True), ("0", False),
                                        ("false", False), ("Off", False), ("no", False)])
 def test_on_off_switches_read_the_usual_spellings(monkeypatch, value, on):

@@ -149,7 +149,7 @@ def cmd_info(a: argparse.Namespace) -> int:
     target, _, name = load_model(a.model, a.dtype, a.device)
     load_s = time.perf_counter() - t0
     cache = cache_dir()
-    cache_mb = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file()) / 2**20 if cache.is_dir() else 0.0
+    cache_mb = tree_bytes(cache) / 2**20
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024              # Linux: KiB
     rt = runtime_info(target)                              # the object `generate --json` and /health carry too
     info = {"model": name, "context_tokens": target.max_seq_len, "machine": m.as_dict(), "runtime": rt,
@@ -286,6 +286,20 @@ class SpecdecParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:          # argparse: print the usage, exit 2
         raise SpecdecError(f"{message} (see {self.prog} --help)")
+
+
+def tree_bytes(folder: Path) -> int:
+    """The bytes of the files under `folder`; files and folders another process removes meanwhile (a cache being
+    written) are skipped, not an error."""
+    total = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(root, name))
+            except OSError:
+                continue
+            total += st.st_size
+    return total
 
 
 STOP_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}

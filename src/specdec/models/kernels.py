@@ -199,7 +199,10 @@ def _locked_book() -> Iterator[dict[str, list]]:
     path = book_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(path.with_suffix(".lock"), "a")
+        try:
+            lock = open(path.with_suffix(".lock"), "a")
+        except PermissionError:                    # another account's cache: a lock read-only still serialises
+            lock = open(path.with_suffix(".lock"), "r")
     except OSError as e:
         raise SpecdecError(f"cannot write {path} (the cache: $SPECDEC_CACHE): {e.strerror or e}") from None
     with lock:

@@ -23,11 +23,29 @@ def cache_dir() -> Path:
     `~` expanded, or ~/.cache/specdec when it is unset or empty)."""
     env = os.environ.get("SPECDEC_CACHE", "").strip()
     d = Path(env).expanduser() if env else Path.home() / ".cache" / "specdec"
+    if d.is_file():
+        raise SpecdecError(f"$SPECDEC_CACHE {d} is a file, not a directory")
     try:
         d.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise SpecdecError(f"cannot use {d} as the cache directory ($SPECDEC_CACHE): {e.strerror or e}") from None
+    if d not in _SWEPT:                                # once per process: what killed writers left, warm cache or not
+        _SWEPT.add(d)
+        for sub, prefixes in (("", (".tmp-",)), ("weights", (".tmp-",)), ("tokenizers", (".tmp-",)), ("native", ("tmp", ".tmp-")),
+                              ("kernel-checks", (".tmp-",))):
+            sweep_stale(d / sub, prefixes)
     return d
+
+
+_SWEPT: set[Path] = set()
+
+
+def file_mode(mode: int = 0o666) -> int:
+    """`mode` as the umask leaves it: what a plain open() would give (mkstemp and mkdtemp give 0600 / 0700, so a
+    cache filled by one account could not be read by another)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mode & ~mask
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -39,6 +57,7 @@ def write_atomic(path: Path, data: bytes) -> None:
     except OSError as e:
         raise SpecdecError(f"cannot write {path} (the cache: $SPECDEC_CACHE): {e.strerror or e}") from None
     try:
+        os.fchmod(fd, file_mode())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)

@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 
 from ..errors import SpecdecError
-from .registry import cache_dir, file_digest, file_sha256, sweep_stale
+from .registry import cache_dir, file_digest, file_mode, file_sha256, sweep_stale
 
 # tokens that end a generation besides the eos_token (llama.cpp's end-of-generation set holds them too)
 END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|endoftext|>")
@@ -208,6 +208,7 @@ def convert_gguf_tokenizer(path: Path, saved: Path) -> None:
         saved.parent.mkdir(parents=True, exist_ok=True)
         sweep_stale(saved.parent)
         tmp = Path(tempfile.mkdtemp(dir=saved.parent, prefix=".tmp-"))
+        tmp.chmod(file_mode(0o777))                   # as mkdir would make it (mkdtemp: owner only)
     except OSError as e:
         raise cannot_write(e) from None
     try:
