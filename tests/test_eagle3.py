@@ -166,7 +166,7 @@ def test_import_of_a_damaged_export_is_one_line(tmp_path):
         (damaged("json", config=None), None),
         (damaged("inter", {k: v for k, v in cfg.items() if k != "intermediate_size"}), "names no intermediate_size"),
         (damaged("vocab", {**cfg, "draft_vocab_size": cfg["draft_vocab_size"] + 3}), "offsets for a draft vocabulary"),
-        (damaged("d2t", tensors={**sd, "d2t": sd["d2t"] + 10_000}), "outside the target's vocabulary"),
+        (damaged("d2t", tensors={**sd, "d2t": sd["d2t"] + 10_000}), "its d2t gives leave the target's vocabulary"),
         (damaged("trunc", raw=(good / "model.safetensors").read_bytes()[:100]), "corrupt weights file"),
     ]
     (cases[0][0] / "config.json").write_text("{not json")

@@ -208,31 +208,35 @@ def test_exit_features_are_cached_per_data_and_overwrite_drops_every_exits_check
     assert not any(p.with_suffix(".ckpt").exists() for p in paths.values())
 
 
+class FakeAnswerer:
+    """`specdec.load`'s generator as `train data` uses it: answers name the batch's temperature and seed; its
+    `stop_at`-th batch is interrupted (Ctrl-C)."""
+
+    def __init__(self, stop_at: int) -> None:
+        self.calls, self.stop_at = 0, stop_at
+        self.tokenizer = self
+
+    def encode(self, text, chat):
+        return [len(text) % 50, 1]
+
+    def generate(self, ids, max_new_tokens, temperature, seed, **kw):
+        self.calls += 1
+        if self.calls == self.stop_at:
+            raise KeyboardInterrupt
+        return [type("R", (), {"tokens": [int(temperature * 10), seed % 97]})() for _ in ids]
+
+
 def test_an_interrupted_data_run_keeps_its_answers_and_continues(tmp_path, monkeypatch):
     """Ctrl-C (or SIGTERM) during `train data`: the answers so far are written; the same command continues."""
     import specdec
     from specdec.errors import Interrupted
     from specdec.train.data import generate_data, read_data
 
-    class Fake:
-        def __init__(self, stop_at: int) -> None:
-            self.calls, self.stop_at = 0, stop_at
-            self.tokenizer = self
-
-        def encode(self, text, chat):
-            return [len(text) % 50, 1]
-
-        def generate(self, ids, max_new_tokens, **kw):
-            self.calls += 1
-            if self.calls == self.stop_at:
-                raise KeyboardInterrupt
-            return [type("R", (), {"tokens": [7, 8]})() for _ in ids]
-
-    monkeypatch.setattr(specdec, "load", lambda *a, **kw: Fake(stop_at=3))
+    monkeypatch.setattr(specdec, "load", lambda *a, **kw: FakeAnswerer(stop_at=3))
     with pytest.raises(Interrupted, match="4 of 10 answers"):
         generate_data("tiny", tmp_path, 10, 4, 2, 1.0, seed=0, shard_size=10)
     assert len(read_data(tmp_path)) == 4
-    monkeypatch.setattr(specdec, "load", lambda *a, **kw: Fake(stop_at=0))
+    monkeypatch.setattr(specdec, "load", lambda *a, **kw: FakeAnswerer(stop_at=0))
     generate_data("tiny", tmp_path, 10, 4, 2, 1.0, seed=0, shard_size=10)
     rows = read_data(tmp_path)
     assert len(rows) == 10 and len({r["prompt"] for r in rows}) == 10
@@ -245,26 +249,12 @@ def test_a_resumed_data_run_writes_what_an_uninterrupted_one_writes(tmp_path, mo
     from specdec.errors import Interrupted, SpecdecError
     from specdec.train.data import generate_data, read_data
 
-    class Fake:
-        def __init__(self, stop_at: int) -> None:
-            self.calls, self.stop_at = 0, stop_at
-            self.tokenizer = self
-
-        def encode(self, text, chat):
-            return [len(text) % 50, 1]
-
-        def generate(self, ids, max_new_tokens, temperature, seed, **kw):
-            self.calls += 1
-            if self.calls == self.stop_at:
-                raise KeyboardInterrupt
-            return [type("R", (), {"tokens": [int(temperature * 10), seed % 97]})() for _ in ids]
-
-    monkeypatch.setattr(specdec, "load", lambda *a, **kw: Fake(stop_at=0))
+    monkeypatch.setattr(specdec, "load", lambda *a, **kw: FakeAnswerer(stop_at=0))
     generate_data("tiny", tmp_path / "whole", 12, 4, 2, 0.5, seed=0, shard_size=6)
-    monkeypatch.setattr(specdec, "load", lambda *a, **kw: Fake(stop_at=5))
+    monkeypatch.setattr(specdec, "load", lambda *a, **kw: FakeAnswerer(stop_at=5))
     with pytest.raises(Interrupted):
         generate_data("tiny", tmp_path / "resumed", 12, 4, 2, 0.5, seed=0, shard_size=6)
-    monkeypatch.setattr(specdec, "load", lambda *a, **kw: Fake(stop_at=0))
+    monkeypatch.setattr(specdec, "load", lambda *a, **kw: FakeAnswerer(stop_at=0))
     generate_data("tiny", tmp_path / "resumed", 12, 4, 2, 0.5, seed=0, shard_size=6)
     whole, resumed = read_data(tmp_path / "whole"), read_data(tmp_path / "resumed")
     assert len(whole) == 12 and resumed == whole

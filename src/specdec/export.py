@@ -20,6 +20,7 @@ from torch import Tensor
 
 from .errors import SpecdecError
 from .models.decoder import Transformer
+from .models.eagle import check_vocab_ids
 from .models.eagle3 import Eagle3Config, Eagle3Head
 from .models.medusa import MedusaHeads
 
@@ -160,8 +161,6 @@ def import_eagle3(path: Path, target: Transformer) -> Eagle3Head:
     if d2t.shape != (draft_vocab,):
         raise SpecdecError(f"{p}: d2t holds {tuple(d2t.shape)} offsets for a draft vocabulary of {draft_vocab} "
                            "(draft_vocab_size in config.json)")
-    ids = d2t + torch.arange(draft_vocab)
-    if draft_vocab and not (0 <= int(ids.min()) and int(ids.max()) < tc.vocab_size):
-        raise SpecdecError(f"{p}: its d2t maps draft tokens outside the target's vocabulary of {tc.vocab_size}")
-    sd["vocab_ids"] = ids
+    sd["vocab_ids"] = d2t + torch.arange(draft_vocab)
+    check_vocab_ids(sd["vocab_ids"], tc.vocab_size, f"{p}: the target ids its d2t gives")
     return Eagle3Head.from_state(target, cfg, sd, str(p))

@@ -150,9 +150,15 @@ def read_weights(path: Path, kind: str, target: Transformer) -> tuple[dict[str, 
         raise SpecdecError(f"{p} was trained for another target ({meta.get('target')}, "
                            f"this target is {want}); train one with `specdec train {kind}`")
     ids = sd.get("vocab_ids")
-    if ids is not None and ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < target.vocab_size):
-        raise SpecdecError(f"{p}: its vocabulary ids leave the target's vocabulary of {target.vocab_size}")
+    if ids is not None:
+        check_vocab_ids(ids, target.vocab_size, f"{p}: its vocabulary ids")
     return sd, meta
+
+
+def check_vocab_ids(ids: Tensor, vocab: int, what: str) -> None:
+    """A head's draft-to-target ids [draft_vocab] must name target tokens: a clear error, not an index error later."""
+    if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < vocab):
+        raise SpecdecError(f"{what} leave the target's vocabulary of {vocab}")
 
 
 @contextmanager

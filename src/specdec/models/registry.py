@@ -31,8 +31,8 @@ def cache_dir() -> Path:
         raise SpecdecError(f"cannot use {d} as the cache directory ($SPECDEC_CACHE): {e.strerror or e}") from None
     if d not in _SWEPT:                                # once per process: what killed writers left, warm cache or not
         _SWEPT.add(d)
-        for sub, prefixes in (("", (".tmp-",)), ("weights", (".tmp-",)), ("tokenizers", (".tmp-",)), ("native", ("tmp", ".tmp-")),
-                              ("kernel-checks", (".tmp-",))):
+        for sub, prefixes in (("", (".tmp-",)), ("weights", (".tmp-",)), ("tokenizers", (".tmp-",)),
+                              ("native", ("tmp", ".tmp-")), ("kernel-checks", (".tmp-",))):
             sweep_stale(d / sub, prefixes)
     return d
 

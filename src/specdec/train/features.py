@@ -82,7 +82,8 @@ def split_heldout(n: int) -> tuple[list[int], list[int]]:
     return list(range(n_eval, n)), list(range(n_eval))
 
 
-def begin(model: str, out: Path, overwrite: bool, seed: int, checked: bool = False) -> tuple[Transformer, str, random.Random]:
+def begin(model: str, out: Path, overwrite: bool, seed: int,
+          checked: bool = False) -> tuple[Transformer, str, random.Random]:
     """The common start of a training run: refuse to overwrite `out` (unless a checkpoint beside it says the run
     resumes: runs refresh `out` while they train; with `overwrite` the checkpoint goes: a fresh run; `checked`:
     the caller decided about its own outputs), seed, load the target (dtype auto)."""
@@ -90,10 +91,10 @@ def begin(model: str, out: Path, overwrite: bool, seed: int, checked: bool = Fal
 
     if not checked:
         check_output(out, overwrite)
-    if overwrite and not checked:
-        out.with_suffix(".ckpt").unlink(missing_ok=True)     # --overwrite starts afresh: no old run resumes
-        out.with_suffix(".json").unlink(missing_ok=True)     # ... and no old run's report sits beside its head
-        out.with_suffix(".ckpt.tmp").unlink(missing_ok=True)
+        if overwrite:
+            out.with_suffix(".ckpt").unlink(missing_ok=True)     # --overwrite starts afresh: no old run resumes
+            out.with_suffix(".json").unlink(missing_ok=True)     # ... and no old run's report sits beside its head
+            out.with_suffix(".ckpt.tmp").unlink(missing_ok=True)
     torch.manual_seed(seed)
     target, _, name = load_model(model, "auto")
     return target, name, random.Random(seed)
