@@ -50,6 +50,28 @@ def test_a_native_library_is_rebuilt_unless_it_matches_the_digest_of_its_build(t
     assert len(builds) == 5
 
 
+def test_processes_starting_together_build_a_native_library_once(tmp_path):
+    """Concurrent first starts: the first builds, the others wait on the lock and then find the library whole."""
+    import threading
+
+    lib = tmp_path / "native" / "k.so"
+    builds: list[Path] = []
+
+    def build(out: Path) -> str:
+        builds.append(out)
+        time.sleep(0.3)
+        out.write_bytes(b"\x7fELF" + bytes(range(256)) * 40)
+        return ""
+
+    results: list[str] = []
+    threads = [threading.Thread(target=lambda: results.append(native.built(lib, build, "k"))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == ["", "", ""] and len(builds) == 1
+
+
 def test_a_file_rewritten_in_place_keeping_its_size_and_mtime_is_hashed_again(tmp_path, monkeypatch):
     """`cp -p`, `rsync -a` or `touch -r` keep a modification time: the file's hash (what the converted weights
     and tokenizer are found by) must still change with its bytes."""

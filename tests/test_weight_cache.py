@@ -50,6 +50,33 @@ def test_a_damaged_entry_is_converted_again(tmp_path, monkeypatch):
     assert model.compute == "float32" and weight_cache.read(where) is not None
 
 
+def test_processes_starting_together_convert_the_weights_once(tmp_path, monkeypatch):
+    """The first start converts under a lock; the others wait for it and read its entry (they used to convert too)."""
+    import threading
+
+    from specdec.models import gguf_loader
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    _, path = resolve("smollm2-135m")
+    conversions: list[int] = []
+    real = gguf_loader.read_gguf
+
+    def counted(*args):
+        conversions.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(gguf_loader, "read_gguf", counted)
+    models: list = []
+    threads = [threading.Thread(target=lambda: models.append(load_gguf(path, torch.float32))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(models) == 2 and len(conversions) == 1
+    with torch.inference_mode():
+        assert torch.equal(_logits(models[0]), _logits(models[1]))
+
+
 def test_ctrl_c_during_a_read_is_an_interruption_not_a_damaged_entry(tmp_path, monkeypatch):
     """A native read interrupted by Ctrl-C may surface as another exception (safetensors: ValueError,
     SystemError); that must stop the program, not be taken for an unreadable entry and converted again."""

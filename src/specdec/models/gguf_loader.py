@@ -17,6 +17,7 @@ from . import native
 from .int4 import (HEAD, HEAD_TYPES, NATIVE_HEAD, NATIVE_HEAD_Q8R, NATIVE_HEAD_Q8X8, INT4_TYPES, INT8_TYPES, Blocks4,
                    Blocks8, Int4Linear, read_blocks, read_blocks8, read_head)
 from .kernels import Kernel, fastest, pack
+from .registry import exclusive
 
 SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
 
@@ -129,15 +130,18 @@ def load_gguf(path: str | Path, dtype: torch.dtype, device: str | torch.device =
 
     path = Path(path)
     check_gguf(path)                                  # before hashing it for the cache (a wrong file may be big)
-    where = weight_cache.entry(path, dtype, int4) if use_cache else None
-    weights = weight_cache.read(where) if where is not None else None
-    if weights is None:
-        if where is not None:
-            logging.getLogger("specdec").info("converting %s for this machine (once; kept in %s) ...", path.name,
-                                              where.parent)
-        weights = read_gguf(path, dtype, int4)
-        if where is not None:
-            weight_cache.write(where, weights)
+    if not use_cache:
+        return build(read_gguf(path, dtype, int4), device, name or path.stem, max_seq_len)
+    where = weight_cache.entry(path, dtype, int4)
+    weights = weight_cache.read(where)
+    if weights is None:                               # one process converts; others starting with it wait, then read
+        with exclusive(where.with_name(f".{where.name}.lock"), f"waiting for another process converting {path.name} ..."):
+            weights = weight_cache.read(where)
+            if weights is None:
+                logging.getLogger("specdec").info("converting %s for this machine (once; kept in %s) ...", path.name,
+                                                  where.parent)
+                weights = read_gguf(path, dtype, int4)
+                weight_cache.write(where, weights)
     return build(weights, device, name or path.stem, max_seq_len)
 
 

@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..errors import SpecdecError
 
 PACK_ROWS = 8             # oneDNN's row hint when prepacking: 1 makes a lone row take a gemv path
 CHECK_COUNTS = (2, 3, 5, 8, 17, 33)  # row counts tried at every offset of CHECK_OFFSETS (the others once each)
@@ -189,24 +188,13 @@ def _locked_book() -> Iterator[dict[str, list]]:
     """The book as it is on disk now, merged into this process's, under an exclusive lock (concurrent first
     starts add entries one after another instead of the last writer's file winning); written back at exit.
     An entry on disk wins over this process's: every process then follows the first choice made."""
-    import fcntl
-
-    from .registry import write_atomic
+    from .registry import exclusive, write_atomic
 
     if _HELD:                                      # nested (a choice's candidates check their rows): held already
         yield _book()
         return
     path = book_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            lock = open(path.with_suffix(".lock"), "a")
-        except PermissionError:                    # another account's cache: a lock read-only still serialises
-            lock = open(path.with_suffix(".lock"), "r")
-    except OSError as e:
-        raise SpecdecError(f"cannot write {path} (the cache: $SPECDEC_CACHE): {e.strerror or e}") from None
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with exclusive(path.with_suffix(".lock"), "waiting for another process checking this machine's kernels ..."):
         _HELD.append(True)
         try:
             book = _book()
@@ -215,7 +203,6 @@ def _locked_book() -> Iterator[dict[str, list]]:
             write_atomic(path, json.dumps(book, indent=1).encode())
         finally:
             _HELD.clear()
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def timing_clock() -> Callable[[], float]:

@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch import Tensor
 
+from ..errors import SpecdecError
+
 if TYPE_CHECKING:
     from ..cache import ForwardSlots
     from .kernels import RowCheck
@@ -84,14 +86,34 @@ def built(path: Path, build: Callable[[Path], str], what: str) -> str:
     matches its bytes; else (none yet, damaged, or from a build that did not finish) build it again with
     `build(out)` ("" or why it failed) into a temporary folder and rename it into place. Returns "" or why
     there is no library."""
-    from .registry import file_digest, sweep_stale, write_atomic
+    from .registry import exclusive
 
     digest = path.with_name(path.name + ".sha256")
+    if _whole(path, digest):
+        return ""
     try:
-        if path.is_file() and digest.is_file() and digest.read_text().strip() == file_digest(path):
-            return ""
+        with exclusive(path.with_name(f".{path.name}.lock"), f"waiting for another process building {what} ..."):
+            if _whole(path, digest):                   # built by the process that held the lock
+                return ""
+            return _build_into(path, digest, build, what)
+    except SpecdecError as e:                          # no lock where the cache cannot be written: no library
+        return str(e)
+
+
+def _whole(path: Path, digest: Path) -> bool:
+    """Whether the library at `path` has the digest written beside it at its build."""
+    from .registry import file_digest
+
+    try:
+        return path.is_file() and digest.is_file() and digest.read_text().strip() == file_digest(path)
     except (OSError, UnicodeDecodeError):
-        pass                                           # unreadable: built again below
+        return False                                   # unreadable: built again
+
+
+def _build_into(path: Path, digest: Path, build: Callable[[Path], str], what: str) -> str:
+    """Build the library with `build(out)` into a temporary folder and rename it into place with its digest."""
+    from .registry import file_digest, sweep_stale, write_atomic
+
     log = logging.getLogger("specdec")
     if path.exists() and digest.exists():
         log.warning("%s does not match the digest of its build (damaged?): building it again", path)

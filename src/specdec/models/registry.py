@@ -5,6 +5,8 @@ import importlib.util
 import logging
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -46,6 +48,33 @@ def file_mode(mode: int = 0o666) -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mode & ~mask
+
+
+@contextmanager
+def exclusive(lock: Path, busy: str) -> Iterator[None]:
+    """Hold an exclusive lock on the file `lock` (made if missing) for the block, so that processes starting together
+    do a piece of first-start work once: the first does it, the others wait (logging `busy` once) and then find it
+    done. A lock file that cannot be written (another account's cache) is locked read-only, which serialises too."""
+    import fcntl
+
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            f = open(lock, "a")
+        except PermissionError:
+            f = open(lock, "r")
+    except OSError as e:
+        raise SpecdecError(f"cannot write {lock.parent} (the cache: $SPECDEC_CACHE): {e.strerror or e}") from None
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            logging.getLogger("specdec").info("%s", busy)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def write_atomic(path: Path, data: bytes) -> None:
