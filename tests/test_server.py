@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import socket
 import threading
@@ -271,7 +272,8 @@ def single(gen):
     srv.stop()
 
 
-def test_disconnect_mid_stream_frees_the_slot(single):
+def test_disconnect_mid_stream_frees_the_slot(single, caplog):
+    caplog.set_level(logging.INFO, logger="specdec")
     client = single.client()
     stream = client.completions.create(model=MODEL, prompt="Count from one to one hundred: one, two,",
                                        max_tokens=200, temperature=0, stream=True)
@@ -293,6 +295,7 @@ def test_disconnect_mid_stream_frees_the_slot(single):
     assert metric(text, "specdec:requests_total", '{endpoint="/v1/completions",status="499"}') == 1
     assert metric(text, "specdec:requests_total", '{endpoint="/v1/completions",status="429"}') == 1
     assert metric(single.metrics(), "specdec:generation_tokens_total") < 200
+    assert "POST /v1/completions -> 499 the client closed the connection: stream cancelled" in caplog.messages
 
 
 def test_a_queued_stream_starts_at_once_and_keeps_its_connection_alive(gen, monkeypatch):
@@ -329,9 +332,11 @@ def test_a_queued_stream_starts_at_once_and_keeps_its_connection_alive(gen, monk
         srv.stop()
 
 
-def test_a_non_streaming_client_that_goes_away_frees_the_slot(single):
+def test_a_non_streaming_client_that_goes_away_frees_the_slot(single, caplog):
     """A running (not waiting) request whose client closes its connection is cancelled within about a second,
-    though its tokens keep coming: the disconnect is checked every POLL_SECONDS however busy the request is."""
+    though its tokens keep coming: the disconnect is checked every POLL_SECONDS however busy the request is. The
+    log says so."""
+    caplog.set_level(logging.INFO, logger="specdec")
     before = single.metrics()
     gone = metric(before, "specdec:requests_total", '{endpoint="/v1/completions",status="499"}')
     tokens = metric(before, "specdec:generation_tokens_total")
@@ -347,6 +352,7 @@ def test_a_non_streaming_client_that_goes_away_frees_the_slot(single):
     assert metric(text, "specdec:generation_tokens_total") - tokens < 200
     got = single.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
     assert got.usage.completion_tokens == 4
+    assert "POST /v1/completions -> 499 the client closed the connection: request cancelled" in caplog.messages
 
 
 def test_requests_for_a_full_engine_pool_wait_in_order_then_evict_idle_engines(gen):
@@ -965,10 +971,10 @@ def test_run_server_steps_engines_in_the_calling_thread(gen, monkeypatch):
 def serve_until_stopped(state: ServerState, drive) -> tuple[int, float]:
     """run_server (what `specdec serve` runs) on a free port while `drive(url)` runs in another thread;
     (its return code, seconds it took)."""
-    from specdec.cli_serve import run_server
+    from specdec.cli_serve import http_server, run_server
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning"))
+    server = http_server(state, "127.0.0.1", port, "warning")
 
     def driver() -> None:
         deadline = time.monotonic() + 60
@@ -1120,3 +1126,55 @@ def test_chat_messages_that_fill_the_context_say_so_without_naming_a_max_tokens_
     with pytest.raises(ApiError) as e:
         parse_chat(ChatCompletionRequest(**body), state)
     assert "max_tokens (8)" in e.value.message
+
+
+def test_a_client_stalled_in_its_body_does_not_hold_the_shutdown(gen):
+    """A client that sent half its body and waits: the server stops within GRACE_SECONDS of the scheduler's end
+    (uvicorn's default waited for the connection forever, and the join 30 s)."""
+    import os
+    import signal
+
+    from specdec.cli_serve import GRACE_SECONDS
+
+    state = ServerState(gen, ServeConfig(max_batch=2, max_tokens=16))
+    held: list[socket.socket] = []
+
+    def drive(url: str) -> None:
+        port = int(url.rsplit(":", 1)[1])
+        s = socket.create_connection(("127.0.0.1", port), timeout=30)
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"messages\": ")
+        held.append(s)
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    code, took = serve_until_stopped(state, drive)
+    held[0].close()
+    assert code == 0 and took < GRACE_SECONDS + 4
+
+
+def test_a_body_over_the_limit_is_one_413_and_the_connection_closes(server):
+    """The rest of an oversized body is not parsed as a second request (a stray plain-text 400 followed the 413)."""
+    port = int(server.url.rsplit(":", 1)[1])
+    body = b'{"prompt": "' + b"x" * 150_000 + b'"}'
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    try:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+        try:
+            s.sendall(body)
+        except OSError:                               # the server closed its side: the rest is not read
+            pass
+        got = b""
+        while True:
+            try:
+                part = s.recv(65536)
+            except ConnectionResetError:
+                break
+            if not part:
+                break
+            got += part
+    finally:
+        s.close()
+    assert got.startswith(b"HTTP/1.1 413") and got.count(b"HTTP/1.1 ") == 1, got[:600]
+    assert b"exceeds the limit" in got

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from .api import Generator
     from .models.base import CausalLM
     from .server.scheduler import Scheduler
+    from .server import ServerState
     from uvicorn import Server
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -121,11 +122,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
     import signal
 
     import torch
-    import uvicorn
 
     import specdec
     from .api import check_draft_source, serve_sample_drafts
-    from .server import ServeConfig, ServerState, create_app
+    from .server import ServeConfig, ServerState
     from .server.learn import LearnConfig
     from .tree import TreeShape
 
@@ -170,9 +170,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     print(f"specdec: serving {gen.name} (method {gen.method}, {compute}) on http://{a.host}:{a.port}/v1 "
           f"(max batch {a.max_batch}, auth {auth})", file=sys.stderr, flush=True)
     server_log(a.log_level)
-    server = uvicorn.Server(uvicorn.Config(create_app(state), host=a.host, port=a.port, log_level=a.log_level,
-                                          access_log=False))
-    code = run_server(server, state.scheduler)
+    code = run_server(http_server(state, a.host, a.port, a.log_level), state.scheduler)
     for sig in (signal.SIGINT, signal.SIGTERM):        # the process is ending: a repeated signal changes nothing,
         signal.signal(sig, signal.SIG_IGN)             # also while the interpreter exits (it resets Python handlers)
     return code
@@ -204,10 +202,25 @@ def check_address(host: str, port: int) -> None:
         raise SpecdecError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
+GRACE_SECONDS = 3.0      # after the scheduler stops: how long open connections (e.g. a client still sending its body)
+                         # may keep the HTTP side from closing
+
+
+def http_server(state: ServerState, host: str, port: int, log_level: str) -> Server:
+    """uvicorn serving the app of `state` (not started)."""
+    import uvicorn
+
+    from .server.app import create_app
+
+    return uvicorn.Server(uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level,
+                                         access_log=False, timeout_graceful_shutdown=GRACE_SECONDS))
+
+
 def run_server(server: Server, scheduler: Scheduler) -> int:
     """uvicorn in a helper thread, the scheduler's loop in this one (the thread that loaded the model,
     see server/scheduler.py) until the HTTP side stops or SIGINT / SIGTERM arrives; a repeated signal changes
-    nothing while it stops. The previous handlers are back when it returns."""
+    nothing while the scheduler stops, and closes the remaining connections at once once it has. The previous
+    handlers are back when it returns."""
     import signal
     import threading
 
@@ -229,8 +242,10 @@ def run_server(server: Server, scheduler: Scheduler) -> int:
     try:
         scheduler.run()
     finally:
-        server.should_exit = True             # open streams got their 503 from run(); close gracefully
-        web.join(30)                          # a signal meanwhile changes nothing either: the handlers stay
+        server.should_exit = True             # open streams got their 503 from run(); close gracefully, within
+        for sig in previous:                  # GRACE_SECONDS or at the next signal
+            signal.signal(sig, lambda signum, frame: setattr(server, "force_exit", True))
+        web.join(GRACE_SECONDS + 10)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if not server.started:

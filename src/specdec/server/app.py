@@ -342,7 +342,9 @@ class BodyLimit:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.limit or (length.isdigit() and int(length) > self.limit):
-                    raise StarletteHTTPException(413, too_long)
+                    # the rest of the body is not read: the connection closes after the 413, so that its bytes
+                    # are not parsed as another request
+                    raise StarletteHTTPException(413, too_long, headers={"Connection": "close"})
             return message
 
         await self.app(scope, limited, send)
@@ -525,6 +527,7 @@ class Routes:
                     raise ApiError(event.status, event.message, None, event.code)
         except ClientGone:
             scheduler.cancel(job)
+            log_refusal(request, 499, "the client closed the connection: request cancelled")
             self.count(request, 499)
             return Response(status_code=499)
         except asyncio.CancelledError:
@@ -573,6 +576,7 @@ class Routes:
         finally:
             if status == 499:
                 self.state.scheduler.cancel(job)
+                log_refusal(request, 499, "the client closed the connection: stream cancelled")
             self.count(request, status)
 
 
