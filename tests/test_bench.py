@@ -479,6 +479,40 @@ def test_bench_interrupted_by_sigterm_keeps_a_report_and_exits_130(tmp_path):
     assert results["ok"] and "**Interrupted**" in (out / "report.md").read_text()
 
 
+@pytest.mark.integration
+def test_bench_stopped_by_sigterm_while_it_loads_exits_130_and_leaves_no_folder(tmp_path):
+    """SIGTERM before the timed loop (the model loading): one line, exit 130, no empty --out folder (the process
+    used to die by the signal and leave the folder)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "specdec"), "bench", "--suite", "mini", "--limit", "1",
+                             "--methods", "none", "--peers", "", "--threads", "1", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    seen = ""
+    while "loading" not in seen and proc.poll() is None:
+        seen += proc.stderr.read(1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, seen + err
+    assert err.strip().splitlines()[-1].startswith("specdec: interrupted") and "Traceback" not in err
+    assert not out.exists()
+
+
+@pytest.mark.integration
+def test_bench_refuses_a_method_without_weights_for_the_model_before_loading(capsys):
+    """As `generate` does: no "loading ..." first (it took 6 s for gemma3-270m)."""
+    from specdec.cli import main
+
+    assert main(["bench", "--model", "gemma3-270m", "--methods", "none,eagle3", "--peers", "", "--out", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "no shipped eagle3 weights for 'gemma3-270m'" in err and "loading" not in err
+
+
 def test_report_notes_show_no_absolute_paths():
     from specdec import cli_bench
 

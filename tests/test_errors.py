@@ -304,7 +304,9 @@ def test_load_refuses_a_draft_that_is_not_there_before_loading(monkeypatch, tmp_
     for method, draft, message in [("eagle3", "nope.safetensors", "draft 'nope.safetensors' of method 'eagle3' not found"),
                                    ("draft", "no-such-model", "it takes a registered model, a .gguf file, self:N"),
                                    ("medusa", tmp_path / "gone", "of method 'medusa' not found"),
-                                   ("lookahead", "2,3", "lookahead shape is W,N,G")]:
+                                   ("lookahead", "2,3", "lookahead shape is W,N,G"),
+                                   ("draft", "self:0", "self:N needs a whole number of layers N >= 1"),
+                                   ("self", "self:x", "self:N needs a whole number of layers N >= 1")]:
         with pytest.raises(SpecdecError, match=message):
             specdec.load("smollm2-135m", method=method, draft_model=draft)
     (tmp_path / "head.safetensors").write_bytes(b"")
@@ -604,3 +606,24 @@ def test_unreadable_prompt_files_and_pipes(tmp_path, monkeypatch, capsys):
 def test_an_empty_model_name_is_named_as_such(name):
     with pytest.raises(SpecdecError, match=r"the model must be a registered name \(smollm2-135m"):
         specdec.load(name)
+
+
+@pytest.mark.integration
+def test_chat_on_a_model_without_a_chat_template_is_refused_before_it_loads(monkeypatch, capsys):
+    """gemma3-270m is a base model: `--chat` is refused from its tokenizer, not after the weights load."""
+    import specdec.api as api
+
+    monkeypatch.setattr(api, "load_model", lambda *a: (_ for _ in ()).throw(RuntimeError("got past the checks")))
+    assert main(["generate", "--model", "gemma3-270m", "--chat", "--prompt", "hi"]) == 2
+    assert "gemma3-270m has no chat template (a base model?)" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_staged_with_a_draft_of_another_tokenizer_is_refused_before_the_models_load(monkeypatch):
+    import specdec.api as api
+
+    monkeypatch.setattr(api, "load_model", lambda *a: (_ for _ in ()).throw(RuntimeError("got past the checks")))
+    with pytest.raises(SpecdecError, match="method 'staged' needs a draft with the target's tokenizer; 'gemma3-270m'"):
+        specdec.load("smollm2-135m", method="staged", draft_model="gemma3-270m")
+    with pytest.raises(RuntimeError, match="got past the checks"):
+        specdec.load("smollm2-135m", method="staged", draft_model="smollm2-135m")

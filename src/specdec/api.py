@@ -504,11 +504,26 @@ def check_draft_source(method: str, source: str) -> None:
     if method not in DRAFT_FILES:
         return
     if source.startswith("self:") and method in ("draft", "staged", "self"):
+        n = source.split(":", 1)[1]
+        if not n.isdecimal() or int(n) < 1:                  # the upper bound needs the target's layer count
+            raise SpecdecError(f"self:N needs a whole number of layers N >= 1, got {source!r}")
         return
     if source in MODELS and method in ("draft", "staged"):
         return
     if not Path(source).expanduser().exists():
         raise SpecdecError(f"draft {source!r} of method {method!r} not found: it takes {DRAFT_FILES[method]}")
+
+
+def check_same_tokenizer(model: str, draft: str) -> None:
+    """`staged` drafts for its draft model in the target's tokens: a GGUF draft (a registered name or a file) with
+    another tokenizer is refused from the two tokenizers (converted once and cached), before the models load."""
+    from .models.registry import resolve
+
+    if not (draft in MODELS or draft.endswith(".gguf")) or draft == model:
+        return
+    if Tokenizer.from_gguf(resolve(draft)[1]).vocab != Tokenizer.from_gguf(resolve(model)[1]).vocab:
+        raise SpecdecError(f"method 'staged' needs a draft with the target's tokenizer; {draft!r} has another "
+                           "(method 'draft' takes it)")
 
 
 def make_proposer(method: str, target: CausalLM, target_tok: Tokenizer, source: DraftSource,
@@ -709,6 +724,13 @@ WEIGHTS_OF = {"draft": "draft", "staged": "draft", "self": "exit", "eagle": "eag
               "hybrid": "eagle3", "medusa": "medusa"}      # method -> the kind of shipped weights it drafts with
 
 
+def check_shipped(model: str, method: str) -> None:
+    """Refuse, before anything loads, a method that would draft with shipped weights the registered `model` lacks."""
+    kind = WEIGHTS_OF.get(method, "")
+    if kind and model in MODELS and not has_shipped(model, kind):
+        raise no_draft_for(model) if kind == "draft" else SpecdecError(missing(model, kind))
+
+
 def has_shipped(model: str, kind: str) -> bool:
     name = SHIPPED.get((model, kind))
     return name is not None and (WEIGHTS_DIR / name).is_file()
@@ -803,9 +825,10 @@ def load(model: str | Path = DEFAULT_MODEL, method: str = names.AUTO_METHOD, dty
         sample_drafts_from(sample_drafts, method, tree)      # a setting that does not apply fails before loading
     if isinstance(draft_model, (str, Path)):
         check_draft_source(method, str(draft_model))
-    kind = WEIGHTS_OF.get(method, "")                       # shipped weights it lacks: refused before loading too
-    if draft_model is None and kind and str(model) in MODELS and not has_shipped(str(model), kind):
-        raise no_draft_for(str(model)) if kind == "draft" else SpecdecError(missing(str(model), kind))
+        if method == "staged":
+            check_same_tokenizer(str(model), str(draft_model))
+    if draft_model is None:
+        check_shipped(str(model), method)                   # shipped weights it lacks: refused before loading too
     target, tok, name = load_model(str(model), dtype, device)
     if method == names.AUTO_METHOD:
         method = best_method(target)

@@ -201,6 +201,18 @@ def read_text(path: str, what: str) -> str:
         raise SpecdecError(f"cannot read the {what} file {f}: {e.strerror or e}") from None
 
 
+def check_chat_template(model: str) -> None:
+    """`--chat` for a model whose GGUF holds no chat template (a base model): refused before the model loads (the
+    tokenizer, converted once and cached, is read in a fraction of a second; gguf's reader takes 16 s for Gemma's
+    262k-token vocabulary)."""
+    from .models.registry import resolve
+    from .models.tokenizer import Tokenizer
+
+    name, path = resolve(model)
+    if not Tokenizer.from_gguf(path).has_chat_template:
+        raise SpecdecError(f"{name} has no chat template (a base model?): leave --chat out or give --no-chat")
+
+
 LONG_PROMPT_CHARS = 4000                             # about 1000 tokens: a prefill of a second or more
 
 
@@ -219,6 +231,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
         raise SpecdecError("empty prompt")
     if "" in a.stop:
         raise SpecdecError("--stop takes non-empty strings")
+    if a.chat:
+        check_chat_template(a.model)
     set_threads(a)
     gen = specdec.load(a.model, method=a.method, dtype=a.dtype, device=a.device, draft_model=a.draft_model,
                        num_draft_tokens=a.num_draft_tokens, draft_policy=a.draft_policy, tree=a.tree,
@@ -403,7 +417,7 @@ def run(argv: list[str]) -> int:
     if a.command is None:
         ap.print_help(sys.stderr)
         return 2
-    if a.command == "train":                       # runs are stopped with `kill` too: SIGTERM ends one as Ctrl-C does
+    if a.command in ("train", "bench"):            # runs are stopped with `kill` too: SIGTERM ends one as Ctrl-C does
         with terminate_as_interrupt():
             return a.func(a)
     return a.func(a)

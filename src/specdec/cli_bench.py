@@ -176,13 +176,16 @@ def default_out(suite: str) -> Path:
 
 def cmd_bench(a: argparse.Namespace) -> int:
     """Validate, load the target once, run methods (and peers) interleaved, write the report."""
+    from .api import check_shipped
     from .bench import runner
     from .bench.peers import parse_peers
 
     _check_numbers(a)
     categories = parse_categories(a.categories)
     resolve(a.model)                                                # fail fast, before any loading
-    runner.parse_methods(a.methods, a.draft_model)
+    for spec in runner.parse_methods(a.methods, a.draft_model):
+        if spec.draft is None and spec.method != "draft":           # `draft` falls back to default_draft
+            check_shipped(a.model, spec.method)
     if a.out is not None and not a.out.strip():
         raise SpecdecError("--out is empty; give a folder (or leave --out out for a new one per run)")
     auto = default_peers() if a.temperature == 0 else ""          # peers run greedy only
