@@ -504,6 +504,98 @@ def test_a_dropped_stream_held_by_a_reference_cycle_does_not_block_the_generator
         gc.enable()
 
 
+def test_a_call_waiting_for_a_running_generation_does_not_collect_garbage(monkeypatch):
+    """A waiting thread collects garbage only while the turn's holder makes no progress (a dropped stream): a full
+    collection every half second slowed the running generation up to 16x in a program holding millions of objects."""
+    import gc
+    import threading
+
+    from specdec.engine import Engine
+
+    gen = tiny_generator(tiny_model())
+    step = Engine.step
+
+    def slow_step(self):
+        time.sleep(0.05)
+        return step(self)
+
+    monkeypatch.setattr(Engine, "step", slow_step)
+    collections: list[int] = []
+    monkeypatch.setattr(gc, "collect", lambda *a: collections.append(1) or 0)
+    started = threading.Event()
+
+    def long_run() -> None:
+        stream = gen.stream([1, 2, 3], max_new_tokens=40)
+        next(stream)
+        started.set()
+        for _ in stream:
+            pass
+
+    holder = threading.Thread(target=long_run)
+    holder.start()
+    started.wait(30)
+    waiter = threading.Thread(target=lambda: gen.generate([7, 8, 9], max_new_tokens=2))
+    waiter.start()
+    holder.join(60)
+    waiter.join(60)
+    assert gen.last_result is not None and not collections
+
+
+def test_a_dropped_stream_closed_by_another_thread_sets_its_own_threads_last_result():
+    """The stream's result goes to the thread that iterated it, though a waiting call in another thread is what
+    collects and closes it (the other thread's `last_result` used to show it, and its own stayed unfinished)."""
+    import gc
+    import threading
+
+    gen = tiny_generator(tiny_model())
+
+    def take_two_and_drop() -> None:
+        stream = gen.stream([1, 2, 3], max_new_tokens=30)
+        next(stream), next(stream)
+        kept: list = [stream]
+        kept.append(kept)                                # a cycle: only a collection closes the stream
+
+    gc.disable()
+    try:
+        take_two_and_drop()
+        seen: list = []
+
+        def other() -> None:
+            gen.generate([7, 8, 9, 10], max_new_tokens=4)                  # a batch-free call that sets nothing
+            seen.append(gen.last_result)
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join(30)
+    finally:
+        gc.enable()
+    assert seen and seen[0].prompt_tokens == 4 and len(seen[0].tokens) == 4          # its own call's result
+    assert gen.last_result.finish_reason == "cancelled" and gen.last_result.prompt_tokens == 3
+
+
+def test_ctrl_c_inside_a_stream_leaves_a_cancelled_result(monkeypatch):
+    from specdec.engine import Engine
+
+    gen = tiny_generator(tiny_model())
+    want = gen.generate([7, 8, 9], max_new_tokens=6).tokens
+    step, calls = Engine.step, []
+
+    def interrupted_step(self):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return step(self)
+
+    monkeypatch.setattr(Engine, "step", interrupted_step)
+    pieces = []
+    with pytest.raises(KeyboardInterrupt):
+        for piece in gen.stream([1, 2, 3], max_new_tokens=30):
+            pieces.append(piece)
+    assert gen.last_result.finish_reason == "cancelled" and 0 < len(gen.last_result.tokens) < 30
+    monkeypatch.setattr(Engine, "step", step)
+    assert gen.generate([7, 8, 9], max_new_tokens=6).tokens == want
+
+
 def test_a_stale_running_marker_without_the_turn_is_ignored():
     """An interrupt between releasing the turn and clearing the marker must not lock the thread out."""
     import threading
@@ -627,3 +719,27 @@ def test_staged_with_a_draft_of_another_tokenizer_is_refused_before_the_models_l
         specdec.load("smollm2-135m", method="staged", draft_model="gemma3-270m")
     with pytest.raises(RuntimeError, match="got past the checks"):
         specdec.load("smollm2-135m", method="staged", draft_model="smollm2-135m")
+
+
+def test_caches_too_large_for_memory_are_one_line(monkeypatch):
+    """The caches are reserved for the prompt plus max_new_tokens of every row: where that exceeds memory the
+    allocator's RuntimeError became a SpecdecError saying what to lower."""
+    gen = tiny_generator(tiny_model())
+    model = gen.target
+
+    def no_memory(rows, slots):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 6039797760 bytes. Error code 12 (Cannot allocate memory)")
+
+    monkeypatch.setattr(model, "new_cache", no_memory)
+    with pytest.raises(SpecdecError, match=r"not enough memory for the caches of 2 sequence\(s\) of up to \d+ tokens "
+                                           r"\(one of them 5.6 GiB\).*fewer new tokens or fewer prompts"):
+        gen.generate([[1, 2], [3, 4]], max_new_tokens=8)
+
+
+def test_a_device_file_is_no_gguf_and_numpy_integers_are_draft_lengths():
+    with pytest.raises(SpecdecError, match="/dev/null is not a regular file, not a GGUF file"):
+        specdec.load("/dev/null")
+    assert make_policy("fixed", np.int64(4)).__class__.__name__ == "Fixed"       # as max_new_tokens and seed take
+    with pytest.raises(SpecdecError, match="num_draft_tokens must be an integer"):
+        make_policy("fixed", np.float64(4))

@@ -189,21 +189,22 @@ class Generator:
                  num_draft_tokens: int = 4, name: str = "model") -> None:
         make_policy(policy_name, num_draft_tokens)          # validate early
         self.target, self.tokenizer, self.proposer = target, tokenizer, proposer
-        self.policy_name, self.num_draft_tokens, self.name = policy_name, num_draft_tokens, name
+        self.policy_name, self.num_draft_tokens, self.name = policy_name, int(num_draft_tokens), name
         self.method = proposer.name
         self._turn = threading.Lock()          # one generation at a time: the proposer's state is per generator
         self._running_in = 0                   # the thread id of the generation running (0: none)
-        self._last = threading.local()         # per thread: its last stream's or single-prompt generate's Result
+        self._progress = 0.0                   # time.monotonic() of the running generation's last step
+        self._last: dict[int, Result] = {}     # per thread id: its last stream's or single-prompt generate's Result
 
     @property
     def last_result(self) -> Result:
         """This thread's last stream's or single-prompt generate's Result (a stream's so far while it runs);
         each thread sees its own calls' only."""
-        return getattr(self._last, "result", EMPTY_RESULT)
+        return self._last.get(threading.get_ident(), EMPTY_RESULT)
 
     @last_result.setter
     def last_result(self, result: Result) -> None:
-        self._last.result = result
+        self._last[threading.get_ident()] = result
 
     def __repr__(self) -> str:
         dtype = getattr(self.target, "compute", str(getattr(self.target, "dtype", "")).removeprefix("torch."))
@@ -352,15 +353,19 @@ class Generator:
                 raise SpecdecError("this generator is already generating in this thread (a stream started here, "
                                    "not yet finished or closed): finish or close it first, or load another generator")
         while not self._turn.acquire(timeout=TURN_WAIT_SECONDS):   # calls from other threads wait for their turn
-            gc.collect()                       # ... unless the turn is held by a dropped stream nobody can close
+            if time.monotonic() - self._progress > TURN_WAIT_SECONDS:
+                gc.collect()                   # ... unless the turn is held by a dropped stream nobody can close
+                                               # (one that still steps is not: a collection would only slow it)
         try:
             self._running_in = me
+            self._progress = time.monotonic()
             eng = self.engine(len(reqs), slots)
             seqs = [eng.add(r) for r in reqs]
             index = {id(s): i for i, s in enumerate(seqs)}
             with torch.inference_mode():
                 while eng.busy:
                     for seq, piece in eng.step():
+                        self._progress = time.monotonic()
                         yield index[id(seq)], piece, eng, seqs
         finally:
             self._running_in = 0               # (a stale marker without the lock held is ignored above)
@@ -420,17 +425,18 @@ class Generator:
         return self._stream(reqs, slots)               # bad arguments raised above, before the first piece
 
     def _stream(self, reqs: list[Request], slots: int) -> Iterator[str]:
+        owner = threading.get_ident()          # the thread iterating; a dropped stream may be closed in another
         seqs: list = []
         try:
             for _, piece, eng, seqs in self._run(reqs, slots):
-                self.last_result = self._result(seqs[0])
+                self._last[owner] = self._result(seqs[0])
                 if piece:
                     yield piece
-        except GeneratorExit:                  # closed early: what was committed, "cancelled", timed until now
-            if seqs and not seqs[0].done:
+        except (GeneratorExit, KeyboardInterrupt):     # closed early or Ctrl-C: what was committed, "cancelled",
+            if seqs and not seqs[0].done:              # timed until now
                 eng.cancel(seqs[0])
                 seqs[0].counters.wall_seconds = time.perf_counter() - seqs[0].started
-                self.last_result = self._result(seqs[0])
+                self._last[owner] = self._result(seqs[0])
             raise
 
     def _result(self, s) -> Result:

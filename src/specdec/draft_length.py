@@ -15,6 +15,8 @@
 """
 from __future__ import annotations
 
+import numbers
+
 from typing import Callable, Protocol
 
 from torch import Tensor
@@ -168,9 +170,9 @@ POLICIES = tuple(POLICY_BUILDERS)
 
 
 def make_policy(name: str, k: int) -> DraftPolicy:
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1 or k > MAX_DRAFT_TOKENS:
+    if not isinstance(k, numbers.Integral) or isinstance(k, bool) or k < 1 or k > MAX_DRAFT_TOKENS:
         raise SpecdecError(f"num_draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}], got {k!r}")
     build = POLICY_BUILDERS.get(name)
     if build is None:
         raise SpecdecError(f"unknown draft policy {name!r}; choose one of: {', '.join(POLICIES)}")
-    return build(k)
+    return build(int(k))

@@ -17,6 +17,7 @@ the others for more than one bounded step. Full pieces go to the prefix cache.
 from __future__ import annotations
 
 import heapq
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -118,8 +119,17 @@ class Engine:
     def allocate(self, rows: int, slots: int) -> None:
         """Caches for `rows` concurrent sequences of up to `slots` tokens (+ draft scratch)."""
         self.rows, self.slots = rows, slots
-        self.cache = self.target.new_cache(rows, slots)
-        self.proposer.allocate(rows, slots)
+        try:
+            self.cache = self.target.new_cache(rows, slots)
+            self.proposer.allocate(rows, slots)
+        except (RuntimeError, MemoryError) as e:
+            if not isinstance(e, (MemoryError, torch.OutOfMemoryError)) and "allocate" not in str(e):
+                raise
+            wanted = re.search(r"allocate (\d+) bytes", str(e))
+            size = f" (one of them {int(wanted.group(1)) / 2**30:.1f} GiB)" if wanted else ""
+            raise SpecdecError(f"not enough memory for the caches of {rows} sequence(s) of up to {slots} tokens"
+                               f"{size}: the caches hold room for the prompt plus max_new_tokens of every "
+                               "sequence; ask for fewer new tokens or fewer prompts at once") from None
         self.predictions.reset()
         self.free = list(range(rows))                                          # a heap: lowest free row first
         self.active, self.pending = [], []

@@ -37,8 +37,10 @@ def check_gguf(path: Path) -> None:
     """A clear error where `path` is missing, a directory or not a GGUF file (its first 4 bytes are not the magic)."""
     if path.is_dir():
         raise SpecdecError(f"{path} is a directory, not a GGUF file")
-    if not path.is_file():
+    if not path.exists():
         raise SpecdecError(f"GGUF file not found: {path}")
+    if not path.is_file():
+        raise SpecdecError(f"{path} is not a regular file, not a GGUF file")
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise SpecdecError(f"not a GGUF file: {path} (it does not begin with the GGUF magic bytes)")

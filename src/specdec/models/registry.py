@@ -278,8 +278,10 @@ def resolve(name_or_path: str) -> tuple[str, Path]:
     if p.suffix == ".gguf" or p.exists():
         if p.is_dir():
             raise SpecdecError(f"{p} is a directory, not a GGUF file")
-        if not p.is_file():
+        if not p.exists():
             raise SpecdecError(f"GGUF file not found: {p}")
+        if not p.is_file():
+            raise SpecdecError(f"{p} is not a regular file, not a GGUF file")
         return registered_as(p) or p.stem, p
     raise SpecdecError(f"unknown model {name_or_path!r}; {did_you_mean(name_or_path, MODELS)}known models: "
                        f"{', '.join(MODELS)} (or a path to a .gguf file)")
