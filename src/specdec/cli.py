@@ -78,7 +78,8 @@ def add_model_args(p: argparse.ArgumentParser, default_method: str = DEFAULT_MET
     p.add_argument("--draft-model", default=None,
                    help="what the method drafts with: for draft and staged a registered name, a .gguf path, a "
                         "distilled draft (.safetensors from `specdec train draft`) or self:N (the target's first N "
-                        "layers); for eagle, eagle3, hybrid, medusa and self a trained weights file (.safetensors); "
+                        "layers); for eagle, eagle3, hybrid, medusa and self a trained weights file (.safetensors; self also self:N, an "
+                        "untrained exit); "
                         "for lookahead its shape W,N,G; none, ngram and suffix take none (serve: then it is the draft "
                         "of requests asking for method draft) (default: the draft, heads, exit shipped for the "
                         "target; lookahead 2,3,2)")
