@@ -40,6 +40,7 @@ def cache_dir() -> Path:
 
 
 _SWEPT: set[Path] = set()
+_WAITED: set[Path] = set()                 # the locks this process has said it waits for
 
 
 def file_mode(mode: int = 0o666) -> int:
@@ -69,7 +70,9 @@ def exclusive(lock: Path, busy: str) -> Iterator[None]:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            logging.getLogger("specdec").info("%s", busy)
+            if lock not in _WAITED:                    # once per lock and process (the kernel book's is taken per shape)
+                _WAITED.add(lock)
+                logging.getLogger("specdec").info("%s", busy)
             fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
