@@ -743,3 +743,14 @@ def test_a_device_file_is_no_gguf_and_numpy_integers_are_draft_lengths():
     assert make_policy("fixed", np.int64(4)).__class__.__name__ == "Fixed"       # as max_new_tokens and seed take
     with pytest.raises(SpecdecError, match="num_draft_tokens must be an integer"):
         make_policy("fixed", np.float64(4))
+
+
+def test_finished_threads_results_are_not_kept_for_ever():
+    import threading
+
+    gen = tiny_generator(tiny_model())
+    for _ in range(100):
+        t = threading.Thread(target=lambda: gen.generate([1, 2], max_new_tokens=1))
+        t.start()
+        t.join()
+    assert len(gen._last) <= 64

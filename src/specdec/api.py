@@ -195,6 +195,7 @@ class Generator:
         self._running_in = 0                   # the thread id of the generation running (0: none)
         self._progress = 0.0                   # time.monotonic() of the running generation's last step
         self._last: dict[int, Result] = {}     # per thread id: its last stream's or single-prompt generate's Result
+        self._last_lock = threading.Lock()
 
     @property
     def last_result(self) -> Result:
@@ -204,7 +205,16 @@ class Generator:
 
     @last_result.setter
     def last_result(self, result: Result) -> None:
-        self._last[threading.get_ident()] = result
+        self._keep_last(threading.get_ident(), result)
+
+    def _keep_last(self, thread: int, result: Result) -> None:
+        """`result` as the last one of the thread with id `thread`; finished threads' results go (a program that
+        starts a thread per call would keep them all)."""
+        with self._last_lock:
+            if len(self._last) >= 64:
+                alive = {t.ident for t in threading.enumerate()}
+                self._last = {k: v for k, v in self._last.items() if k in alive}
+            self._last[thread] = result
 
     def __repr__(self) -> str:
         dtype = getattr(self.target, "compute", str(getattr(self.target, "dtype", "")).removeprefix("torch."))
@@ -429,14 +439,14 @@ class Generator:
         seqs: list = []
         try:
             for _, piece, eng, seqs in self._run(reqs, slots):
-                self._last[owner] = self._result(seqs[0])
+                self._keep_last(owner, self._result(seqs[0]))
                 if piece:
                     yield piece
         except (GeneratorExit, KeyboardInterrupt):     # closed early or Ctrl-C: what was committed, "cancelled",
             if seqs and not seqs[0].done:              # timed until now
                 eng.cancel(seqs[0])
                 seqs[0].counters.wall_seconds = time.perf_counter() - seqs[0].started
-                self._last[owner] = self._result(seqs[0])
+                self._keep_last(owner, self._result(seqs[0]))
             raise
 
     def _result(self, s) -> Result:
