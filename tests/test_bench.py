@@ -238,6 +238,14 @@ def test_the_report_command_repeats_the_options_that_differ_from_the_defaults(mo
     line = cli_bench.command_line(a)
     assert "--peers ''" in line and "--device cuda:1" in line
     assert "--peers" not in cli_bench.command_line(build_parser().parse_args(["bench"]))
+    monkeypatch.setenv("SPECDEC_ISA", "avx2")                       # a run on limited kernels says so, to be rerun so
+    assert "SPECDEC_ISA=avx2 specdec bench" in cli_bench.command_line(a)
+
+
+def test_a_report_under_an_isa_limit_names_it(target, tmp_path):
+    results = bench(target, systems(target, "none"), repeats=1)
+    results["config"]["runtime"] = {**results["config"].get("runtime", {}), "isa_limit": "avx2"}
+    assert "(kernels limited to avx2 by SPECDEC_ISA)" in report.markdown(results)
 
 
 def test_prediction_drafts_are_reported_apart_from_the_methods_own(target, tmp_path):

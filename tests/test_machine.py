@@ -334,3 +334,16 @@ def test_real_4bit_tensors_decode_to_what_gguf_dequantizes(model, kind):
     t = next(t for t in reader.tensors if t.tensor_type.name == kind)
     ref = dequantize(t.data, t.tensor_type).reshape([int(s) for s in reversed(t.shape)])
     assert np.array_equal(read_blocks(t).dequantize(), ref)
+
+
+def test_the_isa_limit_wins_over_a_variable_already_set_and_says_so(monkeypatch, capsys):
+    """SPECDEC_ISA=avx2 with ATEN_CPU_CAPABILITY=avx512 already set ran AVX-512 kernels while reporting the limit."""
+    from specdec.machine import apply_isa_limit
+
+    monkeypatch.setenv("SPECDEC_ISA", "avx2")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx512")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
+    assert apply_isa_limit() == "avx2"
+    assert os.environ["ATEN_CPU_CAPABILITY"] == "avx2" and os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    assert capsys.readouterr().err == "specdec: warning: SPECDEC_ISA=avx2 sets ATEN_CPU_CAPABILITY=avx2 (it was avx512)\n"

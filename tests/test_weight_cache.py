@@ -213,3 +213,19 @@ def test_a_tokenizer_that_cannot_be_saved_is_one_line(tmp_path, monkeypatch):
     (tmp_path / "tokenizers").write_text("a file where the folder goes")
     with pytest.raises(SpecdecError, match="cannot write the converted tokenizer to .*tokenizers"):
         Tokenizer.from_gguf(path)
+
+
+def test_converting_a_tokenizer_says_so(tmp_path, monkeypatch, caplog):
+    """A first start's tokenizer conversion (transformers, seconds) is announced, not a silent wait."""
+    import logging
+
+    from specdec.models.tokenizer import Tokenizer
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    caplog.set_level(logging.INFO, logger="specdec")
+    _, path = resolve("smollm2-135m")
+    Tokenizer.from_gguf(path)
+    assert any(m.startswith("converting the tokenizer of SmolLM2") for m in caplog.messages)
+    caplog.clear()
+    Tokenizer.from_gguf(path)                                   # converted once
+    assert not caplog.messages

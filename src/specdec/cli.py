@@ -128,8 +128,8 @@ def set_threads(a: argparse.Namespace) -> None:
 
 def add_dtype_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=names.DTYPES, type=one_of("dtype", names.DTYPES),
-                   help="auto: the fastest mode this machine computes exactly: q4 (the GGUF's 4-bit blocks through "
-                        "torch's int4 kernel) where it runs, else bfloat16 where the CPU has it natively, else "
+                   help="auto: the fastest mode this machine computes exactly: q4 (the GGUF's 4- and 8-bit blocks through "
+                        "native or torch int4 kernels) where they run, else bfloat16 where the CPU has it natively, else "
                         "float32; `specdec info` shows the choice and the self-check of exactness")
 
 

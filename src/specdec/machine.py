@@ -34,7 +34,9 @@ def apply_isa_limit() -> str:
         print(f"specdec: error: {ISA_ENV}={isa!r} is not one of: native, {', '.join(_ISA_LIMITS)}", file=sys.stderr)
         raise SystemExit(2)
     for k, v in _ISA_LIMITS[isa].items():
-        os.environ.setdefault(k, v)
+        if os.environ.get(k, v) != v:              # the limit is what the user asked for: it wins, and says so
+            print(f"specdec: warning: {ISA_ENV}={isa} sets {k}={v} (it was {os.environ[k]})", file=sys.stderr)
+        os.environ[k] = v
     return isa
 
 

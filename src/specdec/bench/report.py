@@ -50,12 +50,14 @@ def _heading(results: dict) -> list[str]:
     c = results["config"]
     mode = "greedy" if c["greedy"] else f"temperature {c['temperature']}"
     draft = f", draft `{c['draft_model']}`" if c.get("draft_model") else ""
+    isa = (c.get("runtime") or {}).get("isa_limit")
+    dtype = f"{c['dtype']} (kernels limited to {isa} by SPECDEC_ISA)" if isa else c["dtype"]
     return [
         f"# specdec benchmark: {c['model']}, {c['suite']} suite",
         "",
         f"{len(results['prompts'])} prompts ({', '.join(c['categories'])}), "
         f"{c['repeats']} repeat{'s' * (c['repeats'] != 1)}, "
-        f"{c['dtype']}, {mode}, batch 1, chat template {'on' if c['chat_template'] else 'off'}, "
+        f"{dtype}, {mode}, batch 1, chat template {'on' if c['chat_template'] else 'off'}, "
         f"K={c['num_draft_tokens']} ({c['draft_policy']} policy){draft}. "
         f"Measured {results['machine']['date']}, {results['elapsed_seconds'] / 60:.1f} min.",
         *(["", f"**Interrupted**: {results['generations']['ran']} of {results['generations']['planned']} "

@@ -56,7 +56,8 @@ SCHEMA = "specdec-bench/1"
 BASELINE = "none"
 FALLBACK_DRAFT = "self:10"
 WARMUP_TOKENS = 8
-THREAD_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "GOMP_SPINCOUNT")
+THREAD_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "GOMP_SPINCOUNT",   # what a run's speed hangs on:
+              "SPECDEC_ISA", "SPECDEC_NATIVE")                                          # recorded and in its command
 
 
 # --------------------------------------------------------------------------- method specs

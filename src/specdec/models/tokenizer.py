@@ -9,6 +9,7 @@ as variables, its `tojson`, `strftime_now` and `{% generation %}`), without impo
 from __future__ import annotations
 
 import json
+import logging
 import re
 import secrets
 from datetime import datetime
@@ -85,6 +86,8 @@ class Tokenizer:
         saved = saved_dir(path)
         if not intact(saved):
             discard(saved)
+            logging.getLogger("specdec").info("converting the tokenizer of %s (once; kept in %s) ...", path.name,
+                                              saved.parent)
             convert_gguf_tokenizer(path, saved)
         return Tokenizer.from_dir(saved)
 
