@@ -754,3 +754,26 @@ def test_finished_threads_results_are_not_kept_for_ever():
         t.start()
         t.join()
     assert len(gen._last) <= 64
+
+
+def test_a_suspended_or_dropped_stream_leaves_no_thread_in_inference_mode():
+    """Inference mode is entered per engine step: a stream suspended between pieces, or dropped and closed by
+    another thread, used to leave its consumer's thread in inference mode (autograd off for whatever ran next)."""
+    import gc
+    import threading
+
+    gen = tiny_generator(tiny_model())
+    stream = gen.stream([1, 2, 3], max_new_tokens=20)
+    next(stream), next(stream)
+    assert not torch.is_inference_mode_enabled()
+    kept: list = [stream]
+    kept.append(kept)
+    del stream, kept
+    gc.disable()
+    try:
+        t = threading.Thread(target=lambda: gen.generate([7, 8], max_new_tokens=2))   # collects and closes it
+        t.start()
+        t.join(30)
+    finally:
+        gc.enable()
+    assert not torch.is_inference_mode_enabled() and torch.is_grad_enabled()

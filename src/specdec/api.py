@@ -372,11 +372,12 @@ class Generator:
             eng = self.engine(len(reqs), slots)
             seqs = [eng.add(r) for r in reqs]
             index = {id(s): i for i, s in enumerate(seqs)}
-            with torch.inference_mode():
-                while eng.busy:
-                    for seq, piece in eng.step():
-                        self._progress = time.monotonic()
-                        yield index[id(seq)], piece, eng, seqs
+            while eng.busy:
+                with torch.inference_mode():           # per step: a suspended stream must not leave its
+                    pieces = eng.step()                # consumer's thread (or, collected, another) in inference mode
+                self._progress = time.monotonic()
+                for seq, piece in pieces:
+                    yield index[id(seq)], piece, eng, seqs
         finally:
             self._running_in = 0               # (a stale marker without the lock held is ignored above)
             self._turn.release()

@@ -17,7 +17,6 @@ the others for more than one bounded step. Full pieces go to the prefix cache.
 from __future__ import annotations
 
 import heapq
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -26,7 +25,7 @@ import torch
 from torch import Tensor
 
 from .draft_length import DraftPolicy
-from .errors import SpecdecError
+from .errors import SpecdecError, allocation_failure
 from .metrics import Counters
 from .models.base import CausalLM
 from .prefix_cache import PREFILL_PIECE, Piece, PrefixCache, piece_keys
@@ -123,10 +122,9 @@ class Engine:
             self.cache = self.target.new_cache(rows, slots)
             self.proposer.allocate(rows, slots)
         except (RuntimeError, MemoryError) as e:
-            if not isinstance(e, (MemoryError, torch.OutOfMemoryError)) and "allocate" not in str(e):
+            size = allocation_failure(e)
+            if size is None:
                 raise
-            wanted = re.search(r"allocate (\d+) bytes", str(e))
-            size = f" (one of them {int(wanted.group(1)) / 2**30:.1f} GiB)" if wanted else ""
             raise SpecdecError(f"not enough memory for the caches of {rows} sequence(s) of up to {slots} tokens"
                                f"{size}: the caches hold room for the prompt plus max_new_tokens of every "
                                "sequence; ask for fewer new tokens or fewer prompts at once") from None

@@ -32,3 +32,16 @@ def terminate_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def allocation_failure(e: BaseException) -> str | None:
+    """Where `e` is an allocator's failure (MemoryError, torch's out-of-memory, the CPU allocator's RuntimeError):
+    the size it asked for as " (one of them N GiB)", or "" where unsaid; None for any other exception."""
+    import re
+
+    import torch
+
+    if not isinstance(e, (MemoryError, torch.OutOfMemoryError)) and "can't allocate memory" not in str(e):
+        return None
+    wanted = re.search(r"allocate (\d+) bytes", str(e))
+    return f" (one of them {int(wanted.group(1)) / 2**30:.1f} GiB)" if wanted else ""
