@@ -30,6 +30,7 @@ def test_leak_check_catches_a_benchmark_prompt():
 @pytest.mark.parametrize("argv, msg", [
     (["train", "eagle", "--model", "gpt-5", "--out", "x.safetensors"], "unknown target"),
     (["train", "draft", "--model", "gpt-5", "--out", "x.safetensors"], "unknown target"),
+    (["train", "eagle3", "--model", "smollm2-135", "--out", "x.safetensors"], "did you mean 'smollm2-135m'?"),
     (["train", "draft", "--out", "x.safetensors", "--layers", "first,last"], "comma-separated layer numbers"),
     (["train", "eagle", "--out", "x.safetensors", "--minutes", "0"], "--minutes must be > 0"),
     (["train", "medusa", "--out", "x.safetensors", "--heads", "-1"], "--heads must be > 0"),
@@ -226,8 +227,9 @@ class FakeAnswerer:
         return [type("R", (), {"tokens": [int(temperature * 10), seed % 97]})() for _ in ids]
 
 
-def test_an_interrupted_data_run_keeps_its_answers_and_continues(tmp_path, monkeypatch):
-    """Ctrl-C (or SIGTERM) during `train data`: the answers so far are written; the same command continues."""
+def test_an_interrupted_data_run_keeps_its_answers_and_continues(tmp_path, monkeypatch, capsys):
+    """Ctrl-C (or SIGTERM) during `train data`: the answers so far are written; the same command continues and
+    says so; once every prompt is answered a rerun loads no model."""
     import specdec
     from specdec.errors import Interrupted
     from specdec.train.data import generate_data, read_data
@@ -237,9 +239,14 @@ def test_an_interrupted_data_run_keeps_its_answers_and_continues(tmp_path, monke
         generate_data("tiny", tmp_path, 10, 4, 2, 1.0, seed=0, shard_size=10)
     assert len(read_data(tmp_path)) == 4
     monkeypatch.setattr(specdec, "load", lambda *a, **kw: FakeAnswerer(stop_at=0))
+    capsys.readouterr()
     generate_data("tiny", tmp_path, 10, 4, 2, 1.0, seed=0, shard_size=10)
     rows = read_data(tmp_path)
     assert len(rows) == 10 and len({r["prompt"] for r in rows}) == 10
+    assert f"continuing: 4 of 10 prompts are answered in {tmp_path}" in capsys.readouterr().err
+    monkeypatch.setattr(specdec, "load", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("loaded")))
+    generate_data("tiny", tmp_path, 10, 4, 2, 1.0, seed=0, shard_size=10)
+    assert f"all 10 prompts are answered in {tmp_path} already" in capsys.readouterr().err
 
 
 def test_a_resumed_data_run_writes_what_an_uninterrupted_one_writes(tmp_path, monkeypatch):
@@ -352,3 +359,12 @@ def test_data_that_is_missing_or_a_file_is_named_as_such(tmp_path):
     (tmp_path / "f.npz").write_bytes(b"")
     assert "is a file; give the folder" in str(no_shards(tmp_path / "f.npz"))
     assert "no magpie-*.npz shards in" in str(no_shards(tmp_path))
+
+
+def test_a_failed_training_run_leaves_no_empty_folders(tmp_path):
+    """--out and --features folders made for a run that then fails (here: no data) are removed again."""
+    from specdec.cli import main
+
+    out, feats = tmp_path / "new" / "runs" / "x.safetensors", tmp_path / "feat" / "s"
+    assert main(["train", "eagle3", "--out", str(out), "--features", str(feats), "--data", str(tmp_path / "none")]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -175,7 +175,9 @@ def test_budget_counts_across_runs(tmp_path):
     assert steps == 7 and minutes >= 60                        # nothing left of a 30-minute budget
 
 
-def test_train_medusa_end_to_end(tmp_path):
+def test_train_medusa_end_to_end(tmp_path, capsys):
+    """Stdout holds the report as JSON alone (the dtype, resume and step lines go to stderr, with where the files
+    went)."""
     data = tmp_path / "data"
     data.mkdir()
     rows = [{"tokens": [1 + (i * 37 + j * 11) % 900 for j in range(40 + i)]} for i in range(12)]
@@ -186,6 +188,9 @@ def test_train_medusa_end_to_end(tmp_path):
     report = json.loads(out.with_suffix(".json").read_text())
     assert report["steps"] > 0 and report["sequences"] == 12
     assert len(report["heldout_top1_agreement_per_head"]) == 2
+    printed = capsys.readouterr()
+    assert json.loads(printed.out) == report
+    assert f"wrote {out} (and heads.json beside it)" in printed.err and "training dtype:" in printed.err
     assert not out.with_suffix(".ckpt").exists()
     from specdec.api import load_model
 
@@ -474,7 +479,7 @@ def test_cached_features_are_written_whole_and_a_damaged_file_is_extracted_again
     assert torch.equal(cached(path, compute)[0], torch.arange(6.0).view(2, 3)) and len(calls) == 1   # read back
     path.write_bytes(path.read_bytes()[:40])                                 # a damaged file
     assert torch.equal(cached(path, compute)[0], torch.arange(6.0).view(2, 3)) and len(calls) == 2
-    assert "does not load" in capsys.readouterr().out
+    assert "does not load" in capsys.readouterr().err
 
 
 def test_an_interrupted_step_is_not_counted_and_a_killed_write_is_cleared(tmp_path):
@@ -527,5 +532,5 @@ def test_cached_features_of_other_shapes_are_extracted_again(tmp_path, capsys):
     f = tmp_path / "features.pt"
     torch.save([torch.zeros(3, 5)], f)
     got = cached(f, lambda: [torch.ones(4, 8)], [(4, 8)])
-    assert torch.equal(got[0], torch.ones(4, 8)) and "extracting again" in capsys.readouterr().out
+    assert torch.equal(got[0], torch.ones(4, 8)) and "extracting again" in capsys.readouterr().err
     assert torch.equal(cached(f, lambda: [torch.zeros(1)], [(4, 8)])[0], torch.ones(4, 8))    # kept now

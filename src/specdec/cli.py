@@ -418,7 +418,12 @@ def run(argv: list[str]) -> int:
     if a.command is None:
         ap.print_help(sys.stderr)
         return 2
-    if a.command in ("train", "bench"):            # runs are stopped with `kill` too: SIGTERM ends one as Ctrl-C does
+    if a.command == "train":                       # runs are stopped with `kill` too: SIGTERM ends one as Ctrl-C does
+        from .cli_train import no_empty_dirs_of
+
+        with terminate_as_interrupt(), no_empty_dirs_of(a):
+            return a.func(a)
+    if a.command == "bench":
         with terminate_as_interrupt():
             return a.func(a)
     return a.func(a)

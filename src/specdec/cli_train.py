@@ -4,18 +4,22 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from .cli import set_threads, thread_count
 from .errors import SpecdecError
-from .files import writable_dir, writable_file
+from .files import no_empty_dirs_left, writable_dir, writable_file
 from .models.registry import DEFAULT_MODEL, MODELS
+from .names import did_you_mean
 from .train import data_dir, magpie_dir
 
 
 def _check_target(model: str) -> None:
     if model not in MODELS:
-        raise SpecdecError(f"unknown target {model!r} for training; known models: {', '.join(MODELS)}")
+        raise SpecdecError(f"unknown target {model!r} for training; {did_you_mean(model, MODELS)}known models: "
+                           f"{', '.join(MODELS)}")
 
 
 def _check_args(a: argparse.Namespace) -> None:
@@ -92,6 +96,27 @@ def cmd_magpie(a: argparse.Namespace) -> int:
     return 0
 
 
+@contextmanager
+def no_empty_dirs_of(a: argparse.Namespace) -> Iterator[None]:
+    """A run that fails or is interrupted leaves none of the empty folders it made for --out and --features."""
+    with ExitStack() as stack:
+        for value in (getattr(a, "out", None), getattr(a, "features", None)):
+            if value:
+                p = Path(value)
+                stack.enter_context(no_empty_dirs_left(p.parent if p.suffix == ".safetensors" else p))
+        yield
+
+
+def _done(report: dict, written: list[Path]) -> None:
+    """The report as JSON on stdout (status lines go to stderr); where the weights and their reports went on stderr."""
+    import sys
+
+    print(json.dumps(report, indent=2))
+    for w in written:
+        also = [p.name for p in (w.with_suffix(".json"), w.with_suffix(".curve.jsonl")) if p.is_file()]
+        print(f"wrote {w}" + (f" (and {', '.join(also)} beside it)" if also else ""), file=sys.stderr)
+
+
 def cmd_eagle(a: argparse.Namespace) -> int:
     from .train.eagle import train_eagle
 
@@ -100,7 +125,7 @@ def cmd_eagle(a: argparse.Namespace) -> int:
     _refuse_overwrite(a)
     report = train_eagle(a.model, data_dir(a.data, a.model), Path(a.out), a.minutes, a.vocab_size,
                          a.window, a.batch, a.lr, a.max_seq, a.overwrite, a.max_rows, train_dtype=_train_dtype(a))
-    print(json.dumps(report, indent=2))
+    _done(report, [Path(a.out)])
     return 0
 
 
@@ -124,12 +149,12 @@ def cmd_eagle3(a: argparse.Namespace) -> int:
     data = magpie_dir(a.data, a.model)
     report = train_eagle3(a.model, data, Path(a.out), a.overwrite, opts,
                           Path(a.features) if a.features else default_feature_dir(a.model))
-    print(json.dumps(report, indent=2))
+    _done(report, [Path(a.out)])
     return 0
 
 
 def cmd_exit(a: argparse.Namespace) -> int:
-    from .train.exit import train_exit
+    from .train.exit import exit_paths, train_exit
 
     _check_target(a.model)
     _check_args(a)
@@ -140,7 +165,8 @@ def cmd_exit(a: argparse.Namespace) -> int:
     report = train_exit(a.model, magpie_dir(a.data, a.model), Path(a.out), a.minutes, layers, a.vocab_size,
                         a.batch, a.lr, a.max_seq, a.overwrite, a.max_rows, train_dtype=_train_dtype(a),
                         features=a.features or "")
-    print(json.dumps(report, indent=2))
+    paths = exit_paths(Path(a.out), layers)
+    _done(report, [paths[n] for n in report])                # the exits this run trained (kept ones are said above)
     return 0
 
 
@@ -153,7 +179,7 @@ def cmd_medusa(a: argparse.Namespace) -> int:
     report = train_medusa(a.model, data_dir(a.data, a.model), Path(a.out), a.minutes, a.vocab_size,
                           a.heads, a.window, a.batch, a.lr, a.max_seq, a.max_rows, a.overwrite,
                           train_dtype=_train_dtype(a))
-    print(json.dumps(report, indent=2))
+    _done(report, [Path(a.out)])
     return 0
 
 
@@ -170,7 +196,7 @@ def cmd_draft(a: argparse.Namespace) -> int:
     report = train_draft(a.model, data_dir(a.data, a.model), Path(a.out), a.minutes, layers,
                          a.vocab_size, a.window, a.batch, a.lr, a.max_seq, a.max_rows, a.overwrite,
                          train_dtype=_train_dtype(a))
-    print(json.dumps(report, indent=2))
+    _done(report, [Path(a.out)])
     return 0
 
 

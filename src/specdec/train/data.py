@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -141,9 +142,15 @@ def generate_data(model: str, out: Path, max_prompts: int, max_new_tokens: int, 
 
     out.mkdir(parents=True, exist_ok=True)
     prompts = training_prompts(seed)[:max_prompts]
-    gen = specdec.load(model, method="none", dtype="auto")
     shards = [prompts[i:i + shard_size] for i in range(0, len(prompts), shard_size)]
-    bar = tqdm(total=len(prompts), desc="generating", unit="prompt")
+    done = _answered(out, shards)
+    if done == len(prompts):
+        print(f"all {done} prompts are answered in {out} already", file=sys.stderr)
+        return out
+    if done:
+        print(f"continuing: {done} of {len(prompts)} prompts are answered in {out}", file=sys.stderr)
+    gen = specdec.load(model, method="none", dtype="auto")
+    bar = tqdm(total=len(prompts), initial=done, desc="generating", unit="prompt")
     with terminate_as_interrupt():
         _answer_shards(gen, out, shards, bar, max_new_tokens, batch, greedy_fraction, seed)
     bar.close()
@@ -165,11 +172,9 @@ def _answer_shards(gen, out: Path, shards: list[list[str]], bar: tqdm, max_new_t
         rows = _shard_rows(path) if path.exists() else []
         have = [r["prompt"] for r in rows]
         if len(have) > len(shard) and have[:len(shard)] == shard:
-            bar.update(len(shard))
             continue                                         # a smaller --max-prompts than written: nothing to do
         if have != shard[:len(rows)]:
             raise SpecdecError(f"{path} holds other prompts than --seed {seed} gives; use its seed or another --out")
-        bar.update(min(len(rows), len(shard)))
         if len(rows) >= len(shard):
             continue                                         # whole (a larger --max-prompts completes a partial one)
         t0, earlier = time.perf_counter(), len(rows)
@@ -193,6 +198,17 @@ def _answer_shards(gen, out: Path, shards: list[list[str]], bar: tqdm, max_new_t
         _write_shard(path, rows)
         n_new = sum(len(r["tokens"]) - r["prompt_len"] for r in rows[earlier:])
         bar.set_postfix(tokens_per_s=f"{n_new / (time.perf_counter() - t0):.0f}")
+
+
+def _answered(out: Path, shards: list[list[str]]) -> int:
+    """How many of the shards' prompts are answered in `out` already (rows of other prompts count none)."""
+    done = 0
+    for si, shard in enumerate(shards):
+        path = out / f"shard-{si:04d}.jsonl"
+        have = [r["prompt"] for r in _shard_rows(path)] if path.exists() else []
+        n = min(len(have), len(shard))
+        done += n if have[:n] == shard[:n] else 0
+    return done
 
 
 def _shard_rows(path: Path) -> list[dict]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -374,7 +375,7 @@ def fit_eagle3(target: Transformer, name: str, rows: list[Row], out: Path, opts:
                             started + opts.minutes * 60)
     if (left := sum(f.numel() == 0 for f in feats)):
         print(f"the budget ran out during feature extraction: {left} of {len(rows)} rows have none yet (a later run "
-              f"over the same --features extracts them); this run trains on the others")
+              f"over the same --features extracts them); this run trains on the others", file=sys.stderr)
         keep = [i for i, f in enumerate(feats) if f.numel()]
         rows, seqs, feats = [rows[i] for i in keep], [seqs[i] for i in keep], [feats[i] for i in keep]
     train_idx = [i for i, r in enumerate(rows) if not r.validation]
@@ -382,8 +383,9 @@ def fit_eagle3(target: Transformer, name: str, rows: list[Row], out: Path, opts:
     if not train_idx:
         raise SpecdecError("no training rows (every row read is a validation row); add data or raise --max-rows")
     if not val_by_cat:
+        more = "raise --max-rows for it" if opts.max_rows > 0 else "add shards (`specdec train magpie`) for it"
         print("note: no validation rows among those read (validation is the rows every shard marks held out); "
-              "agreement is not measured: raise --max-rows for it")
+              f"agreement is not measured: {more}", file=sys.stderr)
     w = target.output if target.output.numel() else target.embed
     w_sub = w[ids].float().detach()
     head.train()
@@ -414,6 +416,8 @@ def fit_eagle3(target: Transformer, name: str, rows: list[Row], out: Path, opts:
     n_steps, spent = train_loop("train eagle3", params, opt, opts.lr, opts.minutes, ckpt, step_fn, progress,
                                 opts.report_minutes * 60, opts.train_dtype, time.time() - started)
     head.eval()
+    if val_by_cat:
+        print(f"final validation over {sum(map(len, val_by_cat.values()))} rows ...", file=sys.stderr, flush=True)
     with torch.no_grad(), autocast(opts.train_dtype):
         final = validate(head, seqs, feats, val_by_cat, opts.window, w_sub, opts.steps)
         served = served_agreement(head, rows, seqs, feats, val_by_cat, w.float().detach(), opts.steps, opts.window)

@@ -8,6 +8,7 @@ once). Validation rows are never trained on; top-1 agreement per category is rep
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -81,7 +82,7 @@ def train_exit(model: str, data: Path, out: Path, minutes: float, layers: list[i
     reports = {}
     for j, n in enumerate(layers):
         if n in done:
-            print(f"kept {paths[n]} (written by an earlier run; --overwrite retrains it)")
+            print(f"kept {paths[n]} (written by an earlier run; --overwrite retrains it)", file=sys.stderr)
             continue
         cols = torch.cat([torch.arange(H), torch.arange(H * (1 + j), H * (2 + j))])      # final, layer n's output
         reports[n] = _train_one(target, name, n, ids, rows, [f[:, cols] for f in feats], paths[n], minutes, batch,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -146,7 +147,7 @@ def cached(path: Path, compute: Callable[[], list[Tensor]], shapes: Sequence[tup
                 raise ValueError("its tensors are not of the shapes these rows give")
             return feats
         except (RuntimeError, OSError, EOFError, ValueError) as e:
-            print(f"note: {path} does not load ({(str(e).strip().splitlines() or [''])[0][:120]}); extracting again")
+            print(f"note: {path} does not load ({(str(e).strip().splitlines() or [''])[0][:120]}); extracting again", file=sys.stderr)
     feats = compute()
     tmp = path.with_name(path.name + ".tmp")
     torch.save(feats, tmp)

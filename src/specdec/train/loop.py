@@ -63,7 +63,8 @@ class Checkpoint:
         if "rng" in state:                                     # the batches go on as an uninterrupted run's would
             version, internal, gauss = state["rng"]
             self.rng.setstate((version, tuple(internal), gauss))
-        print(f"resumed from {self.path} at step {state['step']} ({state['seconds'] / 60:.1f} min spent)")
+        print(f"resumed from {self.path} at step {state['step']} ({state['seconds'] / 60:.1f} min spent)",
+              file=sys.stderr)
         return int(state["step"]), float(state["seconds"])
 
     def save(self, step: int, seconds: float) -> None:
@@ -160,7 +161,7 @@ def train_loop(desc: str, params: list[torch.nn.Parameter], opt: torch.optim.Opt
                     with torch.no_grad(), autocast(dtype):
                         line = report(step)
                     if line:
-                        tqdm.write(f"step {step}: {line}")
+                        tqdm.write(f"step {step}: {line}", file=sys.stderr)
                     reports.ran(time.time() - a)
     except KeyboardInterrupt:
         ckpt.tokens = counted                                  # a step cut short trained nothing

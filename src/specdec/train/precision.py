@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -92,11 +93,12 @@ def train_dtype(requested: str) -> torch.dtype:
     _check(requested)
     if requested in DTYPES:
         dtype = DTYPES[requested]
-        print(f"training dtype: {requested} (asked for)")
+        print(f"training dtype: {requested} (asked for)", file=sys.stderr)
         return dtype
     t = machine_timings()
     dtype = choose(requested, t)
     m, k, n = SHAPE
     print(f"training dtype: {str(dtype).removeprefix('torch.')} (auto: a [{m}x{k}] @ [{k}x{n}] forward+backward "
-          f"takes {t.bfloat16 * 1e3:.1f} ms under bfloat16 autocast, {t.float32 * 1e3:.1f} ms in float32 here)")
+          f"takes {t.bfloat16 * 1e3:.1f} ms under bfloat16 autocast, {t.float32 * 1e3:.1f} ms in float32 here)",
+          file=sys.stderr)
     return dtype
