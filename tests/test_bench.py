@@ -460,27 +460,36 @@ def test_an_interrupted_run_reports_the_prompts_every_system_finished(target, tm
         bench(target, [none, StopsAt(ngram, 2)], repeats=1)
 
 
+def bench_stopped_by_sigterm(out: Path, methods: str, when) -> tuple[int, str]:
+    """A real `specdec bench` process (one prompt per category, 1 thread) sent SIGTERM once `when(its stderr so
+    far)` holds: (its exit code, its stderr after the signal)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "specdec"), "bench", "--suite", "mini", "--limit", "1",
+                             "--methods", methods, "--peers", "", "--threads", "1", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    seen = ""
+    while not when(seen) and proc.poll() is None:
+        seen += proc.stderr.read(1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    return proc.returncode, err
+
+
 @pytest.mark.integration
 def test_bench_interrupted_by_sigterm_keeps_a_report_and_exits_130(tmp_path):
     """A real `specdec bench` process (smollm2-135m), SIGTERM while it runs: the report of the prompts every
     system finished, exit 130 with one line."""
-    import os
-    import signal
     import re
-    import subprocess
-    import sys
 
     out = tmp_path / "run"
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "specdec"), "bench", "--suite", "mini", "--limit", "1",
-                             "--methods", "none,ngram", "--peers", "", "--threads", "1", "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    seen = ""
-    while not re.search(r"\| ([3-9]|1[0-5])/16 ", seen) and proc.poll() is None:   # a prompt done by both systems
-        seen += proc.stderr.read(1)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 130, seen + err
+    code, err = bench_stopped_by_sigterm(out, "none,ngram",                      # once a prompt is done by both
+                                         lambda seen: re.search(r"\| ([3-9]|1[0-5])/16 ", seen))
+    assert code == 130, err
     assert "specdec: interrupted: the report covers" in err
     results = json.loads((out / "results.json").read_text())
     assert results["interrupted"] and 0 < results["generations"]["ran"] < results["generations"]["planned"]
@@ -491,22 +500,9 @@ def test_bench_interrupted_by_sigterm_keeps_a_report_and_exits_130(tmp_path):
 def test_bench_stopped_by_sigterm_while_it_loads_exits_130_and_leaves_no_folder(tmp_path):
     """SIGTERM before the timed loop (the model loading): one line, exit 130, no empty --out folder (the process
     used to die by the signal and leave the folder)."""
-    import os
-    import signal
-    import subprocess
-    import sys
-
     out = tmp_path / "run"
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "specdec"), "bench", "--suite", "mini", "--limit", "1",
-                             "--methods", "none", "--peers", "", "--threads", "1", "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    seen = ""
-    while "loading" not in seen and proc.poll() is None:
-        seen += proc.stderr.read(1)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 130, seen + err
+    code, err = bench_stopped_by_sigterm(out, "none", lambda seen: "loading" in seen)
+    assert code == 130, err
     assert err.strip().splitlines()[-1].startswith("specdec: interrupted") and "Traceback" not in err
     assert not out.exists()
 
