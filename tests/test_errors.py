@@ -53,6 +53,16 @@ def test_a_file_that_is_no_gguf_is_one_line_before_any_loading_note(tmp_path, ca
                                                     "with the GGUF magic bytes)"]
 
 
+def test_a_truncated_gguf_says_so(tmp_path):
+    """A copy cut short (an interrupted download) is named truncated, in the header or in the tensors' data."""
+    whole = resolve("smollm2-135m")[1].read_bytes()
+    for n in (6, 1000, 5_000_000, len(whole) - 1):
+        cut = tmp_path / f"cut-{n}.gguf"
+        cut.write_bytes(whole[:n])
+        with pytest.raises(SpecdecError, match=f"truncated GGUF file: .*cut-{n}.gguf .{n} bytes. ends before"):
+            open_gguf(cut)
+
+
 def test_unsupported_architecture(tmp_path):
     import gguf
 

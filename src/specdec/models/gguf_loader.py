@@ -55,7 +55,17 @@ def open_gguf(path: str | Path):
     try:
         return gguf.GGUFReader(p)
     except Exception as e:  # the reader raises many kinds on garbage
+        if _ends_early(e):
+            raise SpecdecError(f"truncated GGUF file: {p} ({p.stat().st_size} bytes) ends before its header or tensors "
+                               f"do; an interrupted download or copy? ({type(e).__name__}: {e})") from None
         raise SpecdecError(f"not a readable GGUF file: {p} ({type(e).__name__}: {e})") from None
+
+
+def _ends_early(e: Exception) -> bool:
+    """Whether the reader's error is its memory map ending early: an array shorter than the header's counts."""
+    return ((isinstance(e, ValueError) and str(e).startswith(("cannot reshape array of size",
+                                                               "When changing to a larger dtype")))
+            or (isinstance(e, IndexError) and "out of bounds" in str(e)))
 
 
 _REQUIRED = object()          # `field`'s default where the key must be present
