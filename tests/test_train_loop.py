@@ -211,6 +211,21 @@ def test_auto_trains_in_bfloat16_only_where_it_is_faster():
         choose("float16", zen4)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_bfloat16_asked_for_where_it_is_emulated_is_warned(monkeypatch, capsys, native):
+    import dataclasses
+
+    from specdec import machine
+    from specdec.train import precision
+
+    here = dataclasses.replace(machine.probe(), onednn_bf16=native, avx512_bf16=native, amx=native, avx_ne_convert=native)
+    monkeypatch.setattr(machine, "probe", lambda: here)
+    assert precision.train_dtype("bfloat16") == torch.bfloat16
+    err = capsys.readouterr().err
+    assert err.startswith("training dtype: bfloat16 (asked for")
+    assert ("no native bfloat16, so it is emulated" in err) is not native
+
+
 def test_the_dtype_timings_are_measured_once_per_machine(tmp_path, monkeypatch):
     from specdec.train import precision
 

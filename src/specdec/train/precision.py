@@ -92,9 +92,13 @@ def train_dtype(requested: str) -> torch.dtype:
     """`choose` with this machine's timings (measured only for auto), and a line saying what was chosen."""
     _check(requested)
     if requested in DTYPES:
-        dtype = DTYPES[requested]
-        print(f"training dtype: {requested} (asked for)", file=sys.stderr)
-        return dtype
+        from ..machine import probe
+
+        slow = requested == "bfloat16" and not probe().native_bf16
+        print(f"training dtype: {requested} (asked for" + ("; this CPU has no native bfloat16, so it is emulated "
+              "and may run many times slower than float32: --train-dtype auto measures both)" if slow else ")"),
+              file=sys.stderr)
+        return DTYPES[requested]
     t = machine_timings()
     dtype = choose(requested, t)
     m, k, n = SHAPE
