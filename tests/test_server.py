@@ -877,12 +877,14 @@ def free_port() -> int:
 
 def test_the_serve_command_steps_in_its_main_thread_and_stops_on_a_signal(tmp_path):
     """`specdec serve` as users run it: the scheduler loop in the main thread, uvicorn in a helper thread.
-    Its start-up line names the dtype /health reports. It answers; SIGINT ends an open stream with an error event and the process exits 0,
+    Its start-up line names the dtype /health reports and the kernel family. It answers; SIGINT ends an open stream with an error event and the process exits 0,
     a SIGTERM right after it changing nothing; a second
     server on the taken port exits 2 with a clear error before it loads the model."""
     import signal
     import subprocess
     import sys
+
+    from specdec.machine import probe
 
     port = free_port()
     cmd = [sys.executable, "-m", "specdec.cli", "serve", "--model", MODEL, "--dtype", "auto", "--method", "none",
@@ -905,8 +907,9 @@ def test_the_serve_command_steps_in_its_main_thread_and_stops_on_a_signal(tmp_pa
         got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
         assert got.usage.completion_tokens == 4
         dtype = requests.get(url + "/health", timeout=5).json()["runtime"]["dtype"]     # one truth: what auto chose
-        start_up = re.search(r"serving \S+ \(method none, (\S+)\)", open(tmp_path / "serve.log").read())
+        start_up = re.search(r"serving \S+ \(method none, (\S+), kernels (\S+)\)", open(tmp_path / "serve.log").read())
         assert start_up and start_up.group(1) == dtype
+        assert start_up.group(2) == probe().kernel_family
 
         second = subprocess.run(cmd + ["--port", str(port)], capture_output=True, text=True, timeout=300)
         assert second.returncode == 2                                        # before loading the model

@@ -125,6 +125,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     import specdec
     from .api import check_draft_source, serve_sample_drafts
+    from .machine import probe
     from .server import ServeConfig, ServerState
     from .server.learn import LearnConfig
     from .tree import TreeShape
@@ -167,7 +168,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     compute = state.runtime["dtype"]                         # what /health reports (q4, bfloat16, float32)
     if a.learn:
         print(learn_line(gen.method, config.learn.checkpoint_path(gen.name)), file=sys.stderr)
-    print(f"specdec: serving {gen.name} (method {gen.method}, {compute}) on http://{a.host}:{a.port}/v1 "
+    family = probe().kernel_family                           # as `specdec info` names it
+    print(f"specdec: serving {gen.name} (method {gen.method}, {compute}, kernels {family}) on http://{a.host}:{a.port}/v1 "
           f"(max batch {a.max_batch}, auth {auth})", file=sys.stderr, flush=True)
     server_log(a.log_level)
     code = run_server(http_server(state, a.host, a.port, a.log_level), state.scheduler)
