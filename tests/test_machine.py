@@ -194,6 +194,7 @@ def test_info_names_machine_dtype_and_self_check():
     rt = info["runtime"]                                   # the object `generate --json` and /health carry
     assert info["machine"]["cpu"] and rt["self_check"]["passed"] and rt["cpu"] and info["context_tokens"] == 8192
     assert rt["dtype"] == ("q4" if probe().int4_kernel else "bfloat16" if probe().native_bf16 else "float32")
+    assert info["cache"]["mib"] > 10 and 100 < info["peak_rss_mib"] < 8192          # MiB, as `info` prints them
 
 
 @pytest.mark.integration

@@ -154,8 +154,8 @@ def cmd_info(a: argparse.Namespace) -> int:
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024              # Linux: KiB
     rt = runtime_info(target)                              # the object `generate --json` and /health carry too
     info = {"model": name, "context_tokens": target.max_seq_len, "machine": m.as_dict(), "runtime": rt,
-            "load_seconds": round(load_s, 2), "cache": {"path": str(cache), "megabytes": round(cache_mb, 1)},
-            "peak_rss_megabytes": round(peak_mb, 1)}
+            "load_seconds": round(load_s, 2), "cache": {"path": str(cache), "mib": round(cache_mb, 1)},
+            "peak_rss_mib": round(peak_mb, 1)}
     if a.json:
         print(json.dumps(info))
         return 0
