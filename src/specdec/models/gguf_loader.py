@@ -17,7 +17,7 @@ from . import native
 from .int4 import (HEAD, HEAD_TYPES, NATIVE_HEAD, NATIVE_HEAD_Q8R, NATIVE_HEAD_Q8X8, INT4_TYPES, INT8_TYPES, Blocks4,
                    Blocks8, Int4Linear, read_blocks, read_blocks8, read_head)
 from .kernels import Kernel, fastest, pack
-from .registry import exclusive
+from .registry import check_model_file, exclusive
 
 SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
 
@@ -35,12 +35,7 @@ class Weights:
 
 def check_gguf(path: Path) -> None:
     """A clear error where `path` is missing, a directory or not a GGUF file (its first 4 bytes are not the magic)."""
-    if path.is_dir():
-        raise SpecdecError(f"{path} is a directory, not a GGUF file")
-    if not path.exists():
-        raise SpecdecError(f"GGUF file not found: {path}")
-    if not path.is_file():
-        raise SpecdecError(f"{path} is not a regular file, not a GGUF file")
+    check_model_file(path)
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise SpecdecError(f"not a GGUF file: {path} (it does not begin with the GGUF magic bytes)")

@@ -270,6 +270,16 @@ def registered_as(path: Path) -> str:
     return ""
 
 
+def check_model_file(p: Path) -> None:
+    """A clear error where `p`, given as a GGUF model, is a directory, missing or not a regular file."""
+    if p.is_dir():
+        raise SpecdecError(f"{p} is a directory, not a GGUF file")
+    if not p.exists():
+        raise SpecdecError(f"GGUF file not found: {p}")
+    if not p.is_file():
+        raise SpecdecError(f"{p} is not a regular file, not a GGUF file")
+
+
 def resolve(name_or_path: str) -> tuple[str, Path]:
     """(name, GGUF path) for a registered name or a local .gguf path."""
     if not isinstance(name_or_path, str) or not name_or_path.strip():
@@ -279,12 +289,7 @@ def resolve(name_or_path: str) -> tuple[str, Path]:
         return name_or_path, MODELS[name_or_path].locate()
     p = Path(name_or_path).expanduser()
     if p.suffix == ".gguf" or p.exists():
-        if p.is_dir():
-            raise SpecdecError(f"{p} is a directory, not a GGUF file")
-        if not p.exists():
-            raise SpecdecError(f"GGUF file not found: {p}")
-        if not p.is_file():
-            raise SpecdecError(f"{p} is not a regular file, not a GGUF file")
+        check_model_file(p)
         return registered_as(p) or p.stem, p
     raise SpecdecError(f"unknown model {name_or_path!r}; {did_you_mean(name_or_path, MODELS)}known models: "
                        f"{', '.join(MODELS)} (or a path to a .gguf file)")
