@@ -19,6 +19,8 @@ class ModelConfig:
     max_seq_len: int
     norm_eps: float = 1e-5
     rope_base: float = 10000.0
+    rope_scale: float = 1.0                # linear RoPE scaling: positions times this (1 / the GGUF's factor)
+    rope_freq_factors: tuple[float, ...] = ()  # per-frequency divisors (Llama 3.x `rope_freqs.weight`); () = none
     # Gemma 3 features
     embed_scale: float = 1.0               # embeddings multiplied by sqrt(dim) in Gemma
     qk_norm: bool = False                  # RMSNorm on q and k per head
@@ -29,6 +31,9 @@ class ModelConfig:
     sliding_pattern: int = 0               # every n-th layer is global (Gemma 3: 6)
     rope_local_base: float = 10000.0       # rope base of sliding-window layers
     name: str = "model"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rope_freq_factors", tuple(float(f) for f in self.rope_freq_factors))   # from JSON
 
     def is_local(self, layer: int) -> bool:
         """True if `layer` uses sliding-window attention."""

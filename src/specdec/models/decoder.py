@@ -35,12 +35,16 @@ def _float(x: Tensor) -> Tensor:
     return x if x.dtype == torch.float32 else x.float()
 
 
-def rope_tables(head_dim: int, base: float, max_len: int) -> tuple[Tensor, Tensor]:
-    """cos, sin [max_len, head_dim] in float32 on the CPU (NeoX layout: the two halves share angles).
+def rope_tables(head_dim: int, base: float, max_len: int, scale: float = 1.0,
+                freq_factors: tuple[float, ...] = ()) -> tuple[Tensor, Tensor]:
+    """cos, sin [max_len, head_dim] in float32 on the CPU (NeoX layout: the two halves share angles); angle
+    pos * scale * base^(-2i/head_dim) / freq_factors[i] (linear scaling, Llama 3.x frequency factors).
     Always computed on the CPU: under a meta-device context, building them took seconds."""
     cpu = torch.device("cpu")
-    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=cpu) / head_dim))
-    ang = torch.arange(max_len, dtype=torch.float64, device=cpu)[:, None] * inv[None, :]
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=cpu) / head_dim))   # [hd/2]
+    if freq_factors:
+        inv = inv / torch.tensor(freq_factors, dtype=torch.float64, device=cpu)
+    ang = (torch.arange(max_len, dtype=torch.float64, device=cpu) * scale)[:, None] * inv[None, :]
     ang = torch.cat([ang, ang], dim=-1)
     return ang.cos().float(), ang.sin().float()
 
@@ -196,7 +200,7 @@ class Transformer(nn.Module):
         self.int4 = False                                   # decoding runs 4-bit kernels (see use_int4)
         self.head_kernels: dict[str, Kernel] = {}           # LM head candidates besides the dense one (see pack)
         self.loop: native.LayerLoop | None = None           # the layers as one native call (q4; see pack)
-        cos, sin = rope_tables(cfg.head_dim, cfg.rope_base, cfg.max_seq_len)
+        cos, sin = rope_tables(cfg.head_dim, cfg.rope_base, cfg.max_seq_len, cfg.rope_scale, cfg.rope_freq_factors)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin_signed", signed_sin(sin), persistent=False)  # see `rope`
         if cfg.sliding_window > 0:

@@ -99,15 +99,50 @@ def config_from_gguf(reader, name: str, max_seq_len: int | None = None) -> Model
             rope_base=float(field(reader, f"{a}.rope.freq_base", 10000.0)), name=name,
         )
         sliding_window = int(field(reader, f"{a}.attention.sliding_window", 0))
+        rope_dims = int(field(reader, f"{a}.rope.dimension_count", head_dim))
+        common.update(rope_scale=rope_scale(reader, a), rope_freq_factors=rope_freq_factors(reader, head_dim))
     except (TypeError, ValueError, ZeroDivisionError) as e:
         raise SpecdecError(f"the GGUF's {arch} metadata does not describe a model: {type(e).__name__}: {e}") from None
     if min(n_heads, dim, ctx, vocab, common["n_layers"]) <= 0:
         raise SpecdecError(f"the GGUF's {arch} metadata does not describe a model (a size is not positive)")
+    if rope_dims != head_dim:
+        raise SpecdecError(f"the GGUF rotates {rope_dims} of each head's {head_dim} dimensions (partial RoPE), which "
+                           "this decoder does not compute")
     if arch == "llama":
         return ModelConfig(**common)
     return ModelConfig(**common, embed_scale=dim ** 0.5, qk_norm=True,
                        sandwich_norm=True, gelu=True, sliding_window=sliding_window,
                        sliding_pattern=6, rope_local_base=10000.0)
+
+
+ROPE_FREQS = "rope_freqs.weight"       # Llama 3.x: a divisor per rotary frequency
+
+
+def rope_scale(reader, arch: str) -> float:
+    """The factor positions are multiplied by (1 / the GGUF's linear scaling factor; 1.0: none); other kinds of
+    RoPE scaling (YaRN, LongRoPE, ...) are refused: this decoder would compute another model."""
+    kind = str(field(reader, f"{arch}.rope.scaling.type", "linear"))    # absent: linear by the factor, if any
+    factor = float(field(reader, f"{arch}.rope.scaling.factor", field(reader, f"{arch}.rope.scale_linear", 1.0)))
+    if kind not in ("none", "linear"):
+        raise SpecdecError(f"the GGUF declares RoPE scaling {kind!r} (factor {factor:g}), which this decoder does not "
+                           "compute (it computes none, linear and Llama 3 frequency factors)")
+    if kind == "none" or factor in (0.0, 1.0):                     # as llama.cpp reads them: 0 means none
+        return 1.0
+    if not factor > 0:
+        raise SpecdecError(f"the GGUF's RoPE scaling factor {factor!r} is not positive")
+    return 1.0 / factor
+
+
+def rope_freq_factors(reader, head_dim: int) -> tuple[float, ...]:
+    """The GGUF's per-frequency RoPE divisors (tensor `rope_freqs.weight`, [head_dim / 2]); () where it has none."""
+    t = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if t is None:
+        return ()
+    factors = [float(x) for x in np.asarray(t.data, dtype=np.float32).reshape(-1)]
+    if len(factors) != head_dim // 2 or not all(f > 0 for f in factors):
+        raise SpecdecError(f"the GGUF's {ROPE_FREQS} holds {len(factors)} factors (positive ones expected: one per "
+                           f"rotary frequency, {head_dim // 2})")
+    return tuple(factors)
 
 
 _LAYER_MAP = {
@@ -164,6 +199,7 @@ def read_gguf(path: Path, dtype: torch.dtype, int4: bool) -> Weights:
     except SpecdecError as e:
         raise SpecdecError(f"{path}: {e}") from None
     raw = {t.name: t for t in reader.tensors}
+    raw.pop(ROPE_FREQS, None)                               # read into the configuration
 
     def take(key: str) -> torch.Tensor:
         if key not in raw:
@@ -200,6 +236,10 @@ def read_gguf(path: Path, dtype: torch.dtype, int4: bool) -> Weights:
         for src, dst in _LAYER_MAP.items():
             if p + src + ".weight" in raw:
                 sd[f"layers.{i}.{dst}"] = take(p + src + ".weight")
+    if raw:                                                   # parts of a model this decoder would leave out
+        names = sorted(raw)
+        raise SpecdecError(f"GGUF {path} holds {len(names)} tensor(s) this decoder does not compute "
+                           f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}): another variant of {field(reader, 'general.architecture')}?")
     return Weights(cfg, sd, kernels4, q8_head, q4, q8)
 
 

@@ -26,9 +26,9 @@ from .config import ModelConfig
 from .int4 import Int4Linear
 from .registry import cache_dir, file_sha256, write_atomic
 
-FORMAT = 7               # 2: the 4-bit kernels' `copies` (an 8-bit LM head as two 4-bit halves); 3: the Q8_0 head;
+FORMAT = 8               # 2: the 4-bit kernels' `copies` (an 8-bit LM head as two 4-bit halves); 3: the Q8_0 head;
                          # 4: the native 4-bit layout; 5: layers of 8-bit codes, Q4_0 as 4-bit; 6: Q6_K as 8-bit codes;
-                         # 7: a checksum of the tensors in the metadata
+                         # 7: a checksum of the tensors in the metadata; 8: RoPE scaling in the configuration
 
 
 def entry(path: Path, dtype: torch.dtype, int4: bool) -> Path:
