@@ -8,9 +8,13 @@ import pkgutil
 from pathlib import Path
 
 import pytest
+import torch
 
 import specdec.proposers as proposers_pkg
 from specdec.proposers.base import Proposer
+from specdec.verify import Draft
+
+from helpers import Stateless, tiny_generator, tiny_model
 
 MEMBERS = ("name", "feature_layers", "allocate", "start", "propose", "commit", "forget")
 
@@ -71,3 +75,75 @@ def test_every_file_the_package_reads_is_package_data():
     assert "models/layers.cpp" in data and "models/attend.c" in data
     missing = [f for f in data if not any(fnmatch.fnmatch(f, g) for g in globs)]
     assert not missing, f"not in [tool.setuptools.package-data]: {missing}"
+
+
+class Handmade(Stateless):
+    """A user's proposer: drafts the last token repeated, shaped by `make(batch, k) -> Draft`."""
+    name = "handmade"
+
+    def __init__(self, make) -> None:
+        self.make = make
+
+    def propose(self, batch, k):
+        return self.make(batch, k)
+
+
+def _repeat(batch, k: int) -> torch.Tensor:
+    return torch.tensor([[t[-1]] * k for t in batch.tokens])              # [B, k] the last token again
+
+
+def _one_hot(tokens: torch.Tensor, vocab: int, mass: float = 1.0) -> torch.Tensor:
+    return torch.nn.functional.one_hot(tokens, vocab).float() * mass      # [B, k, V]
+
+
+V = 97                                                                    # tiny_model's vocabulary
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda b, k: None, "propose returned NoneType, not a Draft"),
+    (lambda b, k: Draft(torch.full((len(b.tokens), k), 500)), r"ids in \[0, 97\) or PAD \(-1\), got \[500\]"),
+    (lambda b, k: Draft(torch.full((len(b.tokens), k), -7)), r"got \[-7\]"),
+    (lambda b, k: Draft(torch.zeros(len(b.tokens) + 1, k, dtype=torch.long)), r"long \[1, K\], got int64 \[2, 2\]"),
+    (lambda b, k: Draft(torch.zeros(len(b.tokens), k + 3, dtype=torch.long)), "at most 2 drafts along a path, got 5"),
+    (lambda b, k: Draft(_repeat(b, k), parents=torch.tensor([[-1, 5]])), "each ROOT .-1. or an earlier draft's index"),
+    (lambda b, k: Draft(_repeat(b, k), -_one_hot(_repeat(b, k), V)), "q must be finite and non-negative"),
+    (lambda b, k: Draft(_repeat(b, k), _one_hot(_repeat(b, k), V, 0.5)), "each sampled draft's q must sum to 1, got 0.5"),
+    (lambda b, k: Draft(_repeat(b, k), _one_hot(_repeat(b, k), V - 1)), r"q must be floating \[1, 2, 97\], got float32 \[1, 2, 96\]"),
+    (lambda b, k: Draft(_repeat(b, k), _one_hot((_repeat(b, k) + 1) % V, V)), r"a sampled draft must have q\(draft\) > 0"),
+])
+def test_a_proposer_that_breaks_the_contract_is_one_line(make, message):
+    """What the verifier trusts is checked at every step: a broken draft (which would otherwise corrupt greedy
+    output, bias sampling or fail deep in torch) is a SpecdecError naming what is wrong."""
+    from specdec.errors import SpecdecError
+
+    gen = tiny_generator(tiny_model(), Handmade(make), k=2)
+    with pytest.raises(SpecdecError, match="a proposer broke the Proposer contract: .*" + message):
+        gen.generate([3, 4, 5], max_new_tokens=6, temperature=0.8)
+
+
+def test_a_handmade_proposer_within_the_contract_is_exact():
+    model = tiny_model()
+    plain = tiny_generator(model).generate([3, 4, 5], max_new_tokens=12)
+    for make in (lambda b, k: Draft(_repeat(b, k)), lambda b, k: Draft(_repeat(b, k), _one_hot(_repeat(b, k), V))):
+        got = tiny_generator(model, Handmade(make), k=3).generate([3, 4, 5], max_new_tokens=12)
+        assert got.tokens == plain.tokens
+
+
+@pytest.mark.integration
+def test_the_documented_proposer_runs_as_written_and_is_exact(capsys):
+    """docs/design.md's "Your own proposer" example, run as it stands, on the real target: its greedy text is
+    plain decoding's."""
+    import re
+
+    import specdec
+
+    design = (Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
+    section = design.split("### Your own proposer", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    scope: dict = {}
+    exec(compile(code, "design.md", "exec"), scope)
+    gen, res = scope["gen"], scope["res"]
+    plain = specdec.Generator(gen.target, gen.tokenizer, specdec.api.NoProposer(), name=gen.name)
+    assert res.text == plain.generate('Say "no" ten times in a row, separated by spaces.', max_new_tokens=48).text
+    assert res.metrics["tau"] > 1.0 and gen.policy_name == "auto"
+    assert capsys.readouterr().out.startswith(res.text)

@@ -476,6 +476,8 @@ def test_a_closed_stream_is_cancelled_and_each_call_resets_last_result():
     assert r.finish_reason == "cancelled" and r.metrics["wall_seconds"] > 0 and r.metrics["tokens_per_second"] > 0
     full = gen.generate([4, 5, 6], max_new_tokens=5)
     assert gen.last_result == full
+    gen.generate([[1, 2], [3, 4, 5]], max_new_tokens=3)
+    assert gen.last_result == full                                     # a list of prompts leaves it as it was
     with pytest.raises(SpecdecError):
         gen.stream([], max_new_tokens=5)
     assert gen.last_result.tokens == []                                                # not the earlier call's

@@ -14,12 +14,12 @@ from .names import METHODS
 apply_isa_limit()          # $SPECDEC_ISA, before torch computes anything
 
 if TYPE_CHECKING:
-    from .api import Generator, Result, load
+    from .api import Generator, Result, load, load_model
     from .sampling import SamplingParams
 
-_LAZY = {"load": "api", "Generator": "api", "Result": "api", "SamplingParams": "sampling"}
+_LAZY = {"load": "api", "load_model": "api", "Generator": "api", "Result": "api", "SamplingParams": "sampling"}
 
-__all__ = ["load", "Generator", "Result", "SamplingParams", "SpecdecError", "METHODS", "__version__"]
+__all__ = ["load", "load_model", "Generator", "Result", "SamplingParams", "SpecdecError", "METHODS", "__version__"]
 
 
 def version() -> str:

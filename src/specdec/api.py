@@ -185,8 +185,8 @@ class Generator:
     (its proposer keeps per-generation state): calls from several threads take turns; for concurrent requests,
     batch them in one call or serve them (`specdec serve` batches across requests)."""
 
-    def __init__(self, target: CausalLM, tokenizer: Tokenizer, proposer: Proposer, policy_name: str = "fixed",
-                 num_draft_tokens: int = 4, name: str = "model") -> None:
+    def __init__(self, target: CausalLM, tokenizer: Tokenizer, proposer: Proposer,
+                 policy_name: str = names.DEFAULT_POLICY, num_draft_tokens: int = 4, name: str = "model") -> None:
         make_policy(policy_name, num_draft_tokens)          # validate early
         self.target, self.tokenizer, self.proposer = target, tokenizer, proposer
         self.policy_name, self.num_draft_tokens, self.name = policy_name, int(num_draft_tokens), name
@@ -199,8 +199,9 @@ class Generator:
 
     @property
     def last_result(self) -> Result:
-        """This thread's last stream's or single-prompt generate's Result (a stream's so far while it runs);
-        each thread sees its own calls' only."""
+        """This thread's last stream's or single-prompt generate's Result (a stream's so far while it runs;
+        empty from the start of such a call that then raised); each thread sees its own calls' only, and a
+        call with a list of prompts leaves it as it was."""
         return self._last.get(threading.get_ident(), EMPTY_RESULT)
 
     @last_result.setter
@@ -402,8 +403,9 @@ class Generator:
         the EAGLE chains of eagle, eagle3 and hybrid at temperatures where `sample_drafts` is on) are exact in
         distribution, but their output for a seed depends on the draft length: it repeats only with the `fixed`
         draft policy (`auto` picks lengths from timings)."""
-        self.last_result = EMPTY_RESULT
         prompts, single = self._prompts(prompt)
+        if single:
+            self.last_result = EMPTY_RESULT
         params = SamplingParams(temperature, top_k, top_p, seed)
         per_prompt = [params] if single else [replace(params, seed=derive_seed(seed, i)) for i in range(len(prompts))]
         seqs: list = []

@@ -34,7 +34,7 @@ from .proposers.base import ActiveBatch, Proposer
 from .sampling import BatchSampling, SamplingParams, Stream, position_uniforms, sample, seed_tensor, to_probs
 from .text_output import TextOutput
 from .tree import MAX_TREE_BUDGET
-from .verify import Draft, Verdict, verify, verify_greedy, verify_tree
+from .verify import Draft, Verdict, check_draft, verify, verify_greedy, verify_tree
 
 
 def scratch_slots(num_draft_tokens: int) -> int:
@@ -333,7 +333,10 @@ class Engine:
         room = min(self._room(s) for s in seqs)
         k = max(0, min(k, room))
         conts = self.predictions.continuations([s.row for s in seqs], min(PREDICTION_DRAFT_TOKENS, room))
-        draft = self.proposer.propose(batch, k) if k and not all(conts) else Draft.empty(B, dev)
+        draft = Draft.empty(B, dev)
+        if k and not all(conts):
+            draft = self.proposer.propose(batch, k)
+            check_draft(draft, B, k, self.target.vocab_size)            # what the verifier trusts
         draft = with_predictions(draft, conts)
         if draft.tokens.shape[1] == 0:
             return draft

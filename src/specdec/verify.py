@@ -45,6 +45,7 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
+from .errors import SpecdecError
 from .sampling import row_total, sample
 from .tree import PAD, TokenTree
 
@@ -88,6 +89,8 @@ class Draft:
     is_chain: bool = field(init=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.tokens, Tensor) or self.tokens.dim() != 2:
+            raise ValueError(f"Draft.tokens must be a [B, K] tensor, got {getattr(self.tokens, 'shape', self.tokens)!r}")
         B, K = self.tokens.shape
         chain = chain_parents(B, K, self.tokens.device)
         if self.parents is None:
@@ -160,6 +163,48 @@ class Draft:
         parents = torch.where(self.tokens != PAD, self.parents + 1, torch.full_like(self.parents, PAD))
         root = torch.full_like(pending[:, None], PAD)
         return TokenTree(torch.cat([pending[:, None], self.tokens], 1), torch.cat([root, parents], 1))
+
+
+def check_draft(draft: object, batch: int, k: int, vocab: int) -> None:
+    """A one-line SpecdecError where a proposer's `propose(batch, k)` broke the Proposer contract, which the
+    verifier trusts: a Draft of `batch` rows; ids in [0, vocab) or PAD; parents ROOT or an earlier draft; at
+    most k drafts along a path; a sampled row's q [V] finite, non-negative, summing to 1 and positive at its
+    draft (a q that is not would make the rejection rule keep drafts the target would not sample)."""
+    def broke(why: str) -> SpecdecError:
+        return SpecdecError(f"a proposer broke the Proposer contract: {why}")
+
+    if not isinstance(draft, Draft):
+        raise broke(f"propose returned {type(draft).__name__}, not a Draft")
+    t = draft.tokens
+    if t.dtype != torch.long or t.shape[0] != batch:
+        raise broke(f"draft tokens must be long [{batch}, K], got {str(t.dtype).removeprefix('torch.')} {list(t.shape)}")
+    K = t.shape[1]
+    real = t != PAD                                                                   # [B, K]
+    wrong = t[real & ((t < 0) | (t >= vocab))]
+    if wrong.numel():
+        raise broke(f"draft tokens must be ids in [0, {vocab}) or PAD ({PAD}), got {sorted(set(wrong.tolist()))[:4]}")
+    p = draft.parents
+    if p.shape != t.shape or p.dtype != torch.long or (K and bool(((p < ROOT) | (p >= torch.arange(K))).any())):
+        raise broke(f"parents must be long {list(t.shape)}, each ROOT ({ROOT}) or an earlier draft's index")
+    if K and draft.length > k:
+        raise broke(f"asked for at most {k} drafts along a path, got {draft.length}")
+    if draft.probs is None:
+        return
+    q = draft.probs
+    if q.shape != (batch, K, vocab) or not q.is_floating_point():
+        raise broke(f"q must be floating [{batch}, {K}, {vocab}], got {str(q.dtype).removeprefix('torch.')} "
+                    f"{list(q.shape)}")
+    rows = real & draft.sampled[:, None]                                             # [B, K] drafts drawn from q
+    qs = q[rows].double()                                                            # [n, V]
+    if not qs.numel():
+        return
+    if not bool(torch.isfinite(qs).all()) or bool((qs < 0).any()):
+        raise broke("q must be finite and non-negative")
+    total = qs.sum(-1)                                                               # [n]
+    if float((total - 1).abs().amax()) > 1e-3:
+        raise broke(f"each sampled draft's q must sum to 1, got {float(total[(total - 1).abs().argmax()]):.6g}")
+    if bool((qs.gather(-1, t[rows][:, None]) <= 0).any()):
+        raise broke("a sampled draft must have q(draft) > 0")
 
 
 @dataclass(frozen=True)
