@@ -184,7 +184,7 @@ def check_draft(draft: object, batch: int, k: int, vocab: int) -> None:
     if wrong.numel():
         raise broke(f"draft tokens must be ids in [0, {vocab}) or PAD ({PAD}), got {sorted(set(wrong.tolist()))[:4]}")
     p = draft.parents
-    if p.shape != t.shape or p.dtype != torch.long or (K and bool(((p < ROOT) | (p >= torch.arange(K))).any())):
+    if p.shape != t.shape or p.dtype != torch.long or (K and bool(((p < ROOT) | (p >= torch.arange(K, device=p.device))).any())):
         raise broke(f"parents must be long {list(t.shape)}, each ROOT ({ROOT}) or an earlier draft's index")
     if K and draft.length > k:
         raise broke(f"asked for at most {k} drafts along a path, got {draft.length}")
