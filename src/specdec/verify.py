@@ -183,8 +183,9 @@ def check_draft(draft: object, batch: int, k: int, vocab: int) -> None:
     wrong = t[real & ((t < 0) | (t >= vocab))]
     if wrong.numel():
         raise broke(f"draft tokens must be ids in [0, {vocab}) or PAD ({PAD}), got {sorted(set(wrong.tolist()))[:4]}")
-    p = draft.parents
-    if p.shape != t.shape or p.dtype != torch.long or (K and bool(((p < ROOT) | (p >= torch.arange(K, device=p.device))).any())):
+    p = draft.parents                                                                 # [B, K]
+    earlier = torch.arange(K, device=p.device)                                        # [K] a parent comes before
+    if p.shape != t.shape or p.dtype != torch.long or (K and bool(((p < ROOT) | (p >= earlier)).any())):
         raise broke(f"parents must be long {list(t.shape)}, each ROOT ({ROOT}) or an earlier draft's index")
     if K and draft.length > k:
         raise broke(f"asked for at most {k} drafts along a path, got {draft.length}")
