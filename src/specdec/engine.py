@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from .draft_length import DraftPolicy
-from .errors import SpecdecError, allocation_failure
+from .errors import SpecdecError, is_allocation_failure, requested_size
 from .metrics import Counters
 from .models.base import CausalLM
 from .prefix_cache import PREFILL_PIECE, Piece, PrefixCache, piece_keys
@@ -122,11 +122,10 @@ class Engine:
             self.cache = self.target.new_cache(rows, slots)
             self.proposer.allocate(rows, slots)
         except (RuntimeError, MemoryError) as e:
-            size = allocation_failure(e)
-            if size is None:
+            if not is_allocation_failure(e):
                 raise
             raise SpecdecError(f"not enough memory for the caches of {rows} sequence(s) of up to {slots} tokens"
-                               f"{size}: the caches hold room for the prompt plus max_new_tokens of every "
+                               f"{requested_size(e)}: the caches hold room for the prompt plus max_new_tokens of every "
                                "sequence; ask for fewer new tokens or fewer prompts at once") from None
         self.predictions.reset()
         self.free = list(range(rows))                                          # a heap: lowest free row first

@@ -34,14 +34,16 @@ def terminate_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def allocation_failure(e: BaseException) -> str | None:
-    """Where `e` is an allocator's failure (MemoryError, torch's out-of-memory, the CPU allocator's RuntimeError):
-    the size it asked for as " (one of them N GiB)", or "" where unsaid; None for any other exception."""
-    import re
-
+def is_allocation_failure(e: BaseException) -> bool:
+    """Whether `e` is an allocator's failure: MemoryError, torch's out-of-memory, the CPU allocator's RuntimeError."""
     import torch
 
-    if not isinstance(e, (MemoryError, torch.OutOfMemoryError)) and "can't allocate memory" not in str(e):
-        return None
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e)
+
+
+def requested_size(e: BaseException) -> str:
+    """The size an allocator's failure asked for, as " (one of them N GiB)"; "" where its message does not say."""
+    import re
+
     wanted = re.search(r"allocate (\d+) bytes", str(e))
     return f" (one of them {int(wanted.group(1)) / 2**30:.1f} GiB)" if wanted else ""
