@@ -107,20 +107,80 @@ def test_ctrl_c_during_a_read_is_an_interruption_not_a_damaged_entry(tmp_path, m
     assert weight_cache.read(entry) is None                                      # a damaged entry: convert again
 
 
-def test_writing_an_entry_removes_older_formats_of_the_same_form(tmp_path, monkeypatch):
+def test_loading_removes_older_formats_of_the_file_and_orphan_locks(tmp_path, monkeypatch):
+    """Entries of an older format are never read again, whatever their form: loading the file removes them
+    (a form no start chooses any more used to stay for ever); other torch versions' and other files' entries stay,
+    and so do locks a process holds."""
+    import fcntl
+
+    from specdec.models import registry
+
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(weight_cache, "_SWEPT", set())
     _, path = resolve("smollm2-135m")
     where = weight_cache.entry(path, torch.float32, False)
     base = where.name.rsplit("-v", 1)[0]
     where.parent.mkdir(parents=True, exist_ok=True)
     old = where.with_name(f"{base}-v1.safetensors")
     other_torch = where.with_name(where.name.replace("-torch", "-torch9.9.9x"))
-    other_form = where.with_name(where.name.replace("-dense-", "-q4-").rsplit("-v", 1)[0] + "-v1.safetensors")
-    for p in (old, other_torch, other_form):
+    other_form = where.with_name(where.name.replace("-float32-dense-", "-bfloat16-q4-").rsplit("-v", 1)[0] + "-v1.safetensors")
+    other_form_now = where.with_name(where.name.replace("-float32-dense-", "-bfloat16-q4-"))
+    other_file = where.with_name(where.name.replace(where.name.split("-")[0], "other", 1).rsplit("-v", 1)[0] + "-v1.safetensors")
+    for p in (old, other_torch, other_form, other_form_now, other_file):
         p.write_bytes(b"old")
-    load_gguf(path, torch.float32)                               # converts and stores this format's entry
-    assert where.is_file() and not old.exists()
-    assert other_torch.exists() and other_form.exists()
+    old_lock = old.with_name(f".{old.name}.lock")
+    orphan, held = where.with_name(".never-written.safetensors.lock"), where.with_name(".converting.safetensors.lock")
+    for p in (old_lock, orphan, held):
+        p.touch()
+    with open(held) as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        monkeypatch.setattr(weight_cache, "_SWEPT", set())
+        load_gguf(path, torch.float32)                           # converts and stores this format's entry
+        assert held.exists()
+    assert where.is_file() and not old.exists() and not other_form.exists() and not old_lock.exists()
+    assert not orphan.exists()
+    assert other_torch.exists() and other_file.exists() and other_form_now.exists()     # this format: kept
+    with registry.exclusive(held, "busy"):                      # a lock removed meanwhile is taken anew
+        assert held.exists()
+
+
+def test_a_lock_removed_while_waiting_is_taken_anew(tmp_path):
+    """A process waiting on a lock file that is removed meanwhile must not go on holding the removed file's lock
+    while a newcomer locks the new file at the same path: it locks the file at the path anew."""
+    import fcntl
+    import threading
+
+    from specdec.models import registry
+
+    lock = tmp_path / ".x.lock"
+    holder = open(lock, "a")
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    inside, seen = threading.Event(), []
+
+    def waiter():
+        with registry.exclusive(lock, "busy"):
+            with open(lock, "a") as newcomer:                    # another process arriving now
+                try:
+                    fcntl.flock(newcomer, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    seen.append("newcomer got the lock too")
+                except OSError:
+                    seen.append("newcomer waits")
+            inside.set()
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    threading.Event().wait(0.3)                                  # the waiter blocks on the holder's file
+    lock.unlink()                                                # removed as `remove_lock` does, while held
+    fcntl.flock(holder, fcntl.LOCK_UN)
+    holder.close()
+    t.join(10)
+    assert inside.is_set() and seen == ["newcomer waits"]
+    registry.remove_lock(lock)
+    assert not lock.exists()
+    with open(lock, "a") as f:                                   # held: remove_lock leaves it
+        fcntl.flock(f, fcntl.LOCK_EX)
+        registry.remove_lock(lock)
+        assert lock.exists()
 
 
 def test_an_entry_keeps_every_kernel_layout(tmp_path, monkeypatch):

@@ -74,10 +74,37 @@ def exclusive(lock: Path, busy: str) -> Iterator[None]:
                 _WAITED.add(lock)
                 logging.getLogger("specdec").info("%s", busy)
             fcntl.flock(f, fcntl.LOCK_EX)
+        if not _same_file(f, lock):                    # removed (`remove_lock`) while this process waited: lock anew
+            fcntl.flock(f, fcntl.LOCK_UN)
+            f.close()
+            with exclusive(lock, busy):
+                yield
+            return
         try:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _same_file(f, path: Path) -> bool:
+    """Whether the open file `f` is still the file at `path`."""
+    try:
+        return os.path.samestat(os.fstat(f.fileno()), os.stat(path))
+    except OSError:
+        return False
+
+
+def remove_lock(lock: Path) -> None:
+    """Remove the lock file `lock` of a cache entry that is gone, unless a process holds it (`exclusive` takes a
+    lock anew where its file was removed while it waited)."""
+    import fcntl
+
+    try:
+        with open(lock, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            lock.unlink()
+    except OSError:                                    # held, absent or not ours: leave it
+        pass
 
 
 def write_atomic(path: Path, data: bytes) -> None:

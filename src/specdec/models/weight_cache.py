@@ -12,8 +12,10 @@ Delete `$SPECDEC_CACHE/weights` (default `~/.cache/specdec/weights`) to reclaim 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import logging
+import re
 import signal
 import threading
 from collections.abc import Iterator
@@ -24,7 +26,7 @@ import torch
 
 from .config import ModelConfig
 from .int4 import Int4Linear
-from .registry import cache_dir, file_sha256, write_atomic
+from .registry import cache_dir, file_sha256, remove_lock, write_atomic
 
 FORMAT = 8               # 2: the 4-bit kernels' `copies` (an 8-bit LM head as two 4-bit halves); 3: the Q8_0 head;
                          # 4: the native 4-bit layout; 5: layers of 8-bit codes, Q4_0 as 4-bit; 6: Q6_K as 8-bit codes;
@@ -38,8 +40,20 @@ def entry(path: Path, dtype: torch.dtype, int4: bool) -> Path:
     form = f"{dt}-{'q4' if int4 else 'dense'}-torch{torch.__version__.split('+')[0]}-{cap}-v{FORMAT}"
     digest = file_sha256(path)[:16]
     folder = cache_dir() / "weights"
+    if folder not in _SWEPT:                                            # once per process
+        _SWEPT.add(folder)
+        for lock in folder.glob(".*.safetensors.lock"):                 # of entries never written or removed
+            if not lock.with_name(lock.name[1:-len(".lock")]).exists():
+                remove_lock(lock)
     same = sorted(folder.glob(f"*-{digest}-{form}.safetensors"))     # the same bytes under another name
-    return same[0] if same else folder / f"{path.stem}-{digest}-{form}.safetensors"
+    where = same[0] if same else folder / f"{path.stem}-{digest}-{form}.safetensors"
+    for old in superseded(where):
+        old.unlink(missing_ok=True)
+        remove_lock(old.with_name(f".{old.name}.lock"))
+    return where
+
+
+_SWEPT: set[Path] = set()
 
 
 def write(where: Path, weights) -> None:
@@ -59,8 +73,6 @@ def write(where: Path, weights) -> None:
                 tensors[f"{prefix}.{i}.{name}.{part}"] = v
     meta = {"format": str(FORMAT), "config": json.dumps(dataclasses.asdict(weights.config)), "checksum": checksum(tensors)}
     write_atomic(where, save(tensors, metadata=meta))
-    for old in superseded(where):
-        old.unlink(missing_ok=True)
 
 
 def checksum(tensors: dict[str, torch.Tensor]) -> str:
@@ -79,10 +91,16 @@ def checksum(tensors: dict[str, torch.Tensor]) -> str:
 
 
 def superseded(where: Path) -> list[Path]:
-    """Entries of the same file in the same form, torch and kernel family that an older cache format wrote: no
-    start reads them again. (Other torch versions' entries stay: another environment may share the cache.)"""
-    base = where.name.rsplit("-v", 1)[0]
-    return [p for p in where.parent.glob(f"{base}-v*.safetensors") if p != where and p.name.rsplit("-v", 1)[0] == base]
+    """Entries of the same file, torch and kernel family that an older cache format wrote, in any form (dtype,
+    q4 or dense): no start reads them again. (Other torch versions' entries stay: another environment may share
+    the cache.)"""
+    name = re.fullmatch(r"(.*-[0-9a-f]{16})-.+-(torch[^-]+-[^-]+)-v\d+\.safetensors", where.name)
+    if name is None:
+        return []
+    head, machine = name.groups()
+    older = rf"{re.escape(head)}-[^-]+-(q4|dense)-{re.escape(machine)}-v(\d+)\.safetensors"
+    return [p for p in where.parent.glob(f"{glob.escape(head)}-*-{glob.escape(machine)}-v*.safetensors")
+            if (m := re.fullmatch(older, p.name)) and int(m.group(2)) != FORMAT]
 
 
 @contextmanager
