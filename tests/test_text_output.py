@@ -375,3 +375,42 @@ def test_gemma_stop_string_spelled_in_byte_tokens_ends_at_its_last_byte():
     out = TextOutput(tok.decode, ("𐀀",), tok.byte_ids)
     assert out.feed(ids, final=False) == (" ", 5) and out.stopped
 
+
+
+def llama_sentencepiece():
+    """A tokenizers tokenizer with the decoder transformers builds for Llama-style SentencePiece GGUFs: its
+    Strip drops the leading space of a decoded text's first piece."""
+    from tokenizers import Tokenizer, decoders, models
+
+    pieces = ["<unk>", "The", "▁capital", "▁of", "▁France", "▁is", "▁Paris", ",", "▁a", "▁city", "."] + \
+        [f"<0x{b:02X}>" for b in range(256)]
+    tok = Tokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)}, unk_token="<unk>"))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return (lambda ids: tok.decode(ids, skip_special_tokens=False)), frozenset(range(11, 11 + 256))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_new_tokens_are_decoded_after_the_prompt_as_the_whole_sequence_decodes(seed):
+    """A decoder that strips the leading space of a text's first piece (Llama-style SentencePiece) took the space
+    before the first new word: the text must be decode(prompt + new) minus decode(prompt), streamed or not, and a
+    stop string that begins with that space must match."""
+    decode, byte_ids = llama_sentencepiece()
+    prompt, new = [1, 2, 3, 4, 5], [6, 7, 8, 9, 10]
+    want = decode(prompt + new)[len(decode(prompt)):]
+    assert want == " Paris, a city." and decode(new) == "Paris, a city."          # the decoder strips, alone
+    out = TextOutput(decode, (), byte_ids, prompt)
+    assert "".join(out.feed(step, final=False)[0] for step in chunks(new, seed, 3)) + out.feed([], final=True)[0] == want
+    stopped = TextOutput(decode, (" Paris",), byte_ids, prompt)
+    assert stopped.feed(new, final=False) == ("", 1)
+    det = IncrementalDetokenizer(sentencepiece_decode, context=[0, 1])
+    assert "".join(det.push(step) for step in chunks([3, 4, 5, 0, 6], seed, 2)) + det.flush() == " sat. on the mat"
+
+
+def test_a_prompt_ending_in_byte_tokens_or_a_cut_character_is_no_context():
+    """Their text may change with the new tokens, so the new tokens are decoded alone (as before)."""
+    decode, byte_ids = llama_sentencepiece()
+    det = IncrementalDetokenizer(decode, byte_ids, context=[1, 11 + 0xC3])          # "The" then half of "é"
+    assert det.push([6]) + det.flush() == "Paris"
+    det = IncrementalDetokenizer(byte_decode, context=list("é".encode())[:1])
+    assert det.push(list("ab".encode())) + det.flush() == "ab"

@@ -16,20 +16,30 @@ the run is then decoded whole, as one decode of everything decodes it.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Callable
 
 REPLACEMENT = "\ufffd"      # what a decoder shows for the bytes of an incomplete character
+CONTEXT = 4                 # tokens of the context that start the window (a decoder's left context is short)
 
 
 class IncrementalDetokenizer:
     """Decodes tokens as they arrive; the concatenated output equals one decode of all of them."""
 
-    def __init__(self, decode: Callable[[list[int]], str], byte_ids: frozenset[int] = frozenset()) -> None:
-        """byte_ids: the tokenizer's byte-fallback tokens (see the module's docstring)."""
+    def __init__(self, decode: Callable[[list[int]], str], byte_ids: frozenset[int] = frozenset(),
+                 context: Sequence[int] = ()) -> None:
+        """byte_ids: the tokenizer's byte-fallback tokens (see the module's docstring). context: the tokens
+        before the first new one (a prompt), whose last few start the window, so the first new token is decoded
+        after them as in a decode of the whole sequence (a tokenizer that drops the leading space of a text's
+        first piece keeps it there). A context ending in a byte-fallback token or an incomplete character is
+        not used: its text could change with the new tokens."""
         self.decode, self.byte_ids = decode, byte_ids
-        self.ids: list[int] = []
+        tail = list(context[-CONTEXT:])
+        if tail and (tail[-1] in byte_ids or decode(tail).endswith(REPLACEMENT)):
+            tail = []
+        self.ids: list[int] = tail
         self.prefix_offset = 0          # the window: ids[prefix_offset:read_offset], emitted already
-        self.read_offset = 0            # ids from here on are (partly) new
+        self.read_offset = len(tail)    # ids from here on are (partly) new
         self.shown = 0                  # characters after the window's text emitted already (before a
                                         # character still incomplete)
 

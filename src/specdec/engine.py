@@ -143,8 +143,9 @@ class Engine:
         # the lowest free row: active rows stay one contiguous block of the cache as long as they can, so
         # the decoder reads their keys in place instead of gathering them (see KVCache.read)
         row = heapq.heappop(self.free)
-        seq = SequenceState(request, row, TextOutput(self.decode, request.stop, self.byte_ids), list(request.prompt),
-                            read=len(request.prompt), started=time.perf_counter())
+        text = TextOutput(self.decode, request.stop, self.byte_ids, request.prompt)         # decoded after the prompt
+        seq = SequenceState(request, row, text, list(request.prompt), read=len(request.prompt),
+                            started=time.perf_counter())
         rows = torch.tensor([row], device=self.target.device)
         self.cache.truncate(rows, torch.zeros_like(rows))
         self.prompt_hidden[row] = []

@@ -9,6 +9,7 @@ sequence ended there.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Callable
 
 from .detokenize import IncrementalDetokenizer
@@ -39,8 +40,9 @@ class TextOutput:
     """The text of one sequence's new tokens, piece by piece, up to its first stop string."""
 
     def __init__(self, decode: Callable[[list[int]], str], stops: tuple[str, ...],
-                 byte_ids: frozenset[int] = frozenset()) -> None:
-        self.detokenizer = IncrementalDetokenizer(decode, byte_ids)
+                 byte_ids: frozenset[int] = frozenset(), context: Sequence[int] = ()) -> None:
+        """context: the prompt's tokens, after which the new ones are decoded (see IncrementalDetokenizer)."""
+        self.detokenizer = IncrementalDetokenizer(decode, byte_ids, context)
         self.stops = stops
         self.held = ""                 # decoded, not emitted: it may begin a stop string
         self.stopped = False           # a stop string was found: the text ends before it
