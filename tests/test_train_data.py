@@ -5,6 +5,7 @@ import pytest
 
 from specdec.bench import suites
 from specdec.cli import main
+from specdec.errors import SpecdecError
 from specdec.train.data import _benchmark_fingerprints, overlaps, training_prompts
 
 
@@ -215,10 +216,13 @@ class FakeAnswerer:
 
     def __init__(self, stop_at: int) -> None:
         self.calls, self.stop_at = 0, stop_at
-        self.tokenizer = self
+        self.tokenizer, self.name, self.vocab = self, "tiny", {"a": 0}
 
     def encode(self, text, chat):
         return [len(text) % 50, 1]
+
+    def encode_text(self, text):
+        return self.encode(text, False)
 
     def generate(self, ids, max_new_tokens, temperature, seed, **kw):
         self.calls += 1
@@ -368,3 +372,55 @@ def test_a_failed_training_run_leaves_no_empty_folders(tmp_path):
     out, feats = tmp_path / "new" / "runs" / "x.safetensors", tmp_path / "feat" / "s"
     assert main(["train", "eagle3", "--out", str(out), "--features", str(feats), "--data", str(tmp_path / "none")]) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+class _Tok:
+    """A stand-in tokenizer: a vocabulary size and an id per character."""
+
+    def __init__(self, size: int, shift: int) -> None:
+        self.vocab = {str(i): i for i in range(size)}
+        self.shift = shift
+
+    def encode_text(self, text: str) -> list[int]:
+        return [(ord(c) + self.shift) % len(self.vocab) for c in text]
+
+
+def test_data_records_its_tokenizer_and_training_under_another_is_refused(tmp_path):
+    """Shards are token ids: a folder written under one tokenizer and trained on under another (a smaller
+    vocabulary's ids all fit the larger one, so the id range did not catch it) is refused; data without a
+    record is left to the id-range check; a folder is written by one tokenizer only."""
+    from specdec.train import source
+
+    mine, other, same_size = _Tok(500, 0), _Tok(900, 0), _Tok(500, 7)
+    source.record(tmp_path, "a", mine)
+    source.check(tmp_path, "a", mine)
+    source.check(tmp_path / "shard-0000.jsonl", "a-copy", mine)     # a file of the folder, another name, same ids
+    for tok in (other, same_size):
+        with pytest.raises(SpecdecError, match=f"{tmp_path} holds token ids written by a, whose tokenizer is not b's"):
+            source.check(tmp_path, "b", tok)
+        with pytest.raises(SpecdecError, match="written by a"):
+            source.record(tmp_path, "b", tok)
+    (tmp_path / "elsewhere").mkdir()
+    source.check(tmp_path / "elsewhere", "b", other)                 # no record: not refused here
+    (tmp_path / source.SOURCE).write_text("{}")
+    with pytest.raises(SpecdecError, match="does not say which model wrote the data"):
+        source.check(tmp_path, "a", mine)
+
+
+@pytest.mark.integration
+def test_the_shipped_data_is_smollm2s_and_gemma3_cannot_train_on_it():
+    from pathlib import Path
+
+    from specdec.models.registry import resolve
+    from specdec.models.tokenizer import Tokenizer
+    from specdec.train import source
+
+    data = Path(__file__).resolve().parents[1] / "data" / "smollm2-135m"
+    for name, refused in (("smollm2-135m", False), ("gemma3-270m", True)):
+        _, path = resolve(name)
+        tok = Tokenizer.from_gguf(Path(path))
+        if refused:
+            with pytest.raises(SpecdecError, match="written by smollm2-135m, whose tokenizer is not gemma3-270m's"):
+                source.check(data, name, tok)
+        else:
+            source.check(data, name, tok)

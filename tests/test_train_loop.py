@@ -93,7 +93,7 @@ def test_overwrite_starts_afresh(tmp_path):
     out.with_suffix(".ckpt").write_bytes(b"an interrupted run")
     out.with_suffix(".json").write_text("{}")                 # a finished run's report
     with pytest.raises(SpecdecError, match="no-such-model"):
-        begin("no-such-model", out, overwrite=True, seed=0)
+        begin("no-such-model", out, overwrite=True, seed=0, data=tmp_path)
     assert not out.with_suffix(".ckpt").exists() and not out.with_suffix(".json").exists()
 
 
@@ -192,6 +192,13 @@ def test_train_medusa_end_to_end(tmp_path, capsys):
     assert json.loads(printed.out) == report
     assert f"wrote {out} (and heads.json beside it)" in printed.err and "training dtype:" in printed.err
     assert not out.with_suffix(".ckpt").exists()
+    assert [p.name for p in data.iterdir()] == ["shard-0000.jsonl"]          # features are cached elsewhere
+    from specdec.train.features import default_feature_dir
+
+    kept = list(default_feature_dir("smollm2-135m").glob("features-12-*.pt"))
+    assert kept
+    for f in kept:
+        f.unlink()
     from specdec.api import load_model
 
     target, _, _ = load_model("smollm2-135m", "float32")
@@ -364,10 +371,10 @@ def test_an_eagle3_run_leaves_a_usable_head_at_every_report_and_resumes_over_it(
     assert out.stat().st_mode & 0o777 == 0o666 & ~umask                                 # the umask's mode, not 0600
     assert not list(tmp_path.glob(".*.tmp"))                                            # written whole, then renamed
     with pytest.raises(SpecdecError, match="exists"):
-        begin("unused", out, overwrite=False, seed=0)                                  # finished: no checkpoint
+        begin("unused", out, overwrite=False, seed=0, data=tmp_path)                                  # finished: no checkpoint
     out.with_suffix(".ckpt").write_bytes(b"")
     with pytest.raises(Exception) as err:                                               # resuming passes the check
-        begin("no-such-model", out, overwrite=False, seed=0)
+        begin("no-such-model", out, overwrite=False, seed=0, data=tmp_path)
     assert "exists" not in str(err.value)
 
 
@@ -495,6 +502,19 @@ def test_cached_features_are_written_whole_and_a_damaged_file_is_extracted_again
     path.write_bytes(path.read_bytes()[:40])                                 # a damaged file
     assert torch.equal(cached(path, compute)[0], torch.arange(6.0).view(2, 3)) and len(calls) == 2
     assert "does not load" in capsys.readouterr().err
+
+
+def test_features_that_cannot_be_kept_are_used_and_said(tmp_path, monkeypatch, capsys):
+    """An unwritable cache (a read-only folder, a full disk) costs the next run an extraction, not this run."""
+    from specdec.train import features
+
+    def no_room(obj, f):
+        raise RuntimeError("open file failed with strerror: Operation not permitted")
+
+    monkeypatch.setattr(features.torch, "save", no_room)
+    got = features.cached(tmp_path / "f.pt", lambda: [torch.ones(2)])
+    assert torch.equal(got[0], torch.ones(2)) and list(tmp_path.iterdir()) == []
+    assert "cannot keep the features in" in capsys.readouterr().err
 
 
 def test_an_interrupted_step_is_not_counted_and_a_killed_write_is_cleared(tmp_path):

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from ..bench import suites
 from ..errors import Interrupted, SpecdecError, terminate_as_interrupt
+from . import source
 
 TOPICS = ["a lighthouse keeper", "a robot learning to paint", "the history of tea", "volcanoes", "black holes",
           "a city under the sea", "friendship", "the first day of school", "climate change", "honey bees",
@@ -150,6 +151,7 @@ def generate_data(model: str, out: Path, max_prompts: int, max_new_tokens: int, 
     if done:
         print(f"continuing: {done} of {len(prompts)} prompts are answered in {out}", file=sys.stderr)
     gen = specdec.load(model, method="none", dtype="auto")
+    source.record(out, gen.name, gen.tokenizer)
     bar = tqdm(total=len(prompts), initial=done, desc="generating", unit="prompt")
     with terminate_as_interrupt():
         _answer_shards(gen, out, shards, bar, max_new_tokens, batch, greedy_fraction, seed)

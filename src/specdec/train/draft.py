@@ -38,12 +38,12 @@ def draft_losses(draft: DistilledDraft, toks: torch.Tensor, f: torch.Tensor, len
 def train_draft(model: str, data: Path, out: Path, minutes: float, layers: list[int], vocab_size: int,
                 window: int, batch: int, lr: float, max_seq: int, max_rows: int, overwrite: bool,
                 seed: int = 0, train_dtype: torch.dtype = torch.float32) -> dict:
-    target, name, rng = begin(model, out, overwrite, seed)
+    target, name, rng = begin(model, out, overwrite, seed, data)
     layers = layers or [0, target.config.n_layers - 1]                   # default: the first and the last
     bad = [i for i in layers if not 0 <= i < target.config.n_layers]
     if bad:
         raise SpecdecError(f"--layers must name target layers in 0..{target.config.n_layers - 1}, got {layers}")
-    seqs, feats = training_set(target, data, max_rows, max_seq, rng)
+    seqs, feats = training_set(target, name, data, max_rows, max_seq, rng)
     train_idx, eval_idx = split_heldout(len(seqs))
     ids = vocab_subset(seqs, vocab_size, target.vocab_size)
     draft = DistilledDraft(target, ids, layers)

@@ -49,8 +49,8 @@ def head_losses(head: EagleHead, toks, f, lens, w_sub, unroll: int = 2):
 def train_eagle(model: str, data: Path, out: Path, minutes: float, vocab_size: int, window: int, batch: int,
                 lr: float, max_seq: int, overwrite: bool, max_rows: int = 0, seed: int = 0,
                 train_dtype: torch.dtype = torch.float32) -> dict:
-    target, name, rng = begin(model, out, overwrite, seed)
-    seqs, feats = training_set(target, data, max_rows, max_seq, rng)
+    target, name, rng = begin(model, out, overwrite, seed, data)
+    seqs, feats = training_set(target, name, data, max_rows, max_seq, rng)
     train_idx, eval_idx = split_heldout(len(seqs))
     ids = vocab_subset(seqs, vocab_size, target.vocab_size)
     head = EagleHead(target, ids)

@@ -279,7 +279,7 @@ def train_eagle3(model: str, data: Path, out: Path, overwrite: bool, opts: Eagle
     started = time.time()
     if not Path(data).is_dir():                       # before the model loads
         raise no_shards(Path(data))
-    target, name, rng = begin(model, out, overwrite, opts.seed)
+    target, name, rng = begin(model, out, overwrite, opts.seed, data)
     if not isinstance(target, Transformer):
         raise SpecdecError("EAGLE-3 training needs a lean GGUF target")
     rows: list[Row] = read_shards(data)

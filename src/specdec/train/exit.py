@@ -60,7 +60,7 @@ def train_exit(model: str, data: Path, out: Path, minutes: float, layers: list[i
             path.with_suffix(".ckpt").unlink(missing_ok=True)
     if not Path(data).is_dir():                       # before the model loads
         raise no_shards(Path(data))
-    target, name, rng = begin(model, out, overwrite, seed, checked=True)     # its outputs are OUT-N: checked above
+    target, name, rng = begin(model, out, overwrite, seed, data, checked=True)     # its outputs are OUT-N: checked above
     if not isinstance(target, Transformer):
         raise SpecdecError("exit training needs a lean GGUF target")
     L = target.config.n_layers

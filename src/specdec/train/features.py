@@ -1,6 +1,7 @@
 """Teacher-forced target features for training heads: the target's final hidden states per token."""
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
 from pathlib import Path
@@ -83,21 +84,28 @@ def split_heldout(n: int) -> tuple[list[int], list[int]]:
     return list(range(n_eval, n)), list(range(n_eval))
 
 
-def begin(model: str, out: Path, overwrite: bool, seed: int,
+def begin(model: str, out: Path, overwrite: bool, seed: int, data: Path,
           checked: bool = False) -> tuple[Transformer, str, random.Random]:
     """The common start of a training run: refuse to overwrite `out` (unless a checkpoint beside it says the run
     resumes: runs refresh `out` while they train; with `overwrite` the checkpoint goes: a fresh run; `checked`:
-    the caller decided about its own outputs), seed, load the target (dtype auto)."""
+    the caller decided about its own outputs), seed, load the target (dtype auto) and refuse `data` written under
+    another tokenizer."""
+    from . import source
     from ..api import load_model
 
     if not checked:
         check_output(out, overwrite)
-        if overwrite:
-            out.with_suffix(".ckpt").unlink(missing_ok=True)     # --overwrite starts afresh: no old run resumes
-            out.with_suffix(".json").unlink(missing_ok=True)     # ... and no old run's report sits beside its head
-            out.with_suffix(".ckpt.tmp").unlink(missing_ok=True)
+        if overwrite:                                            # afresh: no old run resumes, no old report stays
+            for old in (out.with_suffix(".ckpt"), out.with_suffix(".json"), out.with_suffix(".ckpt.tmp")):
+                try:
+                    old.unlink(missing_ok=True)
+                except OSError as e:
+                    from ..errors import SpecdecError
+
+                    raise SpecdecError(f"--overwrite cannot remove {old}: {e.strerror or e}") from None
     torch.manual_seed(seed)
-    target, _, name = load_model(model, "auto")
+    target, tokenizer, name = load_model(model, "auto")
+    source.check(Path(data), name, tokenizer)
     return target, name, random.Random(seed)
 
 
@@ -150,8 +158,15 @@ def cached(path: Path, compute: Callable[[], list[Tensor]], shapes: Sequence[tup
             print(f"note: {path} does not load ({(str(e).strip().splitlines() or [''])[0][:120]}); extracting again", file=sys.stderr)
     feats = compute()
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(feats, tmp)
-    tmp.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(feats, tmp)
+        tmp.replace(path)
+    except (OSError, RuntimeError) as e:             # torch.save reports an unwritable file as RuntimeError
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        print(f"note: cannot keep the features in {path} ({(str(e).strip().splitlines() or [''])[0][:120]}); "
+              "training goes on, the next run extracts them again", file=sys.stderr)
     return feats
 
 
@@ -163,16 +178,16 @@ def default_feature_dir(model: str) -> Path:
     return cache_dir() / "features" / model
 
 
-def training_set(target: Transformer, data, max_rows: int, max_seq: int, rng) -> tuple[list[list[int]], list[Tensor]]:
-    """The self-distillation sequences (last `max_seq` tokens, shuffled by `rng`) and their target features.
-
-    Features are extracted once per (rows, max_seq) and cached beside the data.
-    """
+def training_set(target: Transformer, name: str, data, max_rows: int, max_seq: int,
+                 rng) -> tuple[list[list[int]], list[Tensor]]:
+    """The self-distillation sequences (last `max_seq` tokens, shuffled by `rng`) and the final features of the
+    target named `name`, extracted once per set of rows and cached under `default_feature_dir(name)` (never in
+    the data's folder, which may be read-only or the source tree's shipped shards)."""
     from .data import read_data
 
     rows = read_data(Path(data))
     rows = rows[:max_rows] if max_rows > 0 else rows
     seqs = [r["tokens"][-max_seq:] for r in rows]
     rng.shuffle(seqs)
-    cache_file = Path(data) / f"features-{len(seqs)}-{max_seq}-{sequences_digest(seqs)}.pt"
+    cache_file = default_feature_dir(name) / f"features-{len(seqs)}-{max_seq}-{sequences_digest(seqs)}.pt"
     return seqs, cached(cache_file, lambda: extract(target, seqs))

@@ -24,6 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..errors import Interrupted, SpecdecError, terminate_as_interrupt
+from . import source
 from .data import _benchmark_fingerprints, overlaps, training_prompts
 
 CATEGORIES = ("chat", "code", "math", "qa", "summarization", "rag", "translation")
@@ -348,13 +349,14 @@ def generate_magpie(model: str, out: Path, shards: int, rows_per_shard: int, bat
     gen = specdec.load(model, method="none", dtype="auto")
     if not gen.tokenizer.has_chat_template:
         raise SpecdecError(f"{model} has no chat template: Magpie-style data needs an instruct model")
+    source.record(out, gen.name, gen.tokenizer)
     writer = MagpieWriter(gen, out, batch, seed)
     first = next_shard(out)
     bar = tqdm(total=shards * rows_per_shard, desc="conversations", unit="conv")
     with terminate_as_interrupt():
         for i in range(first, first + shards):
             path = writer.write_shard(i, rows_per_shard, bar)
-            tqdm.write(f"wrote {path}")
+            tqdm.write(f"wrote {path}", file=sys.stderr)
     bar.close()
     return out
 

@@ -30,8 +30,8 @@ def medusa_loss(heads: MedusaHeads, f: torch.Tensor, w_sub: torch.Tensor, decay:
 def train_medusa(model: str, data: Path, out: Path, minutes: float, vocab_size: int, n_heads: int, window: int,
                  batch: int, lr: float, max_seq: int, max_rows: int, overwrite: bool, seed: int = 0,
                  train_dtype: torch.dtype = torch.float32) -> dict:
-    target, name, rng = begin(model, out, overwrite, seed)
-    seqs, feats = training_set(target, data, max_rows, max_seq, rng)        # the same order as train eagle
+    target, name, rng = begin(model, out, overwrite, seed, data)
+    seqs, feats = training_set(target, name, data, max_rows, max_seq, rng)        # the same order as train eagle
     heads = MedusaHeads(target, vocab_subset(seqs, vocab_size, target.vocab_size), n_heads)
     w_sub = heads.lm_weight().float().detach()
     train_idx, eval_idx = split_heldout(len(seqs))
