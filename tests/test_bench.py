@@ -515,6 +515,33 @@ def test_bench_refuses_a_method_without_weights_for_the_model_before_loading(cap
     assert main(["bench", "--model", "gemma3-270m", "--methods", "none,eagle3", "--peers", "", "--out", "x"]) == 2
     err = capsys.readouterr().err
     assert "no shipped eagle3 weights for 'gemma3-270m'" in err and "loading" not in err
+    assert "draft with a file (--methods ...,eagle3=FILE)" in err          # bench's --draft-model is `draft`'s
+
+
+def test_a_report_file_that_cannot_be_replaced_is_refused_before_the_run(tmp_path, capsys):
+    from specdec.cli import main
+
+    (tmp_path / "results.json").mkdir()                                  # cannot be opened for writing
+    assert main(["bench", "--methods", "none", "--peers", "", "--limit", "1", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {tmp_path}: cannot replace results.json" in err and "loading" not in err
+
+
+def test_a_report_that_cannot_be_written_goes_to_a_new_folder(target, tmp_path):
+    """A finished run is never lost: the files go elsewhere and the error says where."""
+    import re
+    import shutil
+
+    results = bench(target, systems(target), repeats=1)
+    (tmp_path / "report.md").mkdir()
+    with pytest.raises(SpecdecError, match=f"cannot write the report into {tmp_path} .*; it went to ") as e:
+        report.write_report(results, tmp_path)
+    went = Path(re.search(r"it went to (\S+)$", str(e.value))[1])
+    try:
+        assert json.loads((went / "results.json").read_text()) == json.loads(json.dumps(results))
+        assert (went / "report.md").is_file() and (went / "speedup.png").is_file()
+    finally:
+        shutil.rmtree(went)
 
 
 def test_report_notes_show_no_absolute_paths():

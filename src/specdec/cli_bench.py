@@ -179,13 +179,14 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from .api import check_shipped
     from .bench import runner
     from .bench.peers import parse_peers
+    from .bench.report import report_files
 
     _check_numbers(a)
     categories = parse_categories(a.categories)
     resolve(a.model)                                                # fail fast, before any loading
     for spec in runner.parse_methods(a.methods, a.draft_model):
         if spec.draft is None and spec.method != "draft":           # `draft` falls back to default_draft
-            check_shipped(a.model, spec.method)
+            check_shipped(a.model, spec.method, f"--methods ...,{spec.method}=FILE")
     if a.out is not None and not a.out.strip():
         raise SpecdecError("--out is empty; give a folder (or leave --out out for a new one per run)")
     auto = default_peers() if a.temperature == 0 else ""          # peers run greedy only
@@ -195,6 +196,12 @@ def cmd_bench(a: argparse.Namespace) -> int:
     out = Path(a.out) if a.out else default_out(a.suite)
     with no_empty_dirs_left(out):
         writable_dir(out, "--out")                                 # after the options' checks, before the run
+        for f in report_files(out):                                # what the run will replace must be replaceable
+            try:
+                if f.exists():
+                    open(f, "r+b").close()                         # opened for writing, left as it is
+            except OSError as e:
+                raise SpecdecError(f"--out {out}: cannot replace {f.name} ({e.strerror or e})") from None
         if (out / "results.json").exists():
             print(f"specdec: the report in {out} will be replaced by this run's", file=sys.stderr)
         return _bench(a, out, categories, peer_names)

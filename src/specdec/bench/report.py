@@ -277,13 +277,28 @@ def plot_acceptance(results: dict, path: Path) -> None:
 
 
 def write_report(results: dict, out: Path) -> list[Path]:
-    """results.json, report.md, speedup.png and acceptance.png into ``out``; returns their paths."""
+    """results.json, report.md, speedup.png and acceptance.png into ``out``; returns their paths. Where they
+    cannot be written there (a full disk, a file that cannot be replaced) they go to a new temporary folder and
+    a one-line error says where: a finished run is never lost."""
+    import tempfile
+
     out = Path(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
+        return _write(results, out)
     except OSError as e:
-        raise SpecdecError(f"cannot create the output directory {out}: {e.strerror}") from None
-    paths = [out / RESULTS, out / REPORT, out / SPEEDUP_PNG, out / ACCEPTANCE_PNG]
+        fallback = Path(tempfile.mkdtemp(prefix="specdec-bench-"))
+        _write(results, fallback)
+        raise SpecdecError(f"cannot write the report into {out} ({e.strerror or e}); it went to {fallback}") from None
+
+
+def report_files(out: Path) -> list[Path]:
+    """The files `write_report` writes into `out`."""
+    return [out / RESULTS, out / REPORT, out / SPEEDUP_PNG, out / ACCEPTANCE_PNG]
+
+
+def _write(results: dict, out: Path) -> list[Path]:
+    paths = report_files(out)
     paths[0].write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
     paths[1].write_text(markdown(results), encoding="utf-8")
     plot_speedup(results, paths[2])
