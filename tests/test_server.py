@@ -603,6 +603,8 @@ def test_wrong_types_name_the_field_and_what_it_must_be(server):
     """A few messages in full: the field's path, what it must be, what was sent."""
     cases = [({"prompt": "hi", "prediction": 5}, "prediction must be an object, got 5"),
              ({"prompt": "hi", "temperature": "hot"}, 'temperature must be a number, got "hot"'),
+             ({"prompt": "hi", "temperature": float("nan")}, "temperature must be a finite number, got NaN"),
+             ({"prompt": "hi", "top_p": float("inf")}, "top_p must be a finite number, got Infinity"),
              ({"prompt": "hi", "zz": 1, "frobnicate": 2}, "unsupported fields: frobnicate, zz"),
              ({"prompt": "hi", "stop": 5}, "stop must be a non-empty string or a list of up to 4 non-empty strings, "
                                            "got 5")]

@@ -51,7 +51,7 @@ NullOnly = Annotated[Any, neutral()] | None         # an OpenAI field with no ne
 
 
 class Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class TextPart(Body):
@@ -183,7 +183,7 @@ class ChatCompletionRequest(CommonRequest):
 EXPECTED = {"float_type": "a number", "int_type": "an integer", "bool_type": "true or false",
             "string_type": "a string", "list_type": "a list", "dict_type": "an object", "model_type": "an object",
             "model_attributes_type": "an object", "string_too_short": "a non-empty string",
-            "string_pattern_mismatch": "1-64 letters, digits, _ or -"}
+            "string_pattern_mismatch": "1-64 letters, digits, _ or -", "finite_number": "a finite number"}
 BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
 BOUND_KEYS = {"greater_than": "gt", "greater_than_equal": "ge", "less_than": "lt", "less_than_equal": "le"}
 
