@@ -109,35 +109,36 @@ def test_a_token_gets_the_bits_of_its_own_keys_whatever_shares_the_call():
             assert torch.equal(alone[0], full[r]), (b, t)
 
 
-def test_torch_attention_keeps_rows_invariant_without_the_native_kernel(monkeypatch):
+@pytest.mark.parametrize("shape, n", [("smollm2", 140), ("gemma3", 300)])
+def test_torch_attention_keeps_rows_invariant_without_the_native_kernel(monkeypatch, shape, n):
     """Where no compiler builds the kernel, forwards attend through torch ops: still row-invariant,
-    chains and trees (a smaller version of test_model's checks)."""
+    chains and trees (a smaller version of test_model's checks); Gemma's local layers past their window too."""
     monkeypatch.setattr(native, "_TRIED", ["disabled in this test"])
     assert not native.available(torch.device("cpu"))
-    model = target_shaped(5, torch.float32)
+    model = target_shaped(5, torch.float32, shape)
     g = torch.Generator().manual_seed(6)
-    prompt = torch.randint(0, 512, (1, 140), generator=g)
+    prompt = torch.randint(0, 512, (1, n), generator=g)
     cont = torch.randint(0, 512, (1, 6), generator=g)
 
     def prefilled():
-        cache = model.new_cache(1, 256)
-        pos = torch.arange(140)[None]
+        cache = model.new_cache(1, n + 16)
+        pos = torch.arange(n)[None]
         model(prompt, pos, cache, torch.tensor([0]))
-        cache.commit(torch.tensor([0]), pos, torch.tensor([140]))
+        cache.commit(torch.tensor([0]), pos, torch.tensor([n]))
         return cache
 
     cache, steps = prefilled(), []
     for t in range(6):
-        steps.append(model(cont[:, t:t + 1], torch.tensor([[140 + t]]), cache, torch.tensor([0])))
+        steps.append(model(cont[:, t:t + 1], torch.tensor([[n + t]]), cache, torch.tensor([0])))
         cache.commit(torch.tensor([0]), torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]))
-    chunk = model(cont, 140 + torch.arange(6)[None], prefilled(), torch.tensor([0]))
+    chunk = model(cont, n + torch.arange(6)[None], prefilled(), torch.tensor([0]))
     assert torch.equal(chunk, torch.cat(steps, 1))
     parents = torch.tensor([[-1, 0, 0, 1, 2, 3]])
     tokens = torch.cat([cont[:, :2], cont[:, 2:3], cont[:, 2:]], 1)[:, :6]
     tree = TokenTree(tokens, parents)
-    hidden = model(tokens, 140 + tree.depth(), prefilled(), torch.tensor([0]), tree.mask())
+    hidden = model(tokens, n + tree.depth(), prefilled(), torch.tensor([0]), tree.mask())
     path = [0, 1, 3, 5]                                                       # node 5's path
-    chain = model(tokens[:, path], 140 + torch.arange(4)[None], prefilled(), torch.tensor([0]))
+    chain = model(tokens[:, path], n + torch.arange(4)[None], prefilled(), torch.tensor([0]))
     assert torch.equal(hidden[0, 5], chain[0, -1])
 
 
