@@ -125,8 +125,9 @@ def test_loading_removes_older_formats_of_the_file_and_orphan_locks(tmp_path, mo
     other_torch = where.with_name(where.name.replace("-torch", "-torch9.9.9x"))
     other_form = where.with_name(where.name.replace("-float32-dense-", "-bfloat16-q4-").rsplit("-v", 1)[0] + "-v1.safetensors")
     other_form_now = where.with_name(where.name.replace("-float32-dense-", "-bfloat16-q4-"))
+    newer = where.with_name(f"{base}-v{weight_cache.FORMAT + 1}.safetensors")              # a later specdec's
     other_file = where.with_name(where.name.replace(where.name.split("-")[0], "other", 1).rsplit("-v", 1)[0] + "-v1.safetensors")
-    for p in (old, other_torch, other_form, other_form_now, other_file):
+    for p in (old, other_torch, other_form, other_form_now, other_file, newer):
         p.write_bytes(b"old")
     old_lock = old.with_name(f".{old.name}.lock")
     orphan, held = where.with_name(".never-written.safetensors.lock"), where.with_name(".converting.safetensors.lock")
@@ -139,7 +140,7 @@ def test_loading_removes_older_formats_of_the_file_and_orphan_locks(tmp_path, mo
         assert held.exists()
     assert where.is_file() and not old.exists() and not other_form.exists() and not old_lock.exists()
     assert not orphan.exists()
-    assert other_torch.exists() and other_file.exists() and other_form_now.exists()     # this format: kept
+    assert other_torch.exists() and other_file.exists() and other_form_now.exists() and newer.exists()
     with registry.exclusive(held, "busy"):                      # a lock removed meanwhile is taken anew
         assert held.exists()
 

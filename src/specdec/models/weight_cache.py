@@ -100,7 +100,7 @@ def superseded(where: Path) -> list[Path]:
     head, machine = name.groups()
     older = rf"{re.escape(head)}-[^-]+-(q4|dense)-{re.escape(machine)}-v(\d+)\.safetensors"
     return [p for p in where.parent.glob(f"{glob.escape(head)}-*-{glob.escape(machine)}-v*.safetensors")
-            if (m := re.fullmatch(older, p.name)) and int(m.group(2)) != FORMAT]
+            if (m := re.fullmatch(older, p.name)) and int(m.group(2)) < FORMAT]     # a newer version's stay
 
 
 @contextmanager
