@@ -5,12 +5,14 @@ fastest here (`eagle3.draft_kernel`, timed at the first start), and a chain stop
 confidence (`api.EAGLE_CHAIN_MIN_CONFIDENCE`). This script benchmarks, on a suite's prompts, `none` and each of
 `--methods` as loaded, and once more per variant of `--variants`:
   `q8`     every linear re-prepared as Q8_0 codes (`eagle3.eight_bit_kernel`): "METHOD, 8-bit head";
-  `cut=C`  chains cut below cumulative confidence C: "METHOD, cut C";
+  `cut=C`  chains cut below cumulative confidence C (0: never cut): "METHOD, cut C";
 all systems interleaved per prompt as `specdec bench` runs them, and writes the same report (speedup over
 `none`, tau, acceptance per position, output equality).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/head_variants.py --threads 1 --variants q8 --out runs/bench/head-forms
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/head_variants.py --threads 1 --variants cut=0.2,cut=0.15
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/head_variants.py --threads 1 --methods eagle3 --variants cut=0 \
+        --num-draft-tokens 1 --temperature 1.0 --limit 2        # sampled drafts, one per step, never cut
 """
 from __future__ import annotations
 
@@ -48,9 +50,9 @@ def label(method: str, variant: str) -> str:
     """The report's name of a method under a variant ("q8" or "cut=C")."""
     if variant == "q8":
         return f"{method}, 8-bit head"
-    if variant.startswith("cut=") and 0 < float(variant[4:]) < 1:
+    if variant.startswith("cut=") and 0 <= float(variant[4:]) < 1:
         return f"{method}, cut {float(variant[4:])}"
-    raise SystemExit(f"unknown variant {variant!r}: q8 or cut=C with 0 < C < 1")
+    raise SystemExit(f"unknown variant {variant!r}: q8 or cut=C with 0 <= C < 1")
 
 
 def apply(system: runner.MethodSystem, variant: str, dtype: torch.dtype) -> None:
@@ -58,7 +60,8 @@ def apply(system: runner.MethodSystem, variant: str, dtype: torch.dtype) -> None
     if variant == "q8":
         head_of(system).prepare(dtype, eight_bit_kernel)
     else:
-        chain_of(system).log_min_confidence = math.log(float(variant[4:]))
+        cut = float(variant[4:])
+        chain_of(system).log_min_confidence = math.log(cut) if cut > 0 else -math.inf
 
 
 def main() -> None:
@@ -70,6 +73,9 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=0, help="prompts per category, 0: all (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=1, help="runs of every prompt (default: %(default)s)")
+    ap.add_argument("--num-draft-tokens", type=int, default=4, help="draft length K, fixed (default: %(default)s)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; above 0 the heads "
+                                                                    "sample their drafts (default: %(default)s)")
     ap.add_argument("--out", default="runs/bench/head-variants", help="report folder (default: %(default)s)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -80,20 +86,20 @@ def main() -> None:
     base = runner.parse_methods(methods, None)                          # none first
     pairs = [(v, m) for v in variants for m in methods]
     specs = base + [runner.MethodSpec(label(m, v), m, None) for v, m in pairs]
-    systems = runner.build_systems(target, tokenizer, specs, "q4", "cpu", 4, "fixed", name)
+    systems = runner.build_systems(target, tokenizer, specs, "q4", "cpu", a.num_draft_tokens, "fixed", name)
     for s, (v, _) in zip(systems[len(base):], pairs):
         apply(s, v, target.dtype)
     for s in systems[1:len(base)]:
         print(f"{s.name}: " + ", ".join(f"{n} {k.label}" for n, k in head_of(s).packed.items()), file=sys.stderr)
     runtime = runtime_info(target)
     config = {"model": name, "dtype": runtime["dtype"], "runtime": runtime, "device": "cpu", "suite": a.suite,
-              "limit": a.limit, "num_draft_tokens": 4, "draft_policy": "fixed", "draft_model": "",
+              "limit": a.limit, "num_draft_tokens": a.num_draft_tokens, "draft_policy": "fixed", "draft_model": "",
               "method_specs": [{"label": s.label, "method": s.method, "draft": "", "policy": "fixed",
                                 "tree": str(s.tree), "sample_drafts": s.sample_drafts} for s in specs],
               "peer_notes": []}
     command = "OMP_NUM_THREADS={0} .venv/bin/python benchmarks/head_variants.py {1}".format(a.threads, " ".join(sys.argv[1:]))
     results = runner.benchmark(systems, prompts, tokenizer, config, runner.machine_info(runtime["dtype"]), command,
-                               a.repeats)
+                               a.repeats, a.temperature)
     paths = report.write_report(results, Path(a.out))
     print(report.summary_table(results))
     print(f"report: {', '.join(str(p) for p in paths)}", file=sys.stderr)
