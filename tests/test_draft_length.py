@@ -146,3 +146,39 @@ def test_greedy_equals_plain_when_plain_and_speculative_steps_mix(method):
     for p, s in zip(PROMPTS, seqs):
         assert s.generated == reference_greedy(target, p, 25)
     assert sum(s.counters.drafted for s in seqs) > 0
+
+
+def test_what_low_acceptance_taught_ages():
+    """A server's policy outlives requests: after a long run of rejected drafts (K = 0 wins) a later request
+    whose drafts are accepted must get drafting back (plain steps age the estimates toward the prior; probes
+    alone, each one observation among decayed counts of about 50, took thousands of steps)."""
+    one = torch.ones(1, dtype=torch.long)
+    p = Auto(4, 8)
+    for _ in range(200):                                                     # a long run of rejected drafts
+        p.choose(1, 1000)
+        p.observe(1, 2, 2 * one, 0 * one, 0.02, 0.053)
+    for _ in range(2000):                                                    # then the policy's own choice
+        k = p.choose(1, 1000)
+        p.observe(1, k, k * one, 0 * one, 0.01 * k, 0.05 + 0.001 * k)
+    assert p.choose(1, 1000) == 0
+    ks = []
+    for _ in range(1000):                                                    # now every draft is accepted
+        ks.append(p.choose(1, 1000))
+        p.observe(1, ks[-1], ks[-1] * one, ks[-1] * one, 0.01 * ks[-1], 0.05 + 0.001 * ks[-1])
+    assert sum(k > 0 for k in ks[-100:]) == 100 and ks[-1] >= 2               # drafting again
+
+
+def test_the_probes_back_off_stops_doubling():
+    """Where drafting stays too costly, a probe still comes at least every REPROBE_MAX plain steps."""
+    one = torch.ones(1, dtype=torch.long)
+    costly = Auto(4, 8)
+    for _ in range(40 * Auto.REPROBE_MAX):                                   # drafts cost 4 forwards: never pay
+        k = costly.choose(1, 100_000)
+        costly.observe(1, k, k * one, 0 * one, 0.2 if k else 0.0, 0.05)
+    gaps, last = [], 0
+    for i in range(8 * Auto.REPROBE_MAX):
+        if costly.choose(1, 100_000):
+            gaps.append(i - last)
+            last = i
+        costly.observe(1, costly.k, costly.k * one, 0 * one, 0.2 if costly.k else 0.0, 0.05)
+    assert len(gaps) >= 7 and max(gaps) <= Auto.REPROBE_MAX + 1

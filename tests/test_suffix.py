@@ -130,3 +130,35 @@ def test_forget_drops_what_earlier_requests_taught():
     again = run_engine(target, prop, [Request(list(PROMPTS[1]), 40)], "fixed", 4)[0]
     assert again.generated == first.generated
     assert (again.counters.drafted, again.counters.accepted) == (first.counters.drafted, first.counters.accepted)
+
+
+class NeverDraft:
+    """A policy choosing K = 0 at every step (as `auto` does where drafting does not pay)."""
+
+    def choose(self, batch: int, remaining: int) -> int:
+        return 0
+
+    def observe(self, batch, k, valid, accepted, draft_s, target_s) -> None:
+        pass
+
+
+def test_outputs_of_steps_without_drafts_teach_later_requests():
+    """Steps without drafts call no propose, where the indexes used to catch up: a request decoded wholly
+    plainly taught the shared index nothing."""
+    from specdec.engine import Engine
+    from specdec.prefix_cache import PrefixCache
+
+    target = tiny_model(seed=7)
+    target.pack()
+    prop = SuffixProposer()
+    eng = Engine(target, prop, NeverDraft(), lambda ids: "", frozenset(), PrefixCache(0), 64)
+    eng.allocate(1, 120)
+    plain = eng.add(Request(list(PROMPTS[1]), 40))
+    with torch.inference_mode():
+        while eng.busy:
+            eng.step()
+    assert plain.generated == reference_greedy(target, PROMPTS[1], 40) and plain.counters.drafted == 0
+    again = run_engine(target, prop, [Request(list(PROMPTS[1]), 40)], "fixed", 4)[0]
+    fresh = run_engine(target, SuffixProposer(), [Request(list(PROMPTS[1]), 40)], "fixed", 4)[0]
+    assert again.generated == fresh.generated == plain.generated
+    assert again.counters.accepted > fresh.counters.accepted

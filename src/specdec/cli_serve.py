@@ -55,8 +55,8 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
                    help="engines kept at once, the default method's included: each other (method, K) a request names "
                         "in `speculative` builds one (its own KV caches and draft weights: 0.6-0.75 GB each for "
                         "smollm2-135m with the default limits, docs/server.md); past the bound the least recently used "
-                        "idle one is dropped, and a request that finds every engine busy gets a 429 (1 = only the "
-                        "default method)")
+                        "idle one is dropped, and a request that finds every engine busy waits for one to be idle (1 = only "
+                        "the default method and none; another method gets a 429)")
     p.add_argument("--learn", action="store_true",
                    help="learn from traffic: the EAGLE-3 head that eagle3 and hybrid requests draft with is distilled "
                         "from the target's features of what they commit, between batches, and its learnt weights swapped "

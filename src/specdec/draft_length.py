@@ -89,20 +89,30 @@ class Auto:
 
     Probing: the first drafting steps draft PROBE_KS tokens (the first one's cost is not taken: it carries
     one-off work, a draft catching up on the prompt, first calls). Where K = 0 wins, a step of
-    PROBE_KS[-1] drafts after REPROBE plain steps, then after twice as many, and so on, keeps the
-    acceptance estimate fresh (only drafting measures it) at a bounded price; its cost is not taken
-    either, for it includes the catch-up over the plain steps. No re-probe where fewer than REPROBE
+    PROBE_KS[-1] drafts after REPROBE plain steps, then after twice as many, and so on up to REPROBE_MAX,
+    keeps the acceptance estimate fresh (only drafting measures it) at a bounded price; its cost is not
+    taken either, for it includes the catch-up over the plain steps. No re-probe where fewer than REPROBE
     tokens are left to write: drafting found then could not pay for the probe.
+
+    Ageing: a policy outlives requests (a server's engine serves one after another), and acceptance is the
+    requests' own (a repetitive edit, a free-form answer at temperature 1). Every plain step moves the
+    acceptance estimates a little back toward the prior (PLAIN_DECAY), so what low acceptance taught under
+    one load does not keep later requests from drafting: where drafting still does not pay, the few
+    drafting steps that the returned estimate allows measure it again.
     """
 
     OVERHEAD_ROWS = 16.0            # prior; measured here: 1 row 19 ms, 17 rows 41 ms -> ~13 rows
     PROBE_KS = (1, 2)               # drafts of the first drafting steps (the first one absorbs one-off costs)
     REPROBE = 32                    # plain steps between probes while K = 0 wins
+    REPROBE_MAX = 512               # ... doubling per probe up to this many
+    PLAIN_DECAY = 0.99              # per plain step, the acceptance counts' weight against the prior's
+    PRIOR_COUNT = 2.0               # the prior's weight in pseudo-counts
 
     def __init__(self, k: int, k_max: int, prior: float = 0.6, decay: float = 0.98) -> None:
         self.k, self.k_max, self.decay = k, k_max, decay
-        self.tried = [2.0] * k_max                  # pseudo-counts: conditional acceptance per position
-        self.hit = [2.0 * prior] * k_max
+        self.prior = prior
+        self.tried = [self.PRIOR_COUNT] * k_max     # pseudo-counts: conditional acceptance per position
+        self.hit = [self.PRIOR_COUNT * prior] * k_max
         self.c_draft: dict[int, float] = {}         # drafts -> seconds drafting (whole batch)
         self.c_target: dict[int, float] = {}        # rows scored -> seconds per target forward
         self.draft_steps = 0                        # drafting steps observed
@@ -140,7 +150,7 @@ class Auto:
                 self.reprobe = self.REPROBE
         if self.k == 0 and self.plain_run >= self.reprobe and remaining >= self.REPROBE:
             self.k = min(self.k_max, self.PROBE_KS[-1])
-            self.reprobe *= 2                       # back off while probes do not bring drafting back
+            self.reprobe = min(2 * self.reprobe, self.REPROBE_MAX)   # back off while probes find nothing
         return self.k
 
     def observe(self, batch: int, k: int, valid: Tensor, accepted: Tensor, draft_s: float, target_s: float) -> None:
@@ -149,6 +159,9 @@ class Auto:
         self.c_target[rows] = target_s if old is None else 0.8 * old + 0.2 * target_s
         if k == 0:
             self.plain_run += 1
+            d, n = self.PLAIN_DECAY, self.PRIOR_COUNT                   # age the estimates toward the prior
+            self.tried = [t * d + (1 - d) * n for t in self.tried]
+            self.hit = [h * d + (1 - d) * n * self.prior for h in self.hit]
             return
         for v, a in zip(valid.tolist(), accepted.tolist()):
             for i in range(min(v, a + 1)):           # positions reached

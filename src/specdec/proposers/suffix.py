@@ -235,4 +235,7 @@ class SuffixProposer:
         self.shared, self.row_shared = OrderedDict(), {}
 
     def commit(self, batch: ActiveBatch, verdict: Verdict, hidden: Tensor) -> None:
-        pass                          # the indexes catch up lazily in propose
+        """Index the step's tokens, drafted or not: steps without drafts (the `auto` policy's K = 0) call no
+        propose, and a request ending on them would leave its last outputs out of the shared index."""
+        for r, hist in zip(self._bind(batch), batch.tokens):
+            self._catch_up(r, hist)
