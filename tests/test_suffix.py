@@ -162,3 +162,20 @@ def test_outputs_of_steps_without_drafts_teach_later_requests():
     fresh = run_engine(target, SuffixProposer(), [Request(list(PROMPTS[1]), 40)], "fixed", 4)[0]
     assert again.generated == fresh.generated == plain.generated
     assert again.counters.accepted > fresh.counters.accepted
+
+
+def test_the_shared_indexes_are_bounded_over_all_tenants():
+    """Each tenant's index is bounded; so are all of them together (64 full tenants held ~10 GiB): past
+    max_total_contexts the least recently used tenants are dropped, never the one being written."""
+    prop = SuffixProposer(max_match=2, max_contexts=40, max_total_contexts=100)
+    prop.allocate(1, 64)
+    sampling = BatchSampling.of([SamplingParams()])
+    for i, tenant in enumerate(["a", "b", "c", "d"]):
+        tokens = [1000 * i + j for j in range(30)]                            # 57 contexts per tenant, 40 kept
+        prop.start(torch.tensor([0]), [tokens[:2]], torch.zeros(1, 2, 1))
+        prop.commit(ActiveBatch(torch.tensor([0]), [tokens], sampling, torch.zeros(1, dtype=torch.long), [tenant]),
+                    None, torch.zeros(1))
+        assert sum(len(x.counts) for x in prop.shared.values()) <= 100 and tenant in prop.shared
+    assert list(prop.shared) == ["c", "d"]
+    with pytest.raises(SpecdecError, match="max_total_contexts >= max_contexts"):
+        SuffixProposer(max_contexts=10, max_total_contexts=5)

@@ -3,8 +3,8 @@
 Two indexes of continuation counts: one per sequence over its prompt and output, and one shared over
 the outputs of every request this proposer has served for the same tenant (`Request.tenant`: a server
 keeps one per API key, so that no client's acceptance depends on another's requests; bounded: the
-least recently used contexts are dropped past `max_contexts`, the least recently used tenants past
-MAX_TENANTS). Each maps a context (the last m tokens, m = 1..max_match) to how
+least recently used contexts are dropped past `max_contexts` per tenant, the least recently used tenants past
+MAX_TENANTS or past `max_total_contexts` over all of them). Each maps a context (the last m tokens, m = 1..max_match) to how
 often each token followed it. A step matches the longest suffix of the sequence seen before, then
 grows a token tree best-first by estimated probability (counts of the longest matching context;
 the sequence's own counts weigh `local_weight` times the shared ones), keeping nodes whose
@@ -35,6 +35,7 @@ from .base import ActiveBatch
 TREE_COST = 1.3      # a tree forward over n nodes / a chain forward over n tokens (benchmarks/forward_cost.py,
                      # smollm2-135m q4: 1.29-1.35x for 3-9 rows: the exact tree's per-node tail key blocks)
 MAX_TENANTS = 64     # shared indexes kept (one per tenant; the least recently used is dropped beyond)
+MAX_TOTAL_CONTEXTS = 1_200_000   # contexts over all tenants' shared indexes (about 440 bytes each: ~500 MiB)
 MATCH_FACTOR = 2.0   # drafts per matched token (benchmarks/replay_drafts.py over the mini suite's greedy outputs:
                      # 1.0 drafts too little on translation, 8.0 (no cap) wastes rows on weak one-token matches)
 
@@ -69,11 +70,14 @@ class SuffixProposer:
     feature_layers: tuple[int, ...] = ()                 # the target layers it reads: none
 
     def __init__(self, max_match: int = 8, budget: int = 8, min_prob: float = 0.1, local_weight: float = 4.0,
-                 max_contexts: int = 400_000, tree_cost: float = TREE_COST, match_factor: float = MATCH_FACTOR) -> None:
+                 max_contexts: int = 400_000, tree_cost: float = TREE_COST, match_factor: float = MATCH_FACTOR,
+                 max_total_contexts: int = MAX_TOTAL_CONTEXTS) -> None:
         if (max_match < 1 or budget < 1 or not 0 < min_prob < 1 or local_weight < 0 or max_contexts < 1
-                or tree_cost < 1 or match_factor <= 0):
+                or tree_cost < 1 or match_factor <= 0 or max_total_contexts < max_contexts):
             raise SpecdecError("suffix decoding needs max_match >= 1, budget >= 1, 0 < min_prob < 1, "
-                               "local_weight >= 0, max_contexts >= 1, tree_cost >= 1, match_factor > 0")
+                               "local_weight >= 0, max_contexts >= 1, tree_cost >= 1, match_factor > 0, "
+                               "max_total_contexts >= max_contexts")
+        self.max_total_contexts = max_total_contexts
         self.max_match, self.budget, self.min_prob, self.local_weight = max_match, budget, min_prob, local_weight
         self.tree_cost, self.match_factor = tree_cost, match_factor
         self.max_contexts = max_contexts
@@ -117,6 +121,10 @@ class SuffixProposer:
             self.local[r].add(tokens, self.seen[r])
             self.row_shared[r].add(tokens, max(self.seen[r], self.prompt_len[r]))   # outputs only
             self.seen[r] = len(tokens)
+            total = sum(len(index.counts) for index in self.shared.values())
+            while total > self.max_total_contexts and len(self.shared) > 1:       # the least recently used go
+                _, dropped = self.shared.popitem(last=False)                     # (a row bound to it keeps it
+                total -= len(dropped.counts)                                     # until its request ends)
 
     def _reach(self, matched: int, k: int) -> int:
         """Drafts a match of `matched` tokens may have: at most match_factor per matched token, and k."""
