@@ -743,7 +743,10 @@ WEIGHTS_OF = {"draft": "draft", "staged": "draft", "self": "exit", "eagle": "eag
               "hybrid": "eagle3", "medusa": "medusa"}      # method -> the kind of shipped weights it drafts with
 
 
-def check_shipped(model: str, method: str, own_file: str = "--draft-model FILE, draft_model=FILE") -> None:
+OWN_FILE = "--draft-model FILE, draft_model=FILE"      # how generate, serve and load name a draft's file
+
+
+def check_shipped(model: str, method: str, own_file: str = OWN_FILE) -> None:
     """Refuse, before anything loads, a method that would draft with shipped weights the registered `model` lacks
     (`own_file`: how the caller's user names a file instead)."""
     kind = WEIGHTS_OF.get(method, "")
@@ -756,7 +759,7 @@ def has_shipped(model: str, kind: str) -> bool:
     return name is not None and (WEIGHTS_DIR / name).is_file()
 
 
-def missing(model: str, kind: str, own_file: str = "--draft-model FILE, draft_model=FILE") -> str:
+def missing(model: str, kind: str, own_file: str = OWN_FILE) -> str:
     """Why (model, kind) has no weights, the training command that makes them and how to draft with a file."""
     hint = train_hint(model, kind, " --layers N" if kind == "exit" else "")
     return f"no shipped {kind} weights for {model!r}; {hint}; draft with a file ({own_file})"

@@ -121,10 +121,6 @@ class SuffixProposer:
             self.local[r].add(tokens, self.seen[r])
             self.row_shared[r].add(tokens, max(self.seen[r], self.prompt_len[r]))   # outputs only
             self.seen[r] = len(tokens)
-            total = sum(len(index.counts) for index in self.shared.values())
-            while total > self.max_total_contexts and len(self.shared) > 1:       # the least recently used go
-                _, dropped = self.shared.popitem(last=False)                     # (a row bound to it keeps it
-                total -= len(dropped.counts)                                     # until its request ends)
 
     def _reach(self, matched: int, k: int) -> int:
         """Drafts a match of `matched` tokens may have: at most match_factor per matched token, and k."""
@@ -247,3 +243,7 @@ class SuffixProposer:
         propose, and a request ending on them would leave its last outputs out of the shared index."""
         for r, hist in zip(self._bind(batch), batch.tokens):
             self._catch_up(r, hist)
+        total = sum(len(index.counts) for index in self.shared.values())       # once per step, not per row
+        while total > self.max_total_contexts and len(self.shared) > 1:           # the least recently used go
+            _, dropped = self.shared.popitem(last=False)                         # (a row bound to it keeps it
+            total -= len(dropped.counts)                                         # until its request ends)

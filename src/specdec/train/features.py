@@ -92,6 +92,7 @@ def begin(model: str, out: Path, overwrite: bool, seed: int, data: Path,
     another tokenizer."""
     from . import source
     from ..api import load_model
+    from ..errors import SpecdecError
 
     if not checked:
         check_output(out, overwrite)
@@ -100,8 +101,6 @@ def begin(model: str, out: Path, overwrite: bool, seed: int, data: Path,
                 try:
                     old.unlink(missing_ok=True)
                 except OSError as e:
-                    from ..errors import SpecdecError
-
                     raise SpecdecError(f"--overwrite cannot remove {old}: {e.strerror or e}") from None
     torch.manual_seed(seed)
     target, tokenizer, name = load_model(model, "auto")
