@@ -182,14 +182,20 @@ def test_cli_json_contract():
     rt = obj["runtime"]                                         # the machine, dtype and self-check are named
     assert rt["dtype"] in ("float32", "bfloat16", "q4") and rt["self_check"]["passed"] and rt["cpu"]
     assert obj["method"] == "ngram"
+    assert "logprobs" not in obj
     plain = json.loads(subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "--prompt", "Say hello.",
-                                       "--max-new-tokens", "12", "--method", "none", "--json"], capture_output=True,
-                                      text=True, timeout=300).stdout)
+                                       "--max-new-tokens", "12", "--method", "none", "--json", "--logprobs", "2"],
+                                      capture_output=True, text=True, timeout=300).stdout)
     assert plain["metrics"]["tau"] == 1.0 and plain["metrics"]["acceptance_rate"] is None
     default = json.loads(subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "--prompt", "Say hello.",
-                                         "--max-new-tokens", "12", "--json"], capture_output=True, text=True,
-                                        timeout=300).stdout)
+                                         "--max-new-tokens", "12", "--json", "--logprobs", "2"], capture_output=True,
+                                        text=True, timeout=300).stdout)
     assert default["method"] == "suffix" and default["tokens"] == plain["tokens"]      # speculation on by default
+    assert default["logprobs"] == plain["logprobs"]                            # the same bits in q4 too
+    lps = plain["logprobs"]
+    assert [x["token"] for x in lps] == plain["tokens"] and all(len(x["top"]) == 2 for x in lps)
+    assert all(x["top"][0] == [x["token"], x["logprob"]] for x in lps)                 # greedy: the most likely
+    assert "".join(x["text"] for x in lps).startswith(plain["text"])
 
 
 @pytest.fixture(scope="module")

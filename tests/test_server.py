@@ -244,6 +244,41 @@ def test_predicted_outputs(gen, client):
     assert got.choices[0].text == plain.text and got.speculative["accepted_prediction_tokens"] >= 8
 
 
+def test_logprobs_are_plain_decodings_streamed_or_not(gen, client):
+    """Chat and completions report each completion token's log-probability (and alternatives) bit for bit as
+    plain decoding offline does, in OpenAI's two formats, streamed or not."""
+    tok = gen.tokenizer
+    want = offline(gen, QUESTION, 20, chat=True, method="none", logprobs=True, top_logprobs=3)
+    values = [lp.logprob for lp in want.logprobs]
+    tops = [[v for _, v in lp.top] for lp in want.logprobs]
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=20, temperature=0,
+               logprobs=True, top_logprobs=3)
+    got = client.chat.completions.create(**ask)
+    content = got.choices[0].logprobs.content
+    assert [c.logprob for c in content] == values and [[t.logprob for t in c.top_logprobs] for c in content] == tops
+    assert [bytes(c.bytes) for c in content] == [tok.token_bytes(t) for t in want.tokens]
+    assert [c.top_logprobs[0].token for c in content] == [c.token for c in content]           # greedy: the argmax
+    assert b"".join(bytes(c.bytes) for c in content).decode().startswith(got.choices[0].message.content)
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    streamed = [c for ch in chunks if ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert [c.logprob for c in streamed] == values and [c.token for c in streamed] == [c.token for c in content]
+    assert chunks[0].choices[0].logprobs is None and chunks[-1].choices[0].logprobs is None    # role, finish
+
+    want = offline(gen, PROMPT, 16, chat=False, logprobs=True, top_logprobs=2)
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, logprobs=2)
+    lp = got.choices[0].logprobs
+    assert lp.token_logprobs == [x.logprob for x in want.logprobs] and "".join(lp.tokens) == got.choices[0].text
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    assert all(t in alts and len(alts) in (2, 3) for t, alts in zip(lp.tokens, lp.top_logprobs))
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, logprobs=0,
+                                            stream=True))
+    parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for p in parts for t in p.tokens] == lp.tokens and [o for p in parts for o in p.text_offset] == lp.text_offset
+    assert all(alts == {t: v} for p in parts for t, v, alts in zip(p.tokens, p.token_logprobs, p.top_logprobs))
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None                                                     # not asked
+
+
 def test_eight_concurrent_streams(gen, server, client):
     wants = gen.generate(CHAT_PROMPTS, max_new_tokens=24, chat=True)
 
@@ -496,9 +531,13 @@ BAD = [  # (what, path, body, status, param)
     ("over-long prompt", "/v1/completions", {"prompt": LONG}, 400, "prompt"),
     ("over-long chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
     ("unsupported field", "/v1/completions", {"prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
-    ("unsupported value", "/v1/completions", {"prompt": "hi", "logprobs": 3}, 400, "logprobs"),
-    ("logprobs 0 (OpenAI: the sampled tokens' logprobs)", "/v1/completions", {"prompt": "hi", "logprobs": 0}, 400,
-     "logprobs"),
+    ("unsupported value", "/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("logprobs over 20", "/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("logprobs true for completions", "/v1/completions", {"prompt": "hi", "logprobs": True}, 400, "logprobs"),
+    ("top_logprobs without logprobs", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                               "top_logprobs": 2}, 400, "top_logprobs"),
+    ("top_logprobs over 20", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                      "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("a value nested 600 deep", "/v1/completions", {"prompt": "hi", "x": json.loads("[" * 600 + "]" * 600)}, 400, "x"),
     ("logit_bias nested 600 deep", "/v1/completions", {"prompt": "hi", "logit_bias": json.loads('{"a":' * 600 + "1"
                                                                                                  + "}" * 600)}, 400,

@@ -15,11 +15,14 @@ apply_isa_limit()          # $SPECDEC_ISA, before torch computes anything
 
 if TYPE_CHECKING:
     from .api import Generator, Result, load, load_model
+    from .logprobs import TokenLogprob
     from .sampling import SamplingParams
 
-_LAZY = {"load": "api", "load_model": "api", "Generator": "api", "Result": "api", "SamplingParams": "sampling"}
+_LAZY = {"load": "api", "load_model": "api", "Generator": "api", "Result": "api", "SamplingParams": "sampling",
+         "TokenLogprob": "logprobs"}
 
-__all__ = ["load", "load_model", "Generator", "Result", "SamplingParams", "SpecdecError", "METHODS", "__version__"]
+__all__ = ["load", "load_model", "Generator", "Result", "SamplingParams", "TokenLogprob", "SpecdecError", "METHODS",
+           "__version__"]
 
 
 def version() -> str:

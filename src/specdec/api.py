@@ -8,7 +8,7 @@ import numbers
 import threading
 import time
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Literal, Sequence as Seq
 
@@ -16,6 +16,7 @@ import torch
 
 from .draft_length import MAX_DRAFT_TOKENS, POLICIES, make_policy
 from .engine import Engine, Request, scratch_slots
+from .logprobs import TokenLogprob, check_top_logprobs
 from .metrics import Counters
 from . import names
 from .errors import SpecdecError
@@ -65,6 +66,7 @@ class Result:
     metrics: dict
     finish_reason: str              # "stop" (EOS or stop string), "length"; "cancelled": a stream closed early
     prompt_tokens: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)   # one per token of `tokens` where asked, else empty
 
 
 EMPTY_RESULT = Result("", [], Counters().as_dict(), "", 0)     # nothing generated yet
@@ -387,7 +389,8 @@ class Generator:
     def generate(self, prompt: Prompt | list[Prompt], max_new_tokens: int = 128, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop: Seq[str] = (),
                  chat: bool | Literal["auto"] = "auto", truncate: bool = False,
-                 prediction: str | Seq[str] = "") -> Result | list[Result]:
+                 prediction: str | Seq[str] = "", logprobs: bool = False,
+                 top_logprobs: int = 0) -> Result | list[Result]:
         """One prompt (text or token ids) -> Result; a list of prompts -> list of Results.
 
         `stop`: a string or a list of strings (() for none; None is refused).
@@ -395,6 +398,9 @@ class Generator:
         `prediction`: the output you expect (e.g. the text being edited), a string; for a list of prompts a
         list of strings, one per prompt. It is drafted from wherever it matches, for any method, `none`
         included; the output is still exactly the target's.
+        `logprobs`: give each generated token's log-probability under the target's distribution (before
+        temperature, top-k and top-p) in `Result.logprobs`, with the `top_logprobs` (0-20) most likely tokens
+        at its position; the same numbers for every method as for `none`.
 
         A single prompt is sampled with `seed`; prompt i of a list with derive_seed(seed, i), so
         equal prompts in one list get different samples. The sampled output of a prompt depends on
@@ -410,6 +416,7 @@ class Generator:
         per_prompt = [params] if single else [replace(params, seed=derive_seed(seed, i)) for i in range(len(prompts))]
         seqs: list = []
         reqs, slots = self._prepare(prompts, single, max_new_tokens, per_prompt, stop, chat, truncate, prediction)
+        reqs = self._with_logprobs(reqs, logprobs, top_logprobs)
         for _, _, _, seqs in self._run(reqs, slots):
             pass
         results = [self._result(s) for s in seqs]
@@ -419,7 +426,8 @@ class Generator:
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, seed: int = 0, stop: Seq[str] = (), chat: bool | Literal["auto"] = "auto",
-               truncate: bool = False, prediction: str = "") -> Iterator[str]:
+               truncate: bool = False, prediction: str = "", logprobs: bool = False,
+               top_logprobs: int = 0) -> Iterator[str]:
         """Yield text pieces as tokens are committed. `last_result` holds the Result so far (all of it once the
         stream is exhausted; closed early: what was committed, finish_reason "cancelled").
 
@@ -435,7 +443,7 @@ class Generator:
                                f"{type(prompt).__name__}; generate takes a list of prompts")
         params = SamplingParams(temperature, top_k, top_p, seed)
         reqs, slots = self._prepare([prompt], True, max_new_tokens, [params], stop, chat, truncate, prediction)
-        return self._stream(reqs, slots)               # bad arguments raised above, before the first piece
+        return self._stream(self._with_logprobs(reqs, logprobs, top_logprobs), slots)               # bad arguments raised above, before the first piece
 
     def _stream(self, reqs: list[Request], slots: int) -> Iterator[str]:
         owner = threading.get_ident()          # the thread iterating; a dropped stream may be closed in another
@@ -452,9 +460,19 @@ class Generator:
                 self._keep_last(owner, self._result(seqs[0]))
             raise
 
+    @staticmethod
+    def _with_logprobs(reqs: list[Request], logprobs: bool, top_logprobs: int) -> list[Request]:
+        """The requests, asking for log-probabilities where `logprobs`."""
+        if not isinstance(logprobs, bool):
+            raise SpecdecError(f"logprobs must be True or False, got {cut(repr(logprobs))}")
+        top = check_top_logprobs(top_logprobs)
+        if top and not logprobs:
+            raise SpecdecError("top_logprobs needs logprobs=True")
+        return [replace(r, logprobs=logprobs, top_logprobs=top) for r in reqs]
+
     def _result(self, s) -> Result:
         return Result(s.text, s.generated, s.counters.as_dict(), s.finish_reason,
-                      len(s.request.prompt))
+                      len(s.request.prompt), list(s.logprobs))
 
 
 DraftSource = str | CausalLM | None

@@ -232,6 +232,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
         raise SpecdecError("empty prompt")
     if "" in a.stop:
         raise SpecdecError("--stop takes non-empty strings")
+    if a.logprobs is not None and not a.json:
+        raise SpecdecError("--logprobs needs --json (the log-probabilities are a field of its object)")
     if a.chat:
         check_chat_template(a.model)
     set_threads(a)
@@ -242,12 +244,18 @@ def cmd_generate(a: argparse.Namespace) -> int:
     kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
               seed=a.seed, stop=tuple(a.stop), chat=chat, truncate=a.truncate, prediction=prediction)
     if a.json:
-        res = gen.generate(prompt, **kw)
+        asked = a.logprobs is not None
+        res = gen.generate(prompt, **kw, logprobs=asked, top_logprobs=a.logprobs or 0)
         from .api import runtime_info
 
-        print(json.dumps({"method": gen.method, "text": res.text, "tokens": res.tokens, "metrics": res.metrics,
-                          "finish_reason": res.finish_reason, "prompt_tokens": res.prompt_tokens,
-                          "runtime": runtime_info(gen.target)}))
+        out = {"method": gen.method, "text": res.text, "tokens": res.tokens, "metrics": res.metrics,
+               "finish_reason": res.finish_reason, "prompt_tokens": res.prompt_tokens,
+               "runtime": runtime_info(gen.target)}
+        if asked:
+            text = gen.tokenizer.token_bytes
+            out["logprobs"] = [{"token": lp.token, "text": text(lp.token).decode("utf-8", "replace"),
+                                "logprob": lp.logprob, "top": [[t, v] for t, v in lp.top]} for lp in res.logprobs]
+        print(json.dumps(out))
         return 0
     if hasattr(sys.stdout, "reconfigure"):           # a terminal that cannot show a character shows "?"
         sys.stdout.reconfigure(errors="replace")
@@ -362,6 +370,9 @@ def build_parser() -> SpecdecParser:
                         "return and a backslash, so --stop '\\n\\n' stops at a blank line (default: none)")
     g.add_argument("--truncate", action="store_true", help="keep the end of a prompt that is too long for the context")
     g.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
+    g.add_argument("--logprobs", type=int_in(0, names.MAX_TOP_LOGPROBS), default=None, metavar="N",
+                   help="with --json: each generated token's log-probability under the model (before temperature, "
+                        "top-k, top-p) and its position's N most likely tokens (default: off)")
     add_threads_arg(g)
     g.set_defaults(func=cmd_generate)
 

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from .draft_length import DraftPolicy
 from .errors import SpecdecError, is_allocation_failure, requested_size
+from .logprobs import TokenLogprob, token_logprobs
 from .metrics import Counters
 from .models.base import CausalLM
 from .prefix_cache import PREFILL_PIECE, Piece, PrefixCache, piece_keys
@@ -53,6 +54,8 @@ class Request:
     speculate: bool = True            # False: this sequence gets no drafts (plain decoding inside a speculative batch)
     prediction: tuple[int, ...] = ()  # the output the client expects (token ids), a draft source for any method
     tenant: str = ""                  # who may learn from whose outputs (suffix decoding's index); "": one shared
+    logprobs: bool = False            # record each generated token's log-probability (logprobs.py)
+    top_logprobs: int = 0             # ... and that many most likely alternatives at its position
 
 
 @dataclass(eq=False)
@@ -69,6 +72,7 @@ class SequenceState:
     started: float = 0.0
     prefilled: int = 0                                       # prompt tokens in the target's cache
     cached: int = 0                                          # of them copied from the prefix cache
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, if the request asks
 
     @property
     def generated(self) -> list[int]:
@@ -274,11 +278,13 @@ class Engine:
         hidden = torch.nn.utils.rnn.pad_sequence([torch.cat(self.prompt_hidden.pop(s.row)) for s in seqs],
                                                  batch_first=True)            # [B, P, H]
         last = hidden[torch.arange(len(seqs), device=dev), lens - 1]           # [B, H]
-        p = to_probs(self.target.lm_head(last)[:, None], batch.sampling)       # [B, 1, V]
+        logits = self.target.lm_head(last)[:, None]                            # [B, 1, V]
+        p = to_probs(logits, batch.sampling)                                   # [B, 1, V]
         u = position_uniforms(batch.seeds, lens[:, None], Stream.TARGET)       # [B, 1] the first token's position
         first = sample(p[:, 0], u[:, 0])                                       # [B]
         for i, s in enumerate(seqs):
             s.tokens.append(int(first[i]))
+        self._note_logprobs(seqs, logits, torch.zeros_like(logits[:, :, 0], dtype=torch.long), [1] * len(seqs))
         self.predictions.start([s.row for s in seqs], [s.request.prediction for s in seqs],
                                [s.generated for s in seqs])
         self.proposer.start(batch.rows, [list(s.tokens) for s in seqs], hidden)
@@ -313,6 +319,7 @@ class Engine:
         scored = self._score(batch, draft, pending)
         verdict = self._verify(batch, draft, pending, scored)
         first_new = self._commit(seqs, batch, verdict)
+        self._note_logprobs(seqs, scored.logits, verdict.path, verdict.num_new.tolist())
         t2 = time.perf_counter()
         self.proposer.commit(batch, verdict, scored.hidden)
         self.predictions.commit([s.row for s in seqs], [s.generated for s in seqs], verdict.num_new.tolist(),
@@ -390,6 +397,14 @@ class Engine:
             s.tokens.extend(tokens[:n])
         return first_new
 
+    def _note_logprobs(self, seqs: list[SequenceState], logits: Tensor, path: Tensor, num_new: list[int]) -> None:
+        """The log-probabilities of the tokens each sequence just committed, for the sequences that ask:
+        logits [B, N, V] of the scored rows, path [B, >= n] the rows that decided the n new tokens."""
+        for b, (s, n) in enumerate(zip(seqs, num_new)):
+            if s.request.logprobs:
+                rows = logits[b, path[b, :n]]                                              # [n, V]
+                s.logprobs += token_logprobs(rows, s.tokens[-n:], s.request.top_logprobs)
+
     def _record(self, seqs: list[SequenceState], draft: Draft, verdict: Verdict, draft_s: float,
                 target_s: float) -> None:
         """Each sequence's counters and the draft-length policy learn the step's outcome."""
@@ -411,12 +426,14 @@ class Engine:
             if s.tokens[i] in self.eos_ids:
                 s.counters.drop_last(len(s.tokens) - (i + 1))
                 del s.tokens[i + 1:]
+                del s.logprobs[s.num_generated:]
                 s.finish_reason = "stop"
                 return
         extra = len(s.tokens) - prompt - s.request.max_new_tokens
         if extra >= 0:
             if extra:
                 del s.tokens[-extra:]
+                del s.logprobs[s.num_generated:]
                 s.counters.drop_last(extra)
             s.finish_reason = "length"
 
@@ -436,6 +453,7 @@ class Engine:
             cut = len(s.tokens) - (start + used)
             if cut:
                 del s.tokens[start + used:]
+                del s.logprobs[s.num_generated:]
                 s.counters.drop_last(cut)
                 s.read = len(s.tokens)
         s.text += piece

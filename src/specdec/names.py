@@ -27,6 +27,7 @@ DEFAULT_SAMPLE_DRAFTS = "auto"
 AUTO_SAMPLE_FROM = 0.7
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "q4")
 MAX_DRAFT_TOKENS = 64
+MAX_TOP_LOGPROBS = 20                 # the most alternatives per token's log-probability (OpenAI chat's bound)
 PEERS: tuple[str, ...] = ("transformers", "llamacpp")
 EXPORT_FORMATS: tuple[str, ...] = ("vllm", "sglang")
 BENCH_FALLBACK_DRAFT = "self:10"

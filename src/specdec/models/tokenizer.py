@@ -21,6 +21,24 @@ from .registry import cache_dir, file_digest, file_mode, file_sha256, sweep_stal
 # tokens that end a generation besides the eos_token (llama.cpp's end-of-generation set holds them too)
 END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|endoftext|>")
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")                 # a byte-fallback token's spelling
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's spelling of bytes (GPT-2's table, which byte-level vocabularies are written in): printable
+    Latin-1 bytes stand for themselves, the others for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+BYTE_LEVEL = _byte_level_alphabet()                               # character -> the byte it spells
 
 
 def _raise(message: str) -> None:
@@ -66,6 +84,7 @@ class Tokenizer:
         self._literal = None                       # a copy that encodes control tokens' texts as plain text
         self.has_chat_template = bool(chat_template)
         self._template = None
+        self._bytes: dict[int, bytes] = {}         # token id -> its bytes, filled as asked (token_bytes)
         if chat_template:
             import jinja2.ext
             from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -152,6 +171,25 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.backend.decode(ids, skip_special_tokens=False)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The UTF-8 bytes one token spells by itself (a leading space included; a piece of a character: its
+        bytes alone; a control token: its text), as OpenAI's logprobs give them."""
+        found = self._bytes.get(token)
+        if found is not None:
+            return found
+        piece = self.backend.id_to_token(token) or ""
+        byte = BYTE_TOKEN.fullmatch(piece)
+        decoder = self.backend.decoder
+        text = decoder.decode(["a", piece])[1:] if decoder is not None and piece else piece   # "a": keeps a lead space
+        if byte:
+            out = bytes([int(byte.group(1), 16)])
+        elif "\ufffd" in text and piece and all(c in BYTE_LEVEL for c in piece):
+            out = bytes(BYTE_LEVEL[c] for c in piece)                                 # a byte-level piece of a character
+        else:
+            out = text.encode("utf-8")
+        self._bytes[token] = out
+        return out
 
     @property
     def vocab(self) -> dict[str, int]:

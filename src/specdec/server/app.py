@@ -17,7 +17,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Mapping
+from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 import torch
 from fastapi import Depends, FastAPI, Request as HttpRequest
@@ -32,6 +32,8 @@ from ..api import WEIGHTS_OF, DraftSource, Generator, best_method, has_shipped, 
 from ..draft_length import MAX_DRAFT_TOKENS
 from ..engine import Request
 from ..errors import SpecdecError
+from ..logprobs import TokenLogprob
+from ..models.tokenizer import Tokenizer
 from ..names import AUTO_METHOD, DEFAULT_SAMPLE_DRAFTS
 from ..prefix_cache import PrefixCache
 from ..sampling import SamplingParams
@@ -167,6 +169,8 @@ class Parsed:
     stream: bool
     include_usage: bool
     prediction: tuple[int, ...]
+    logprobs: bool                     # report the completion tokens' log-probabilities
+    top_logprobs: int                  # ... with that many alternatives each
 
 
 def content_text(content: str | list[TextPart]) -> str:
@@ -287,11 +291,13 @@ def parse_completion(req: CompletionRequest, state: ServerState) -> Parsed:
     common["max_tokens"] = common["max_tokens"] or min(16, state.config.max_tokens)
     ids = prompt_ids(req.prompt, state)
     check_prompt_length(ids, common["max_tokens"], state, "prompt")
-    return Parsed(ids, **common)
+    return Parsed(ids, **common, logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0)
 
 
 def parse_chat(req: ChatCompletionRequest, state: ServerState) -> Parsed:
     check_model(req.model, state)
+    if req.top_logprobs and not req.logprobs:
+        raise bad("top_logprobs needs logprobs: true", "top_logprobs")
     common = parse_common(req, state, ("max_tokens", "max_completion_tokens"))
     tok = state.generator.tokenizer
     if not tok.has_chat_template:
@@ -302,7 +308,7 @@ def parse_chat(req: ChatCompletionRequest, state: ServerState) -> Parsed:
     check_prompt_length(ids, common["max_tokens"], state, "messages")
     if not common["max_tokens"]:            # default: as much as the limits allow (at least 1: checked above)
         common["max_tokens"] = min(state.config.max_tokens, state.generator.target.max_seq_len - len(ids) - 1)
-    return Parsed(ids, **common)
+    return Parsed(ids, **common, logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs or 0)
 
 
 def validation_error(e: RequestValidationError, state: ServerState) -> ApiError:
@@ -376,11 +382,47 @@ def authorize(keys: tuple[str, ...]) -> Callable[[HttpRequest], str]:
 
 
 # ---- responses -----------------------------------------------------------------------------
+class LogprobsView:
+    """The completion tokens' log-probabilities as OpenAI writes them: chat completions' `content` entries (token,
+    logprob, bytes, top_logprobs), or completions' lists (tokens, token_logprobs, top_logprobs: the alternatives
+    and the token itself by text, text_offset: each token's place in the text, counted on across a stream's
+    chunks). JSON null where the request did not ask."""
+
+    def __init__(self, tokenizer: Tokenizer, chat: bool, asked: bool) -> None:
+        self.tokenizer, self.chat, self.asked = tokenizer, chat, asked
+        self.offset = 0                                          # completions: characters before the next token
+
+    def _entry(self, token: int, logprob: float) -> dict:
+        raw = self.tokenizer.token_bytes(token)
+        return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
+
+    def text(self, token: int) -> str:
+        return self.tokenizer.token_bytes(token).decode("utf-8", "replace")
+
+    def render(self, logprobs: Sequence[TokenLogprob]) -> dict | None:
+        if not self.asked:
+            return None
+        if self.chat:
+            return {"content": [self._entry(lp.token, lp.logprob)
+                                | {"top_logprobs": [self._entry(t, v) for t, v in lp.top]} for lp in logprobs],
+                    "refusal": None}
+        tokens = [self.text(lp.token) for lp in logprobs]
+        offsets = []
+        for t in tokens:
+            offsets.append(self.offset)
+            self.offset += len(t)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [{self.text(t): v for t, v in lp.top} | {tok: lp.logprob}
+                                 for tok, lp in zip(tokens, logprobs)],
+                "text_offset": offsets}
+
+
 class Responder:
     """OpenAI response objects for one request (a completion or a chat completion)."""
 
-    def __init__(self, chat: bool, model: str, include_usage: bool) -> None:
+    def __init__(self, chat: bool, model: str, include_usage: bool, logprobs: LogprobsView) -> None:
         self.chat, self.model, self.include_usage = chat, model, include_usage
+        self.logprobs = logprobs
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -397,21 +439,26 @@ class Responder:
 
     def full(self, done: Done) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": done.text}, "logprobs": None,
-                      "finish_reason": done.finish_reason}
+            choice = {"index": 0, "message": {"role": "assistant", "content": done.text},
+                      "logprobs": self.logprobs.render(done.logprobs), "finish_reason": done.finish_reason}
             obj = self._obj("chat.completion", [choice])
         else:
-            obj = self._obj("text_completion", [{"index": 0, "text": done.text, "logprobs": None,
+            obj = self._obj("text_completion", [{"index": 0, "text": done.text,
+                                                 "logprobs": self.logprobs.render(done.logprobs),
                                                  "finish_reason": done.finish_reason}])
         return obj | {"usage": self.usage(done), "speculative": done.speculative}
 
-    def chunk(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+    def chunk(self, text: str | None, finish_reason: str | None, role: bool = False,
+              logprobs: Sequence[TokenLogprob] = ()) -> dict:
+        """A stream's chunk: text (None: no delta), the log-probabilities of its tokens where asked (JSON null in
+        the role's and the finishing chunk)."""
+        shown = self.logprobs.render(logprobs) if text is not None and not role else None
         if self.chat:
             delta = {} if text is None else ({"role": "assistant", "content": text} if role else {"content": text})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": shown, "finish_reason": finish_reason}
             obj = self._obj("chat.completion.chunk", [choice])
         else:
-            obj = self._obj("text_completion", [{"index": 0, "text": text or "", "logprobs": None,
+            obj = self._obj("text_completion", [{"index": 0, "text": text or "", "logprobs": shown,
                                                  "finish_reason": finish_reason}])
         return obj | {"usage": None} if self.include_usage else obj
 
@@ -502,14 +549,16 @@ class Routes:
         """Submit to the scheduler; answer with JSON or an SSE stream. `tenant`: the caller's (authorize)."""
         scheduler = self.state.scheduler
         job = Job.create(Request(parsed.prompt, parsed.max_tokens, parsed.sampling, parsed.stop,
-                                 prediction=parsed.prediction, tenant=tenant), parsed.spec)
+                                 prediction=parsed.prediction, tenant=tenant, logprobs=parsed.logprobs,
+                                 top_logprobs=parsed.top_logprobs), parsed.spec)
         try:
             scheduler.submit(job)
         except QueueFull as e:
             raise ApiError(429, str(e), None, "rate_limit_exceeded") from None
         except Closed as e:
             raise ApiError(503, str(e), None, "server_shutting_down") from None
-        out = Responder(chat, self.state.model_name, parsed.include_usage)
+        out = Responder(chat, self.state.model_name, parsed.include_usage,
+                        LogprobsView(self.state.generator.tokenizer, chat, parsed.logprobs))
         watch = Watch(request)
         try:
             try:               # a stream's failure before its first event is an HTTP status, unless it is queued
@@ -560,7 +609,7 @@ class Routes:
                 if isinstance(event, KeepAlive):
                     yield ": keep-alive\n\n"
                 elif isinstance(event, TextPiece):
-                    yield sse(out.chunk(event.text, None))
+                    yield sse(out.chunk(event.text, None, logprobs=event.logprobs))
                 elif isinstance(event, Done):
                     for obj in out.tail(event):
                         yield sse(obj)

@@ -40,6 +40,7 @@ from ..names import DEFAULT_SAMPLE_DRAFTS
 from ..tree import TreeShape
 from ..engine import Engine, Request, SequenceState, scratch_slots
 from ..errors import SpecdecError
+from ..logprobs import TokenLogprob
 from ..prefix_cache import PrefixCache
 from .learn import Learner, NoLearning
 
@@ -87,12 +88,15 @@ class Done:
     prompt_tokens: int
     completion_tokens: int
     speculative: dict
+    logprobs: tuple[TokenLogprob, ...] = ()      # every completion token's, where the request asks
 
 
 @dataclass(frozen=True)
 class TextPiece:
-    """Text the request's output gained (streamed as it comes)."""
+    """Text the request's output gained (streamed as it comes), and the log-probabilities of the tokens committed
+    since the last piece, where the request asks (a piece may carry tokens whose text is still held back)."""
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,7 @@ class Job:
     engine: Engine | None = None
     last_emit: float | None = None
     finished: bool = False
+    sent_logprobs: int = 0             # of seq.logprobs, how many went out in pieces
 
     @staticmethod
     def create(request: Request, spec: SpecChoice) -> "Job":
@@ -494,13 +499,15 @@ class Scheduler:
             torch.set_num_threads(threads)
 
     def _deliver(self, job: Job, seq: SequenceState, piece: str, now: float) -> None:
-        if piece:
+        logprobs = tuple(seq.logprobs[job.sent_logprobs:])        # the committed tokens' (they stay committed)
+        job.sent_logprobs = len(seq.logprobs)
+        if piece or logprobs:
             if job.last_emit is None:
                 self.metrics.ttft.observe(now - job.arrived)
             else:
                 self.metrics.itl.observe(now - job.last_emit)
             job.last_emit = now
-            self._send(job, TextPiece(piece))
+            self._send(job, TextPiece(piece, logprobs))
         if seq.done:
             del self.running[id(seq)]
             self._gauges()                  # before the client hears it is done: a scrape then sees it gone
@@ -510,7 +517,7 @@ class Scheduler:
                 proposer = job.engine.proposer
                 self._learn(lambda: self.learner.finished(proposer, seq))
             self._send(job, Done(seq.text, seq.finish_reason, len(seq.request.prompt), len(seq.generated),
-                                 speculation_report(seq, job.spec, self.pool.gen.policy_name)))
+                                 speculation_report(seq, job.spec, self.pool.gen.policy_name), tuple(seq.logprobs)))
             self._close(job)
 
     def _fail_engine(self, eng: Engine, message: str) -> None:

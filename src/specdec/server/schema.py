@@ -17,6 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, GetPydanticSc
 from pydantic_core import PydanticCustomError
 
 from ..api import METHODS
+from ..logprobs import MAX_TOP_LOGPROBS
 from ..names import AUTO_METHOD
 
 MAX_STOP = 4
@@ -149,7 +150,8 @@ class CommonRequest(Body):
 class CompletionRequest(CommonRequest):
     """POST /v1/completions."""
     prompt: Prompt
-    logprobs: Annotated[bool | int, neutral(False)] | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
+        "the log-probability of each completion token and of the N most likely tokens at its position"))
     echo: Annotated[bool, neutral(False)] | None = None
     best_of: Annotated[int, neutral(1)] | None = None
     suffix: Annotated[str, neutral("")] | None = None
@@ -159,8 +161,9 @@ class ChatCompletionRequest(CommonRequest):
     """POST /v1/chat/completions."""
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: Annotated[bool, neutral(False)] | None = None
-    top_logprobs: Annotated[int, neutral(0)] | None = None
+    logprobs: bool | None = Field(None, description="the log-probability of each completion token")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
+        "with logprobs: the N most likely tokens at each position too"))
     response_format: Annotated[dict[str, Any], neutral({"type": "text"})] | None = None
     tools: Annotated[list[Any], neutral([])] | None = None
     tool_choice: Annotated[str | dict[str, Any], neutral("none")] | None = None
