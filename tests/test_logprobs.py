@@ -6,8 +6,11 @@ import math
 import pytest
 import torch
 
+from specdec.draft_length import make_policy
+from specdec.engine import Engine, Request
 from specdec.errors import SpecdecError
 from specdec.logprobs import MAX_TOP_LOGPROBS, most_likely
+from specdec.prefix_cache import PrefixCache
 from specdec.proposers.draft_model import DraftModelProposer
 from specdec.proposers.eagle import EagleProposer
 from specdec.proposers.lookahead import LookaheadProposer, LookaheadShape
@@ -107,6 +110,45 @@ def test_a_stream_keeps_the_logprobs_so_far():
     assert gen.generate(PROMPTS[0], max_new_tokens=10).logprobs == []                   # not asked: none
 
 
+def test_prompt_logprobs_score_the_prompt_as_the_full_context_does():
+    """prompt_logprobs: the log-likelihood of each prompt token after the first; a continuation scored as part of
+    a prompt gets the log-probabilities it got when generated (within rounding: other rows of other forwards)."""
+    target = tiny_model(seed=8).pack()
+    gen = tiny_generator(target, SuffixProposer(), "fixed", 4)
+    prompt = PROMPTS[1]
+    r = gen.generate(prompt, max_new_tokens=10, logprobs=True, prompt_logprobs=True, top_logprobs=2)
+    assert [lp.token for lp in r.prompt_logprobs] == prompt[1:]
+    for i, lp in enumerate(r.prompt_logprobs):
+        want = torch.log_softmax(exact_distribution(target, prompt[:i + 1]).float(), -1)
+        assert lp.logprob == pytest.approx(float(want[prompt[i + 1]]), abs=1e-5)
+        assert [t for t, _ in lp.top] == [t for t, _ in most_likely(want, 2)]
+    scored = gen.generate(prompt + r.tokens, max_new_tokens=1, prompt_logprobs=True, top_logprobs=2)
+    again = scored.prompt_logprobs[len(prompt) - 1:]
+    assert [lp.token for lp in again] == r.tokens
+    assert [lp.logprob for lp in again] == pytest.approx([lp.logprob for lp in r.logprobs], abs=1e-5)
+    assert r.logprobs and scored.logprobs == []                                   # asked for the prompt's only
+
+
+def test_prompt_logprobs_through_the_prefix_cache_are_the_prefills_bits():
+    target = tiny_model(seed=8).pack()
+    prompt = list(range(1, 97)) + list(range(1, 60))                          # over PREFILL_PIECE: cached pieces
+    cache = PrefixCache(1 << 26)
+    first = _run_engine(target, cache, Request(prompt, 3, prompt_logprobs=True, top_logprobs=1))
+    second = _run_engine(target, cache, Request(prompt, 3, prompt_logprobs=True, top_logprobs=1))
+    assert second.cached > 0 and first.cached == 0
+    assert second.prompt_logprobs == first.prompt_logprobs and len(first.prompt_logprobs) == len(prompt) - 1
+
+
+def _run_engine(target, cache, request):
+    eng = Engine(target, NgramProposer(), make_policy("fixed", 3), lambda ids: "", frozenset(), prefix_cache=cache)
+    eng.allocate(1, 256)
+    seq = eng.add(request)
+    with torch.inference_mode():
+        while eng.busy:
+            eng.step()
+    return seq
+
+
 def test_tied_alternatives_come_lowest_id_first_as_the_argmax_picks():
     lp = torch.tensor([-3.0, -1.0, -2.0, -1.0, -2.0, -2.0, -5.0])
     assert most_likely(lp, 1) == ((int(lp.argmax()), -1.0),)
@@ -120,7 +162,7 @@ def test_tied_alternatives_come_lowest_id_first_as_the_argmax_picks():
     (True, 2.0, "top_logprobs must be an integer"),
     (True, True, "top_logprobs must be an integer"),
     (1, 0, "logprobs must be True or False"),
-    (False, 3, "top_logprobs needs logprobs=True"),
+    (False, 3, "top_logprobs needs logprobs=True or prompt_logprobs=True"),
 ])
 def test_bad_logprobs_arguments_are_refused(logprobs, top, message):
     gen = tiny_generator(tiny_model(seed=8))

@@ -279,6 +279,27 @@ def test_logprobs_are_plain_decodings_streamed_or_not(gen, client):
     assert plain.choices[0].logprobs is None                                                     # not asked
 
 
+def test_echo_with_logprobs_scores_the_prompt(gen, client):
+    """completions' echo puts the prompt before the text and, with logprobs, its tokens before the completion's
+    (the first with null), as evaluation harnesses read a text's log-likelihood; streamed or not."""
+    ids = gen.tokenizer.encode(PROMPT, False)
+    want = offline(gen, PROMPT, 2, chat=False, method="none", logprobs=True, prompt_logprobs=True, top_logprobs=1)
+    ask = dict(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, echo=True, logprobs=1)
+    got = client.completions.create(**ask).choices[0]
+    lp = got.logprobs
+    assert got.text == PROMPT + want.text and "".join(lp.tokens) == got.text and len(lp.tokens) == len(ids) + 2
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == [x.logprob for x in want.prompt_logprobs + want.logprobs]
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    chunks = [c.choices[0] for c in client.completions.create(**ask, stream=True) if c.choices]
+    assert "".join(c.text for c in chunks) == got.text and chunks[0].text.startswith(PROMPT)
+    assert [v for c in chunks if c.logprobs for v in c.logprobs.token_logprobs] == lp.token_logprobs
+    assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == lp.text_offset
+    plain = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0, echo=True).choices[0]
+    assert plain.text == gen.tokenizer.decode(ids) + offline(gen, PROMPT, 3, chat=False).text
+    assert plain.logprobs is None
+
+
 def test_eight_concurrent_streams(gen, server, client):
     wants = gen.generate(CHAT_PROMPTS, max_new_tokens=24, chat=True)
 
@@ -531,7 +552,7 @@ BAD = [  # (what, path, body, status, param)
     ("over-long prompt", "/v1/completions", {"prompt": LONG}, 400, "prompt"),
     ("over-long chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
     ("unsupported field", "/v1/completions", {"prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
-    ("unsupported value", "/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("unsupported value", "/v1/completions", {"prompt": "hi", "best_of": 2}, 400, "best_of"),
     ("logprobs over 20", "/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("logprobs true for completions", "/v1/completions", {"prompt": "hi", "logprobs": True}, 400, "logprobs"),
     ("top_logprobs without logprobs", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],

@@ -67,6 +67,7 @@ class Result:
     finish_reason: str              # "stop" (EOS or stop string), "length"; "cancelled": a stream closed early
     prompt_tokens: int
     logprobs: list[TokenLogprob] = field(default_factory=list)   # one per token of `tokens` where asked, else empty
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)   # the prompt's tokens after its first, if asked
 
 
 EMPTY_RESULT = Result("", [], Counters().as_dict(), "", 0)     # nothing generated yet
@@ -389,8 +390,8 @@ class Generator:
     def generate(self, prompt: Prompt | list[Prompt], max_new_tokens: int = 128, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop: Seq[str] = (),
                  chat: bool | Literal["auto"] = "auto", truncate: bool = False,
-                 prediction: str | Seq[str] = "", logprobs: bool = False,
-                 top_logprobs: int = 0) -> Result | list[Result]:
+                 prediction: str | Seq[str] = "", logprobs: bool = False, top_logprobs: int = 0,
+                 prompt_logprobs: bool = False) -> Result | list[Result]:
         """One prompt (text or token ids) -> Result; a list of prompts -> list of Results.
 
         `stop`: a string or a list of strings (() for none; None is refused).
@@ -400,7 +401,8 @@ class Generator:
         included; the output is still exactly the target's.
         `logprobs`: give each generated token's log-probability under the target's distribution (before
         temperature, top-k and top-p) in `Result.logprobs`, with the `top_logprobs` (0-20) most likely tokens
-        at its position; the same numbers for every method as for `none`.
+        at its position; the same numbers for every method as for `none`. `prompt_logprobs`: the same for the
+        prompt's tokens from its second on (`Result.prompt_logprobs`; scoring a text: its tokens' log-likelihood).
 
         A single prompt is sampled with `seed`; prompt i of a list with derive_seed(seed, i), so
         equal prompts in one list get different samples. The sampled output of a prompt depends on
@@ -416,7 +418,7 @@ class Generator:
         per_prompt = [params] if single else [replace(params, seed=derive_seed(seed, i)) for i in range(len(prompts))]
         seqs: list = []
         reqs, slots = self._prepare(prompts, single, max_new_tokens, per_prompt, stop, chat, truncate, prediction)
-        reqs = self._with_logprobs(reqs, logprobs, top_logprobs)
+        reqs = self._with_logprobs(reqs, logprobs, top_logprobs, prompt_logprobs)
         for _, _, _, seqs in self._run(reqs, slots):
             pass
         results = [self._result(s) for s in seqs]
@@ -427,7 +429,7 @@ class Generator:
     def stream(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, seed: int = 0, stop: Seq[str] = (), chat: bool | Literal["auto"] = "auto",
                truncate: bool = False, prediction: str = "", logprobs: bool = False,
-               top_logprobs: int = 0) -> Iterator[str]:
+               top_logprobs: int = 0, prompt_logprobs: bool = False) -> Iterator[str]:
         """Yield text pieces as tokens are committed. `last_result` holds the Result so far (all of it once the
         stream is exhausted; closed early: what was committed, finish_reason "cancelled").
 
@@ -443,7 +445,7 @@ class Generator:
                                f"{type(prompt).__name__}; generate takes a list of prompts")
         params = SamplingParams(temperature, top_k, top_p, seed)
         reqs, slots = self._prepare([prompt], True, max_new_tokens, [params], stop, chat, truncate, prediction)
-        return self._stream(self._with_logprobs(reqs, logprobs, top_logprobs), slots)               # bad arguments raised above, before the first piece
+        return self._stream(self._with_logprobs(reqs, logprobs, top_logprobs, prompt_logprobs), slots)               # bad arguments raised above, before the first piece
 
     def _stream(self, reqs: list[Request], slots: int) -> Iterator[str]:
         owner = threading.get_ident()          # the thread iterating; a dropped stream may be closed in another
@@ -461,18 +463,19 @@ class Generator:
             raise
 
     @staticmethod
-    def _with_logprobs(reqs: list[Request], logprobs: bool, top_logprobs: int) -> list[Request]:
-        """The requests, asking for log-probabilities where `logprobs`."""
-        if not isinstance(logprobs, bool):
-            raise SpecdecError(f"logprobs must be True or False, got {cut(repr(logprobs))}")
+    def _with_logprobs(reqs: list[Request], logprobs: bool, top_logprobs: int, prompt: bool) -> list[Request]:
+        """The requests, asking for log-probabilities where `logprobs` (of the output) or `prompt` (of the prompt)."""
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt)):
+            if not isinstance(value, bool):
+                raise SpecdecError(f"{name} must be True or False, got {cut(repr(value))}")
         top = check_top_logprobs(top_logprobs)
-        if top and not logprobs:
-            raise SpecdecError("top_logprobs needs logprobs=True")
-        return [replace(r, logprobs=logprobs, top_logprobs=top) for r in reqs]
+        if top and not (logprobs or prompt):
+            raise SpecdecError("top_logprobs needs logprobs=True or prompt_logprobs=True")
+        return [replace(r, logprobs=logprobs, top_logprobs=top, prompt_logprobs=prompt) for r in reqs]
 
     def _result(self, s) -> Result:
         return Result(s.text, s.generated, s.counters.as_dict(), s.finish_reason,
-                      len(s.request.prompt), list(s.logprobs))
+                      len(s.request.prompt), list(s.logprobs), list(s.prompt_logprobs))
 
 
 DraftSource = str | CausalLM | None

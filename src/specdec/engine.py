@@ -38,6 +38,9 @@ from .tree import MAX_TREE_BUDGET
 from .verify import Draft, Verdict, check_draft, verify, verify_greedy, verify_tree
 
 
+PROMPT_HEAD_ROWS = 64        # prompt rows scored per LM-head call where a request asks for its prompt's logprobs
+
+
 def scratch_slots(num_draft_tokens: int) -> int:
     """Cache slots a sequence needs past its last token for a step's drafts: the pending token and twice
     the asked K (the `heuristic` and `auto` policies draft more than it), a prediction's drafts, or the
@@ -56,6 +59,7 @@ class Request:
     tenant: str = ""                  # who may learn from whose outputs (suffix decoding's index); "": one shared
     logprobs: bool = False            # record each generated token's log-probability (logprobs.py)
     top_logprobs: int = 0             # ... and that many most likely alternatives at its position
+    prompt_logprobs: bool = False     # record the prompt's tokens' too (from its second token on)
 
 
 @dataclass(eq=False)
@@ -73,6 +77,7 @@ class SequenceState:
     prefilled: int = 0                                       # prompt tokens in the target's cache
     cached: int = 0                                          # of them copied from the prefix cache
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, if the request asks
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per prompt token after the first, if asked
 
     @property
     def generated(self) -> list[int]:
@@ -278,6 +283,10 @@ class Engine:
         hidden = torch.nn.utils.rnn.pad_sequence([torch.cat(self.prompt_hidden.pop(s.row)) for s in seqs],
                                                  batch_first=True)            # [B, P, H]
         last = hidden[torch.arange(len(seqs), device=dev), lens - 1]           # [B, H]
+        for i, s in enumerate(seqs):
+            if s.request.prompt_logprobs:
+                s.prompt_logprobs = self._scored_prompt(hidden[i, :len(s.tokens) - 1], s.tokens[1:],
+                                                        s.request.top_logprobs)
         logits = self.target.lm_head(last)[:, None]                            # [B, 1, V]
         p = to_probs(logits, batch.sampling)                                   # [B, 1, V]
         u = position_uniforms(batch.seeds, lens[:, None], Stream.TARGET)       # [B, 1] the first token's position
@@ -396,6 +405,16 @@ class Engine:
         for s, tokens, n in zip(seqs, verdict.tokens.tolist(), verdict.num_new.tolist()):
             s.tokens.extend(tokens[:n])
         return first_new
+
+    def _scored_prompt(self, hidden: Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+        """hidden [P-1, H]: the prompt's rows but its last -> the log-probabilities of the tokens they predict,
+        the prompt's second to last (the LM head runs on PROMPT_HEAD_ROWS rows at a time: a long prompt's logits
+        would take gigabytes at once)."""
+        out = []
+        for start in range(0, len(tokens), PROMPT_HEAD_ROWS):
+            logits = self.target.lm_head(hidden[start:start + PROMPT_HEAD_ROWS])                   # [<=R, V]
+            out += token_logprobs(logits, tokens[start:start + PROMPT_HEAD_ROWS], top)
+        return out
 
     def _note_logprobs(self, seqs: list[SequenceState], logits: Tensor, path: Tensor, num_new: list[int]) -> None:
         """The log-probabilities of the tokens each sequence just committed, for the sequences that ask:

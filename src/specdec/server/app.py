@@ -171,6 +171,7 @@ class Parsed:
     prediction: tuple[int, ...]
     logprobs: bool                     # report the completion tokens' log-probabilities
     top_logprobs: int                  # ... with that many alternatives each
+    echo: str = ""                     # completions with echo: the prompt's text, put before the completion
 
 
 def content_text(content: str | list[TextPart]) -> str:
@@ -291,7 +292,11 @@ def parse_completion(req: CompletionRequest, state: ServerState) -> Parsed:
     common["max_tokens"] = common["max_tokens"] or min(16, state.config.max_tokens)
     ids = prompt_ids(req.prompt, state)
     check_prompt_length(ids, common["max_tokens"], state, "prompt")
-    return Parsed(ids, **common, logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0)
+    echo = ""
+    if req.echo:
+        text = req.prompt[0] if isinstance(req.prompt, list) and len(req.prompt) == 1 else req.prompt
+        echo = text if isinstance(text, str) else state.generator.tokenizer.decode(ids)
+    return Parsed(ids, **common, logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0, echo=echo)
 
 
 def parse_chat(req: ChatCompletionRequest, state: ServerState) -> Parsed:
@@ -399,30 +404,39 @@ class LogprobsView:
     def text(self, token: int) -> str:
         return self.tokenizer.token_bytes(token).decode("utf-8", "replace")
 
-    def render(self, logprobs: Sequence[TokenLogprob]) -> dict | None:
+    def render(self, logprobs: Sequence[TokenLogprob], echo: Sequence[int] = (),
+               echo_logprobs: Sequence[TokenLogprob] = ()) -> dict | None:
+        """The entries of `logprobs`; completions with echo: first those of the prompt `echo` (its first token has
+        none: null), `echo_logprobs` being the prompt's others'."""
         if not self.asked:
             return None
         if self.chat:
             return {"content": [self._entry(lp.token, lp.logprob)
                                 | {"top_logprobs": [self._entry(t, v) for t, v in lp.top]} for lp in logprobs],
                     "refusal": None}
-        tokens = [self.text(lp.token) for lp in logprobs]
+        tokens = [self.text(t) for t in echo[:1]]
+        values: list[float | None] = [None] * len(tokens)
+        tops: list[dict | None] = [None] * len(tokens)
+        for lp in [*echo_logprobs, *logprobs]:
+            tokens.append(self.text(lp.token))
+            values.append(lp.logprob)
+            tops.append({self.text(t): v for t, v in lp.top} | {tokens[-1]: lp.logprob})
         offsets = []
         for t in tokens:
             offsets.append(self.offset)
             self.offset += len(t)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-                "top_logprobs": [{self.text(t): v for t, v in lp.top} | {tok: lp.logprob}
-                                 for tok, lp in zip(tokens, logprobs)],
-                "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
 class Responder:
     """OpenAI response objects for one request (a completion or a chat completion)."""
 
-    def __init__(self, chat: bool, model: str, include_usage: bool, logprobs: LogprobsView) -> None:
+    def __init__(self, chat: bool, model: str, include_usage: bool, logprobs: LogprobsView,
+                 echo: str = "", prompt: Sequence[int] = ()) -> None:
+        """echo: a completion's prompt text to put before its text (echo: true), `prompt` its token ids."""
         self.chat, self.model, self.include_usage = chat, model, include_usage
-        self.logprobs = logprobs
+        self.logprobs, self.echo, self.prompt = logprobs, echo, prompt
+        self.echoed = not echo                       # a stream: the prompt's text went out (or there is none)
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -443,16 +457,21 @@ class Responder:
                       "logprobs": self.logprobs.render(done.logprobs), "finish_reason": done.finish_reason}
             obj = self._obj("chat.completion", [choice])
         else:
-            obj = self._obj("text_completion", [{"index": 0, "text": done.text,
-                                                 "logprobs": self.logprobs.render(done.logprobs),
+            shown = self.logprobs.render(done.logprobs, self.prompt if self.echo else (), done.prompt_logprobs)
+            obj = self._obj("text_completion", [{"index": 0, "text": self.echo + done.text, "logprobs": shown,
                                                  "finish_reason": done.finish_reason}])
         return obj | {"usage": self.usage(done), "speculative": done.speculative}
 
     def chunk(self, text: str | None, finish_reason: str | None, role: bool = False,
-              logprobs: Sequence[TokenLogprob] = ()) -> dict:
+              logprobs: Sequence[TokenLogprob] = (), prompt_logprobs: Sequence[TokenLogprob] = ()) -> dict:
         """A stream's chunk: text (None: no delta), the log-probabilities of its tokens where asked (JSON null in
-        the role's and the finishing chunk)."""
-        shown = self.logprobs.render(logprobs) if text is not None and not role else None
+        the role's and the finishing chunk); a completion's first one puts the echoed prompt first."""
+        shown = None
+        if text is not None and not role:
+            echo = () if self.echoed else self.prompt
+            shown = self.logprobs.render(logprobs, echo, prompt_logprobs if echo else ())
+            if not self.echoed:
+                text, self.echoed = self.echo + text, True
         if self.chat:
             delta = {} if text is None else ({"role": "assistant", "content": text} if role else {"content": text})
             choice = {"index": 0, "delta": delta, "logprobs": shown, "finish_reason": finish_reason}
@@ -466,11 +485,12 @@ class Responder:
         return [self.chunk("", None, role=True)] if self.chat else []
 
     def tail(self, done: Done) -> list[dict]:
+        echo = [] if self.echoed else [self.chunk("", None, prompt_logprobs=done.prompt_logprobs)]  # nothing streamed
         last = self.chunk(None, done.finish_reason) | {"speculative": done.speculative}
         if not self.include_usage:
-            return [last]
+            return [*echo, last]
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return [last, self._obj(kind, []) | {"usage": self.usage(done)}]
+        return [*echo, last, self._obj(kind, []) | {"usage": self.usage(done)}]
 
 
 def sse(obj: dict | str) -> str:
@@ -550,7 +570,8 @@ class Routes:
         scheduler = self.state.scheduler
         job = Job.create(Request(parsed.prompt, parsed.max_tokens, parsed.sampling, parsed.stop,
                                  prediction=parsed.prediction, tenant=tenant, logprobs=parsed.logprobs,
-                                 top_logprobs=parsed.top_logprobs), parsed.spec)
+                                 top_logprobs=parsed.top_logprobs,
+                                 prompt_logprobs=parsed.logprobs and bool(parsed.echo)), parsed.spec)
         try:
             scheduler.submit(job)
         except QueueFull as e:
@@ -558,7 +579,7 @@ class Routes:
         except Closed as e:
             raise ApiError(503, str(e), None, "server_shutting_down") from None
         out = Responder(chat, self.state.model_name, parsed.include_usage,
-                        LogprobsView(self.state.generator.tokenizer, chat, parsed.logprobs))
+                        LogprobsView(self.state.generator.tokenizer, chat, parsed.logprobs), parsed.echo, parsed.prompt)
         watch = Watch(request)
         try:
             try:               # a stream's failure before its first event is an HTTP status, unless it is queued
@@ -609,7 +630,8 @@ class Routes:
                 if isinstance(event, KeepAlive):
                     yield ": keep-alive\n\n"
                 elif isinstance(event, TextPiece):
-                    yield sse(out.chunk(event.text, None, logprobs=event.logprobs))
+                    yield sse(out.chunk(event.text, None, logprobs=event.logprobs,
+                                        prompt_logprobs=event.prompt_logprobs))
                 elif isinstance(event, Done):
                     for obj in out.tail(event):
                         yield sse(obj)

@@ -89,6 +89,7 @@ class Done:
     completion_tokens: int
     speculative: dict
     logprobs: tuple[TokenLogprob, ...] = ()      # every completion token's, where the request asks
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()   # the prompt's tokens' after the first, where asked
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ class TextPiece:
     since the last piece, where the request asks (a piece may carry tokens whose text is still held back)."""
     text: str
     logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()   # in the request's first piece, where asked
 
 
 @dataclass(frozen=True)
@@ -502,12 +504,13 @@ class Scheduler:
         logprobs = tuple(seq.logprobs[job.sent_logprobs:])        # the committed tokens' (they stay committed)
         job.sent_logprobs = len(seq.logprobs)
         if piece or logprobs:
-            if job.last_emit is None:
+            first = job.last_emit is None
+            if first:
                 self.metrics.ttft.observe(now - job.arrived)
             else:
                 self.metrics.itl.observe(now - job.last_emit)
             job.last_emit = now
-            self._send(job, TextPiece(piece, logprobs))
+            self._send(job, TextPiece(piece, logprobs, tuple(seq.prompt_logprobs) if first else ()))
         if seq.done:
             del self.running[id(seq)]
             self._gauges()                  # before the client hears it is done: a scrape then sees it gone
@@ -517,7 +520,8 @@ class Scheduler:
                 proposer = job.engine.proposer
                 self._learn(lambda: self.learner.finished(proposer, seq))
             self._send(job, Done(seq.text, seq.finish_reason, len(seq.request.prompt), len(seq.generated),
-                                 speculation_report(seq, job.spec, self.pool.gen.policy_name), tuple(seq.logprobs)))
+                                 speculation_report(seq, job.spec, self.pool.gen.policy_name), tuple(seq.logprobs),
+                                 tuple(seq.prompt_logprobs)))
             self._close(job)
 
     def _fail_engine(self, eng: Engine, message: str) -> None:

@@ -152,7 +152,7 @@ class CompletionRequest(CommonRequest):
     prompt: Prompt
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
         "the log-probability of each completion token and of the N most likely tokens at its position"))
-    echo: Annotated[bool, neutral(False)] | None = None
+    echo: bool | None = Field(None, description="put the prompt before the completion (with logprobs: its tokens' too)")
     best_of: Annotated[int, neutral(1)] | None = None
     suffix: Annotated[str, neutral("")] | None = None
 
