@@ -307,6 +307,23 @@ def test_load_checks_types_before_loading():
         specdec.load("smollm2-135m", tree="4x16")
 
 
+@pytest.mark.parametrize("method, takes", [("eagle", "an EAGLE head"), ("eagle3", "an EAGLE-3 head"),
+                                           ("hybrid", "an EAGLE-3 head"), ("medusa", "Medusa heads"),
+                                           ("self", "an exit"), ("lookahead", "its shape W,N,G")])
+def test_a_loaded_model_for_a_method_with_other_weights_is_refused(method, takes, monkeypatch):
+    """Heads, exits and shapes are not models: a loaded model given to their methods was silently replaced by
+    the shipped weights (eagle, eagle3, hybrid, medusa); refused before anything loads, and by the builders."""
+    import specdec.api as api
+
+    monkeypatch.setattr(api, "load_model", lambda *a, **k: pytest.fail("loaded before refusing"))
+    draft = tiny_model(seed=1)
+    with pytest.raises(SpecdecError, match=f"method '{method}' takes {takes}.* not a loaded model"):
+        specdec.load("smollm2-135m", method=method, draft_model=draft)
+    if method in ("eagle", "eagle3", "hybrid", "medusa"):
+        with pytest.raises(SpecdecError, match="not a loaded model"):
+            api.make_proposer(method, tiny_model(seed=2), None, draft, "float32", "cpu")
+
+
 def test_load_refuses_a_draft_that_is_not_there_before_loading(monkeypatch, tmp_path):
     import specdec.api as api
 
@@ -765,7 +782,31 @@ def test_finished_threads_results_are_not_kept_for_ever():
         t = threading.Thread(target=lambda: gen.generate([1, 2], max_new_tokens=1))
         t.start()
         t.join()
-    assert len(gen._last) <= 64
+    assert len(gen._last) <= 2                        # a thread's entry goes with its Thread object
+
+
+def test_a_new_thread_never_sees_a_finished_threads_result():
+    """Thread ids are reused once a thread ends: a new thread that made no call read the finished one's Result."""
+    import threading
+
+    gen = tiny_generator(tiny_model())
+    for _ in range(30):
+        seen = []
+        first = threading.Thread(target=lambda: gen.generate([1, 2], max_new_tokens=4))
+        first.start()
+        first.join()
+        second = threading.Thread(target=lambda: seen.append(gen.last_result))
+        second.start()
+        second.join()
+        assert seen[0].tokens == [] and seen[0].finish_reason == "", (first.ident, second.ident)
+
+
+def test_empty_results_are_not_shared():
+    a, b = tiny_generator(tiny_model()), tiny_generator(tiny_model())
+    a.last_result.tokens.append(7)
+    a.last_result.metrics["new_tokens"] = 99
+    assert b.last_result.tokens == [] and b.last_result.metrics["new_tokens"] == 0
+    assert a.last_result.tokens == []
 
 
 def test_a_suspended_or_dropped_stream_leaves_no_thread_in_inference_mode():

@@ -8,6 +8,7 @@ import numbers
 import threading
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Literal, Sequence as Seq
@@ -70,7 +71,11 @@ class Result:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)   # the prompt's tokens after its first, if asked
 
 
-EMPTY_RESULT = Result("", [], Counters().as_dict(), "", 0)     # nothing generated yet
+def empty_result() -> Result:
+    """A Result of nothing generated yet (a new object each time: Results are the caller's to change)."""
+    return Result("", [], Counters().as_dict(), "", 0)
+
+
 TURN_WAIT_SECONDS = 0.5        # a call waiting for another's turn collects garbage this often (a dropped stream)
 
 
@@ -197,7 +202,9 @@ class Generator:
         self._turn = threading.Lock()          # one generation at a time: the proposer's state is per generator
         self._running_in = 0                   # the thread id of the generation running (0: none)
         self._progress = 0.0                   # time.monotonic() of the running generation's last step
-        self._last: dict[int, Result] = {}     # per thread id: its last stream's or single-prompt generate's Result
+        # per thread: its last stream's or single-prompt generate's Result (a thread's entry goes with it; keyed by
+        # the Thread object, not its id, which a new thread may reuse)
+        self._last: weakref.WeakKeyDictionary[threading.Thread, Result] = weakref.WeakKeyDictionary()
         self._last_lock = threading.Lock()
 
     @property
@@ -205,19 +212,17 @@ class Generator:
         """This thread's last stream's or single-prompt generate's Result (a stream's so far while it runs;
         empty from the start of such a call that then raised); each thread sees its own calls' only, and a
         call with a list of prompts leaves it as it was."""
-        return self._last.get(threading.get_ident(), EMPTY_RESULT)
+        with self._last_lock:
+            found = self._last.get(threading.current_thread())
+        return found if found is not None else empty_result()
 
     @last_result.setter
     def last_result(self, result: Result) -> None:
-        self._keep_last(threading.get_ident(), result)
+        self._keep_last(threading.current_thread(), result)
 
-    def _keep_last(self, thread: int, result: Result) -> None:
-        """`result` as the last one of the thread with id `thread`; finished threads' results go (a program that
-        starts a thread per call would keep them all)."""
+    def _keep_last(self, thread: threading.Thread, result: Result) -> None:
+        """`result` as the last one of `thread` (kept while the thread object lives)."""
         with self._last_lock:
-            if len(self._last) >= 64:
-                alive = {t.ident for t in threading.enumerate()}
-                self._last = {k: v for k, v in self._last.items() if k in alive}
             self._last[thread] = result
 
     def __repr__(self) -> str:
@@ -413,7 +418,7 @@ class Generator:
         draft policy (`auto` picks lengths from timings)."""
         prompts, single = self._prompts(prompt)
         if single:
-            self.last_result = EMPTY_RESULT
+            self.last_result = empty_result()
         params = SamplingParams(temperature, top_k, top_p, seed)
         per_prompt = [params] if single else [replace(params, seed=derive_seed(seed, i)) for i in range(len(prompts))]
         seqs: list = []
@@ -437,7 +442,7 @@ class Generator:
         A stream holds this generator until it ends or is closed: calls from other threads wait for it, a call
         from the thread that started it is refused (it would wait for itself). A stream dropped without
         `close()` is closed when Python collects it (a waiting call makes it collect)."""
-        self.last_result = EMPTY_RESULT
+        self.last_result = empty_result()
         if isinstance(prompt, (list, tuple)) and not prompt:
             raise SpecdecError("empty prompt")
         if not _one_prompt(prompt):
@@ -448,7 +453,7 @@ class Generator:
         return self._stream(self._with_logprobs(reqs, logprobs, top_logprobs, prompt_logprobs), slots)               # bad arguments raised above, before the first piece
 
     def _stream(self, reqs: list[Request], slots: int) -> Iterator[str]:
-        owner = threading.get_ident()          # the thread iterating; a dropped stream may be closed in another
+        owner = threading.current_thread()     # the thread iterating; a dropped stream may be closed in another
         seqs: list = []
         try:
             for _, piece, eng, seqs in self._run(reqs, slots):
@@ -531,6 +536,13 @@ DRAFT_FILES = {"draft": "a registered model, a .gguf file, self:N or a distilled
                "hybrid": "an EAGLE-3 head (.safetensors or an export's folder)",
                "medusa": "Medusa heads (.safetensors)", "self": "an exit (.safetensors) or self:N"}
 DRAFT_FILES["staged"] = DRAFT_FILES["draft"]
+
+
+def refuse_model(method: str, source: DraftSource) -> None:
+    """A loaded model given to a method that drafts with weights of another kind (a head, an exit) or none."""
+    if source is not None and not isinstance(source, str):
+        takes = DRAFT_FILES.get(method, "its shape W,N,G (e.g. '2,3,2')")
+        raise SpecdecError(f"method {method!r} takes {takes} as draft_model, not a loaded model")
 
 
 def check_draft_source(method: str, source: str) -> None:
@@ -693,6 +705,7 @@ def _medusa_proposer(x: ProposerInputs) -> Proposer:
 
     if not isinstance(x.target, Transformer):
         raise SpecdecError("method 'medusa' needs a lean GGUF target")
+    refuse_model("medusa", x.source)
     path = x.source if isinstance(x.source, str) else shipped(x.target.config.name, "medusa")
     return MedusaProposer(MedusaHeads.load(Path(path), x.target))
 
@@ -729,6 +742,7 @@ def eagle_proposer(target: CausalLM, head: DraftSource, tree: TreeShape, sample_
 
     if not isinstance(target, Transformer):
         raise SpecdecError("EAGLE drafting (method 'eagle') needs a lean GGUF target")
+    refuse_model("eagle", head)
     path = head if isinstance(head, str) else shipped(target.config.name, "eagle")
     return EagleProposer(EagleHead.load(Path(path), target), tree.topk, MAX_DRAFT_TOKENS, tree.budget,
                          EAGLE_CHAIN_MIN_CONFIDENCE, sample_from=sample_from)
@@ -743,6 +757,7 @@ def eagle3_proposer(target: CausalLM, head: DraftSource, tree: TreeShape, sample
 
     if not isinstance(target, Transformer):
         raise SpecdecError("EAGLE-3 drafting (methods 'eagle3', 'hybrid') needs a lean GGUF target")
+    refuse_model("eagle3", head)
     path = Path(head) if isinstance(head, str) else shipped(target.config.name, "eagle3")
     if path.is_dir():                                      # a vLLM / SGLang export
         from .export import import_eagle3
@@ -867,6 +882,8 @@ def load(model: str | Path = DEFAULT_MODEL, method: str = names.AUTO_METHOD, dty
         raise SpecdecError(f"a draft tree shape ({tree}) applies to methods 'eagle' and 'eagle3' only, not {method!r}")
     if method != names.AUTO_METHOD:
         sample_drafts_from(sample_drafts, method, tree)      # a setting that does not apply fails before loading
+    if method not in ("draft", "staged", names.AUTO_METHOD):
+        refuse_model(method, draft_model if isinstance(draft_model, torch.nn.Module) else None)
     if isinstance(draft_model, (str, Path)):
         check_draft_source(method, str(draft_model))
         if method == "staged":
