@@ -300,6 +300,31 @@ def test_echo_with_logprobs_scores_the_prompt(gen, client):
     assert plain.logprobs is None
 
 
+def test_n_choices_sample_with_seeds_of_their_own_streamed_or_not(gen, client):
+    """n choices: choice i samples as offline generation samples prompt i of a list of n equal prompts (seed
+    derive_seed(seed, i)); greedy choices are all the plain answer; usage counts the prompt once."""
+    kw = dict(temperature=0.9, top_p=0.95, seed=5)
+    want = offline(gen, [PROMPT] * 3, 12, chat=False, **kw)
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, n=3, logprobs=1, **kw)
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    assert [c.text for c in got.choices] == [w.text for w in want] and len({w.text for w in want}) > 1
+    assert [c.logprobs.token_logprobs for c in got.choices] == [[x.logprob for x in w.logprobs] for w in
+                                                                 offline(gen, [PROMPT] * 3, 12, chat=False, logprobs=True,
+                                                                         top_logprobs=1, **kw)]
+    assert got.usage.prompt_tokens == want[0].prompt_tokens
+    assert got.usage.completion_tokens == sum(len(w.tokens) for w in want)
+    assert got.speculative == got.choices[0].speculative and all(c.speculative["method"] for c in got.choices)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                                 max_tokens=10, temperature=0, n=2, stream=True,
+                                                 stream_options={"include_usage": True}))
+    plain = offline(gen, QUESTION, 10, chat=True)
+    for i in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert mine[0].delta.role == "assistant" and "".join(c.delta.content or "" for c in mine) == plain.text
+        assert mine[-1].finish_reason == plain.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2 * len(plain.tokens)
+
+
 def test_eight_concurrent_streams(gen, server, client):
     wants = gen.generate(CHAT_PROMPTS, max_new_tokens=24, chat=True)
 
@@ -564,7 +589,8 @@ BAD = [  # (what, path, body, status, param)
                                                                                                  + "}" * 600)}, 400,
      "logit_bias"),
     ("not UTF-8", "/v1/completions", b'{"prompt": "hi \xff"}', 400, None),
-    ("n > 1", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+    ("n over OpenAI's 128", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 129}, 400,
+     "n"),
     ("missing prompt", "/v1/completions", {"max_tokens": 2}, 400, "prompt"),
     ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("two prompts", "/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
@@ -581,8 +607,6 @@ BAD = [  # (what, path, body, status, param)
     ("prediction not a string", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                          "prediction": {"type": "content", "content": 5}}, 400,
      "prediction"),
-    ("prediction with n > 1", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2,
-                                                       "prediction": {"type": "content", "content": "a"}}, 400, "n"),
     ("prediction beyond the context", "/v1/completions",
      {"prompt": "hi", "prediction": {"type": "content", "content": "word " * 9000}}, 400, "prediction"),
     ("unknown route", "/v1/embeddings", {"input": "hi"}, 404, None),

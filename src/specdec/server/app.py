@@ -16,7 +16,7 @@ import random
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 import torch
@@ -36,7 +36,7 @@ from ..logprobs import TokenLogprob
 from ..models.tokenizer import Tokenizer
 from ..names import AUTO_METHOD, DEFAULT_SAMPLE_DRAFTS
 from ..prefix_cache import PrefixCache
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, derive_seed
 from ..tree import TreeShape
 from .learn import LearnConfig, Learner, NoLearning, OnlineLearner
 from .schema import (ChatCompletionRequest, CommonRequest, CompletionRequest, Prediction, Speculative, TextPart,
@@ -172,6 +172,7 @@ class Parsed:
     logprobs: bool                     # report the completion tokens' log-probabilities
     top_logprobs: int                  # ... with that many alternatives each
     echo: str = ""                     # completions with echo: the prompt's text, put before the completion
+    n: int = 1                         # choices (OpenAI's n), each sampled with a seed of its own
 
 
 def content_text(content: str | list[TextPart]) -> str:
@@ -254,9 +255,10 @@ def parse_common(req: CommonRequest, state: ServerState, max_tokens_names: tuple
             raise bad(f"{name} must be <= {cap} (this server's --max-tokens), got {value}", name)
         max_tokens = value
     prediction = prediction_ids(req.prediction, state)
-    if req.n not in (None, 1):
-        raise bad("only n=1 is supported" + (" (and a prediction needs n=1)" if prediction else ""), "n",
-                  "unsupported_parameter")
+    n = req.n or 1
+    if n > state.config.max_batch + state.config.max_waiting:
+        raise bad(f"n must be <= {state.config.max_batch + state.config.max_waiting} (this server's --max-batch + "
+                  f"--max-waiting: each choice takes a batch slot), got {n}", "n")
     try:
         sampling = SamplingParams(1.0 if req.temperature is None else req.temperature, req.top_k or 0,
                                   1.0 if req.top_p is None else req.top_p, seed_of(req.seed))
@@ -265,7 +267,7 @@ def parse_common(req: CommonRequest, state: ServerState, max_tokens_names: tuple
     stop = () if req.stop is None else ((req.stop,) if isinstance(req.stop, str) else tuple(req.stop))
     return {"max_tokens": max_tokens, "sampling": sampling, "stream": bool(req.stream), "stop": stop,
             "spec": speculation(req.speculative, state), "include_usage": include_usage(req),
-            "prediction": prediction}
+            "prediction": prediction, "n": n}
 
 
 def prompt_ids(value: str | list[int] | list[str] | list[list[int]], state: ServerState) -> list[int]:
@@ -429,38 +431,58 @@ class LogprobsView:
 
 
 class Responder:
-    """OpenAI response objects for one request (a completion or a chat completion)."""
+    """OpenAI response objects for one choice of a request (a completion or a chat completion); the choices of one
+    request share its id (`Responder.of`)."""
 
     def __init__(self, chat: bool, model: str, include_usage: bool, logprobs: LogprobsView,
-                 echo: str = "", prompt: Sequence[int] = ()) -> None:
-        """echo: a completion's prompt text to put before its text (echo: true), `prompt` its token ids."""
+                 echo: str = "", prompt: Sequence[int] = (), index: int = 0) -> None:
+        """echo: a completion's prompt text to put before its text (echo: true), `prompt` its token ids; index:
+        the choice's."""
         self.chat, self.model, self.include_usage = chat, model, include_usage
-        self.logprobs, self.echo, self.prompt = logprobs, echo, prompt
+        self.logprobs, self.echo, self.prompt, self.index = logprobs, echo, prompt, index
         self.echoed = not echo                       # a stream: the prompt's text went out (or there is none)
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
     @staticmethod
-    def usage(done: Done) -> dict:
-        return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-                "total_tokens": done.prompt_tokens + done.completion_tokens,
+    def of(n: int, chat: bool, model: str, include_usage: bool, tokenizer: Tokenizer, parsed: Parsed) -> list["Responder"]:
+        """The responders of a request's n choices, under one id."""
+        outs = [Responder(chat, model, include_usage, LogprobsView(tokenizer, chat, parsed.logprobs), parsed.echo,
+                          parsed.prompt, i) for i in range(n)]
+        for out in outs[1:]:
+            out.id, out.created = outs[0].id, outs[0].created
+        return outs
+
+    @staticmethod
+    def usage(dones: Sequence[Done]) -> dict:
+        """A request's usage: its prompt once, the completion tokens of all its choices."""
+        completion = sum(d.completion_tokens for d in dones)
+        return {"prompt_tokens": dones[0].prompt_tokens, "completion_tokens": completion,
+                "total_tokens": dones[0].prompt_tokens + completion,
                 "completion_tokens_details": {
-                    "accepted_prediction_tokens": done.speculative["accepted_prediction_tokens"],
-                    "rejected_prediction_tokens": done.speculative["rejected_prediction_tokens"]}}
+                    key: sum(d.speculative[key] for d in dones)
+                    for key in ("accepted_prediction_tokens", "rejected_prediction_tokens")}}
 
     def _obj(self, kind: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
-    def full(self, done: Done) -> dict:
+    def choice(self, done: Done) -> dict:
+        """This choice in a response that does not stream."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": done.text},
-                      "logprobs": self.logprobs.render(done.logprobs), "finish_reason": done.finish_reason}
-            obj = self._obj("chat.completion", [choice])
-        else:
-            shown = self.logprobs.render(done.logprobs, self.prompt if self.echo else (), done.prompt_logprobs)
-            obj = self._obj("text_completion", [{"index": 0, "text": self.echo + done.text, "logprobs": shown,
-                                                 "finish_reason": done.finish_reason}])
-        return obj | {"usage": self.usage(done), "speculative": done.speculative}
+            return {"index": self.index, "message": {"role": "assistant", "content": done.text},
+                    "logprobs": self.logprobs.render(done.logprobs), "finish_reason": done.finish_reason}
+        shown = self.logprobs.render(done.logprobs, self.prompt if self.echo else (), done.prompt_logprobs)
+        return {"index": self.index, "text": self.echo + done.text, "logprobs": shown,
+                "finish_reason": done.finish_reason}
+
+    @staticmethod
+    def full(outs: Sequence["Responder"], dones: Sequence[Done]) -> dict:
+        """The response of a request whose choices are `dones` (in choice order): `speculative` is the first
+        choice's report; with n > 1 every choice carries its own too."""
+        choices = [out.choice(d) | ({"speculative": d.speculative} if len(dones) > 1 else {})
+                   for out, d in zip(outs, dones)]
+        kind = "chat.completion" if outs[0].chat else "text_completion"
+        return outs[0]._obj(kind, choices) | {"usage": Responder.usage(dones), "speculative": dones[0].speculative}
 
     def chunk(self, text: str | None, finish_reason: str | None, role: bool = False,
               logprobs: Sequence[TokenLogprob] = (), prompt_logprobs: Sequence[TokenLogprob] = ()) -> dict:
@@ -474,23 +496,28 @@ class Responder:
                 text, self.echoed = self.echo + text, True
         if self.chat:
             delta = {} if text is None else ({"role": "assistant", "content": text} if role else {"content": text})
-            choice = {"index": 0, "delta": delta, "logprobs": shown, "finish_reason": finish_reason}
+            choice = {"index": self.index, "delta": delta, "logprobs": shown, "finish_reason": finish_reason}
             obj = self._obj("chat.completion.chunk", [choice])
         else:
-            obj = self._obj("text_completion", [{"index": 0, "text": text or "", "logprobs": shown,
+            obj = self._obj("text_completion", [{"index": self.index, "text": text or "", "logprobs": shown,
                                                  "finish_reason": finish_reason}])
         return obj | {"usage": None} if self.include_usage else obj
 
     def head(self) -> list[dict]:
         return [self.chunk("", None, role=True)] if self.chat else []
 
-    def tail(self, done: Done) -> list[dict]:
-        echo = [] if self.echoed else [self.chunk("", None, prompt_logprobs=done.prompt_logprobs)]  # nothing streamed
-        last = self.chunk(None, done.finish_reason) | {"speculative": done.speculative}
+    def finish(self, done: Done) -> list[dict]:
+        """The chunks that end this choice's stream: its echo if nothing streamed yet, then its finish_reason with
+        its `speculative` report."""
+        echo = [] if self.echoed else [self.chunk("", None, prompt_logprobs=done.prompt_logprobs)]
+        return [*echo, self.chunk(None, done.finish_reason) | {"speculative": done.speculative}]
+
+    def usage_chunk(self, dones: Sequence[Done]) -> list[dict]:
+        """With include_usage: the last chunk, no choices and the request's usage."""
         if not self.include_usage:
-            return [*echo, last]
+            return []
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return [*echo, last, self._obj(kind, []) | {"usage": self.usage(done)}]
+        return [self._obj(kind, []) | {"usage": self.usage(dones)}]
 
 
 def sse(obj: dict | str) -> str:
@@ -513,9 +540,9 @@ class Watch:
     def __init__(self, request: HttpRequest) -> None:
         self.request, self.checked = request, time.monotonic()
 
-    async def next_event(self, job: Job, within: float = math.inf) -> Event:
-        """The job's next event; ClientGone once the client has gone away, StillWaiting after `within` seconds
-        without one."""
+    async def next_event(self, job: "Job | Choices", within: float = math.inf) -> Event:
+        """The job's (or choices') next event; ClientGone once the client has gone away, StillWaiting after
+        `within` seconds without one."""
         end = time.monotonic() + within
         while True:
             if time.monotonic() - self.checked >= POLL_SECONDS:
@@ -566,89 +593,131 @@ class Routes:
         return {"id": self.state.model_name, "object": "model", "created": self.state.created, "owned_by": "specdec"}
 
     async def run(self, request: HttpRequest, parsed: Parsed, chat: bool, tenant: str) -> Response:
-        """Submit to the scheduler; answer with JSON or an SSE stream. `tenant`: the caller's (authorize)."""
+        """Submit the request's choices to the scheduler; answer with JSON or an SSE stream. `tenant`: the
+        caller's (authorize)."""
         scheduler = self.state.scheduler
-        job = Job.create(Request(parsed.prompt, parsed.max_tokens, parsed.sampling, parsed.stop,
-                                 prediction=parsed.prediction, tenant=tenant, logprobs=parsed.logprobs,
-                                 top_logprobs=parsed.top_logprobs,
-                                 prompt_logprobs=parsed.logprobs and bool(parsed.echo)), parsed.spec)
+        requests = [Request(parsed.prompt, parsed.max_tokens, sampling, parsed.stop, prediction=parsed.prediction,
+                            tenant=tenant, logprobs=parsed.logprobs, top_logprobs=parsed.top_logprobs,
+                            prompt_logprobs=parsed.logprobs and bool(parsed.echo))
+                    for sampling in choice_sampling(parsed.sampling, parsed.n)]
+        choices = Choices(Job.choices(requests, parsed.spec))
         try:
-            scheduler.submit(job)
+            for job in choices.jobs:
+                scheduler.submit(job)
+                choices.submitted += 1
         except QueueFull as e:
+            choices.cancel(scheduler)
             raise ApiError(429, str(e), None, "rate_limit_exceeded") from None
         except Closed as e:
+            choices.cancel(scheduler)
             raise ApiError(503, str(e), None, "server_shutting_down") from None
-        out = Responder(chat, self.state.model_name, parsed.include_usage,
-                        LogprobsView(self.state.generator.tokenizer, chat, parsed.logprobs), parsed.echo, parsed.prompt)
+        outs = Responder.of(parsed.n, chat, self.state.model_name, parsed.include_usage,
+                            self.state.generator.tokenizer, parsed)
         watch = Watch(request)
+        dones: dict[int, Done] = {}
         try:
             try:               # a stream's failure before its first event is an HTTP status, unless it is queued
-                first = await watch.next_event(job, STREAM_START_SECONDS if parsed.stream else math.inf)
+                event = await watch.next_event(choices, STREAM_START_SECONDS if parsed.stream else math.inf)
             except StillWaiting:
-                return self.streaming(request, job, (), out)      # headers now; a later failure is an error event
-            if isinstance(first, Failed):
-                raise ApiError(first.status, first.message, None, first.code)
-            if parsed.stream:
-                return self.streaming(request, job, (first,), out)
-            event = first
-            while not isinstance(event, Done):
-                event = await watch.next_event(job)
+                return self.streaming(request, choices, (), outs)     # headers now; a later failure is an error event
+            if parsed.stream and not isinstance(event, Failed):
+                return self.streaming(request, choices, (event,), outs)
+            while True:
                 if isinstance(event, Failed):
+                    choices.cancel(scheduler)                          # the other choices stop too
                     raise ApiError(event.status, event.message, None, event.code)
+                if isinstance(event, Done):
+                    dones[event.choice] = event
+                    if len(dones) == len(choices.jobs):
+                        break
+                event = await watch.next_event(choices)
         except ClientGone:
-            scheduler.cancel(job)
+            choices.cancel(scheduler)
             log_refusal(request, 499, "the client closed the connection: request cancelled")
             self.count(request, 499)
             return Response(status_code=499)
         except asyncio.CancelledError:
-            scheduler.cancel(job)
+            choices.cancel(scheduler)
             raise
         self.count(request, 200)
-        return JSONResponse(out.full(event))
+        return JSONResponse(Responder.full(outs, [dones[i] for i in range(len(outs))]))
 
-    def streaming(self, request: HttpRequest, job: Job, received: tuple[Event, ...], out: Responder) -> Response:
-        return StreamingResponse(self.stream(request, job, received, out), media_type="text/event-stream",
+    def streaming(self, request: HttpRequest, choices: "Choices", received: tuple[Event, ...],
+                  outs: list[Responder]) -> Response:
+        return StreamingResponse(self.stream(request, choices, received, outs), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @staticmethod
-    async def next_or_keep_alive(job: Job) -> Event | KeepAlive:
-        """The job's next event, or KeepAlive after KEEP_ALIVE_SECONDS without one."""
+    async def next_or_keep_alive(choices: "Choices") -> Event | KeepAlive:
+        """The choices' next event, or KeepAlive after KEEP_ALIVE_SECONDS without one."""
         try:
-            return await asyncio.wait_for(job.events.get(), KEEP_ALIVE_SECONDS)
+            return await asyncio.wait_for(choices.events.get(), KEEP_ALIVE_SECONDS)
         except asyncio.TimeoutError:
             return KeepAlive()
 
-    async def stream(self, request: HttpRequest, job: Job, received: tuple[Event, ...],
-                     out: Responder) -> AsyncIterator[str]:
-        """The SSE stream of `job`, starting with the events already `received` (none for a queued job)."""
+    async def stream(self, request: HttpRequest, choices: "Choices", received: tuple[Event, ...],
+                     outs: list[Responder]) -> AsyncIterator[str]:
+        """The SSE stream of a request's choices, starting with the events already `received` (none for a queued
+        request); it ends once every choice is done."""
         status = 499                                 # unless the stream completes: the client went away
+        dones: dict[int, Done] = {}
         try:
-            for obj in out.head():
-                yield sse(obj)
-            event = received[0] if received else await self.next_or_keep_alive(job)
+            for out in outs:
+                for obj in out.head():
+                    yield sse(obj)
+            event = received[0] if received else await self.next_or_keep_alive(choices)
             while True:
                 if isinstance(event, KeepAlive):
                     yield ": keep-alive\n\n"
                 elif isinstance(event, TextPiece):
-                    yield sse(out.chunk(event.text, None, logprobs=event.logprobs,
-                                        prompt_logprobs=event.prompt_logprobs))
+                    yield sse(outs[event.choice].chunk(event.text, None, logprobs=event.logprobs,
+                                                       prompt_logprobs=event.prompt_logprobs))
                 elif isinstance(event, Done):
-                    for obj in out.tail(event):
+                    for obj in outs[event.choice].finish(event):
                         yield sse(obj)
-                    status = 200
-                    yield sse("[DONE]")
-                    return
+                    dones[event.choice] = event
+                    if len(dones) == len(outs):
+                        for obj in outs[0].usage_chunk([dones[i] for i in range(len(outs))]):
+                            yield sse(obj)
+                        status = 200
+                        yield sse("[DONE]")
+                        return
                 else:
                     status = event.status
                     log_refusal(request, status, event.message, "(in the stream)")
                     yield sse(error_body(event.status, event.message, None, event.code))
                     return
-                event = await self.next_or_keep_alive(job)
+                event = await self.next_or_keep_alive(choices)
         finally:
+            if status != 200:
+                choices.cancel(self.state.scheduler)            # the client went away, or one choice failed
             if status == 499:
-                self.state.scheduler.cancel(job)
                 log_refusal(request, 499, "the client closed the connection: stream cancelled")
             self.count(request, status)
+
+
+@dataclass
+class Choices:
+    """The jobs of one request's n choices (OpenAI's n), sharing one event queue."""
+    jobs: list[Job]
+    submitted: int = 0                       # of them, how many the scheduler took
+
+    @property
+    def events(self) -> asyncio.Queue:
+        return self.jobs[0].events
+
+    def cancel(self, scheduler: Scheduler) -> None:
+        """Stop every submitted choice (finished ones stay as they are)."""
+        for job in self.jobs[:self.submitted]:
+            scheduler.cancel(job)
+
+
+def choice_sampling(sampling: SamplingParams, n: int) -> list[SamplingParams]:
+    """The sampling of each of n choices: one choice keeps the request's seed, choice i of several samples with
+    derive_seed(seed, i) (as `generate` samples prompt i of a list), so they differ."""
+    if n == 1:
+        return [sampling]
+    return [replace(sampling, seed=derive_seed(sampling.seed, i)) for i in range(n)]
 
 
 def log_refusal(request: HttpRequest, status: int, message: str, where: str = "") -> None:

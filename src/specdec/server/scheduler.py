@@ -90,6 +90,7 @@ class Done:
     speculative: dict
     logprobs: tuple[TokenLogprob, ...] = ()      # every completion token's, where the request asks
     prompt_logprobs: tuple[TokenLogprob, ...] = ()   # the prompt's tokens' after the first, where asked
+    choice: int = 0                                  # which of a request's n choices (Job.choice)
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,7 @@ class TextPiece:
     text: str
     logprobs: tuple[TokenLogprob, ...] = ()
     prompt_logprobs: tuple[TokenLogprob, ...] = ()   # in the request's first piece, where asked
+    choice: int = 0
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,7 @@ class Failed:
     message: str
     status: int = 500
     code: str | None = None        # OpenAI's error code, where one names the cause
+    choice: int = 0
 
 
 Event = TextPiece | Done | Failed
@@ -136,11 +139,19 @@ class Job:
     last_emit: float | None = None
     finished: bool = False
     sent_logprobs: int = 0             # of seq.logprobs, how many went out in pieces
+    choice: int = 0                    # its index among its request's choices (OpenAI's n); events carry it
 
     @staticmethod
     def create(request: Request, spec: SpecChoice) -> "Job":
         """A job bound to the running event loop (call from the asyncio side)."""
         return Job(request, spec, asyncio.get_running_loop(), asyncio.Queue())
+
+    @staticmethod
+    def choices(requests: list[Request], spec: SpecChoice) -> list["Job"]:
+        """The jobs of one request's choices, request i as choice i: one event queue, each event tagged with its
+        choice (call from the asyncio side)."""
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        return [Job(r, spec, loop, events, choice=i) for i, r in enumerate(requests)]
 
 
 class PrefixCacheCollector:
@@ -545,7 +556,7 @@ class Scheduler:
 
     def _send(self, job: Job, event: Event) -> None:
         try:
-            job.loop.call_soon_threadsafe(job.events.put_nowait, event)
+            job.loop.call_soon_threadsafe(job.events.put_nowait, replace(event, choice=job.choice))
         except RuntimeError:            # the event loop is closed: nobody is listening any more
             pass
 

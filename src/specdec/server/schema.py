@@ -21,6 +21,7 @@ from ..logprobs import MAX_TOP_LOGPROBS
 from ..names import AUTO_METHOD
 
 MAX_STOP = 4
+MAX_CHOICES = 128                           # OpenAI's bound on n (a server's --max-batch + --max-waiting may be lower)
 ROLES = ("system", "user", "assistant", "developer")
 UNSUPPORTED = "unsupported_parameter"       # the error type (and OpenAI error code) of a neutral-only field
 SURROGATE = "lone_surrogate"                # the error type of a string that is not valid Unicode
@@ -136,7 +137,7 @@ class CommonRequest(Body):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=0, le=1 << 20, description="extension: sample from the k most likely (0: all)")
-    n: int | None = Field(None, ge=1)
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES, description="choices, each sampled with a seed of its own")
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)
     stop: Stop | None = None
     user: str | None = None
