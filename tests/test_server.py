@@ -353,6 +353,14 @@ def single(gen):
     srv.stop()
 
 
+def test_more_choices_than_the_server_has_slots_is_a_400(single):
+    r = post(single.url, {"prompt": "hi", "n": 2, "max_tokens": 2}, "/v1/completions")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    assert "n must be <= 1 (this server's --max-batch + --max-waiting" in r.json()["error"]["message"]
+    r = post(single.url, {"prompt": "hi", "n": 1, "max_tokens": 2}, "/v1/completions")
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1
+
+
 def test_disconnect_mid_stream_frees_the_slot(single, caplog):
     caplog.set_level(logging.INFO, logger="specdec")
     client = single.client()
