@@ -905,6 +905,7 @@ def test_metrics(server, client):
     assert metric(text, "specdec:requests_total", '{endpoint="/v1/completions",status="200"}') > 0
     assert metric(text, "specdec:num_requests_running") == 0
     assert metric(text, "specdec:num_requests_waiting") == 0
+    assert metric(text, "specdec:engine_sequences", '{method="ngram",num_draft_tokens="4"}') == 0   # kept, idle
     for kind in ("prefill", "decode"):
         label = f'{{kind="{kind}"}}'
         steps = metric(text, "specdec:engine_steps_total", label)

@@ -41,8 +41,8 @@ from ..tree import TreeShape
 from .learn import LearnConfig, Learner, NoLearning, OnlineLearner
 from .schema import (ChatCompletionRequest, CommonRequest, CompletionRequest, Prediction, Speculative, TextPart,
                      describe)
-from .scheduler import (Closed, Done, EnginePool, Event, Failed, Job, QueueFull, Scheduler, ServerMetrics,
-                        SpecChoice, TextPiece, log)
+from .scheduler import (Closed, Done, EngineCollector, EnginePool, Event, Failed, Job, QueueFull, Scheduler,
+                        ServerMetrics, SpecChoice, TextPiece, log)
 
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
 POLL_SECONDS = 0.5                      # how often a non-streaming request checks for a disconnect
@@ -105,6 +105,7 @@ class ServerState:
         self.pool = EnginePool(generator, self.learner.source(self.drafts), dtype, self.default, config.max_batch,
                                config.max_prompt_tokens + config.max_tokens, config.max_engines, tree,
                                prefix_cache, config.prefill_tokens, self.learner, sample_drafts)
+        self.metrics.registry.register(EngineCollector(self.pool))
         self.scheduler = Scheduler(self.pool, self.metrics, config.max_batch, config.max_waiting,
                                    config.prefill_threads)
 

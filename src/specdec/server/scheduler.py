@@ -171,6 +171,22 @@ class PrefixCacheCollector:
                                 value=len(self.cache.pieces))
 
 
+class EngineCollector:
+    """The pool's engines as a gauge: one series per (method, K) kept, valued at the sequences it holds (running
+    or prefilling; 0: idle), so a scrape shows which engines exist and which serve."""
+
+    def __init__(self, pool: "EnginePool") -> None:
+        self.pool = pool
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        g = GaugeMetricFamily("specdec:engine_sequences", "Sequences in each engine kept by the server, by method "
+                              "and K (engines are built per (method, K) on demand, --max-engines at most)",
+                              labels=["method", "num_draft_tokens"])
+        for key, eng in list(self.pool.engines.items()):           # a snapshot: the worker thread may change it
+            g.add_metric([key.method, str(key.num_draft_tokens)], len(eng.active) + len(eng.pending))
+        yield g
+
+
 class ServerMetrics:
     """Prometheus metrics in their own registry (several apps may live in one process)."""
 
