@@ -300,6 +300,24 @@ def test_echo_with_logprobs_scores_the_prompt(gen, client):
     assert plain.logprobs is None
 
 
+def test_pieces_of_characters_keep_apart_and_offsets_follow_the_text(gen, client):
+    """Tokens that are bytes of a character: written bytes:\\xNN (so top_logprobs keeps every alternative, where
+    U+FFFD for all of them merged them), and text_offset counts characters of the text, not of token strings."""
+    prompt = "日本語の文章を書いてください。東京は"
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=20,
+                                    echo=True).choices[0]
+    lp, text = got.logprobs, got.text
+    assert text.startswith(prompt) and lp.top_logprobs[0] is None
+    assert all(len(alts) >= 20 for alts in lp.top_logprobs[1:])
+    assert any(t.startswith("bytes:\\x") for t in lp.tokens)
+    first_new = len(gen.tokenizer.encode(prompt, False))
+    assert lp.text_offset[first_new] == len(prompt)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(text)
+    for t, o in zip(lp.tokens, lp.text_offset):
+        if not t.startswith("bytes:"):
+            assert text[o:o + len(t)] == t
+
+
 def test_n_choices_sample_with_seeds_of_their_own_streamed_or_not(gen, client):
     """n choices: choice i samples as offline generation samples prompt i of a list of n equal prompts (seed
     derive_seed(seed, i)); greedy choices are all the plain answer; usage counts the prompt once."""

@@ -7,6 +7,7 @@ draft models, tokenizer) here. Every error answers with OpenAI's error JSON.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import hashlib
 import hmac
 import json
@@ -393,19 +394,25 @@ def authorize(keys: tuple[str, ...]) -> Callable[[HttpRequest], str]:
 class LogprobsView:
     """The completion tokens' log-probabilities as OpenAI writes them: chat completions' `content` entries (token,
     logprob, bytes, top_logprobs), or completions' lists (tokens, token_logprobs, top_logprobs: the alternatives
-    and the token itself by text, text_offset: each token's place in the text, counted on across a stream's
-    chunks). JSON null where the request did not ask."""
+    and the token itself by text, text_offset: where each token's text starts in the text, counted on across a
+    stream's chunks). A token that is not whole UTF-8 by itself (a piece of a character) is written
+    `bytes:\\xe6\\x97` as OpenAI does, so pieces stay apart. JSON null where the request did not ask."""
 
     def __init__(self, tokenizer: Tokenizer, chat: bool, asked: bool) -> None:
         self.tokenizer, self.chat, self.asked = tokenizer, chat, asked
         self.offset = 0                                          # completions: characters before the next token
-
-    def _entry(self, token: int, logprob: float) -> dict:
-        raw = self.tokenizer.token_bytes(token)
-        return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")  # ... counted as the text decodes them
 
     def text(self, token: int) -> str:
-        return self.tokenizer.token_bytes(token).decode("utf-8", "replace")
+        """A token's text, or `bytes:\\xNN...` where its bytes are not whole UTF-8."""
+        raw = self.tokenizer.token_bytes(token)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+    def _entry(self, token: int, logprob: float) -> dict:
+        return {"token": self.text(token), "logprob": logprob, "bytes": list(self.tokenizer.token_bytes(token))}
 
     def render(self, logprobs: Sequence[TokenLogprob], echo: Sequence[int] = (),
                echo_logprobs: Sequence[TokenLogprob] = ()) -> dict | None:
@@ -417,18 +424,17 @@ class LogprobsView:
             return {"content": [self._entry(lp.token, lp.logprob)
                                 | {"top_logprobs": [self._entry(t, v) for t, v in lp.top]} for lp in logprobs],
                     "refusal": None}
-        tokens = [self.text(t) for t in echo[:1]]
-        values: list[float | None] = [None] * len(tokens)
-        tops: list[dict | None] = [None] * len(tokens)
-        for lp in [*echo_logprobs, *logprobs]:
-            tokens.append(self.text(lp.token))
-            values.append(lp.logprob)
-            tops.append({self.text(t): v for t, v in lp.top} | {tokens[-1]: lp.logprob})
+        ids = [*echo[:1], *(lp.token for lp in [*echo_logprobs, *logprobs])]
+        values: list[float | None] = [None] * len(echo[:1]) + [lp.logprob for lp in [*echo_logprobs, *logprobs]]
+        tops: list[dict | None] = [None] * len(echo[:1])
+        tops += [{self.text(t): v for t, v in lp.top} | {self.text(lp.token): lp.logprob}
+                 for lp in [*echo_logprobs, *logprobs]]
         offsets = []
-        for t in tokens:
+        for token in ids:                    # a piece of a character starts where that character will stand
             offsets.append(self.offset)
-            self.offset += len(t)
-        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+            self.offset += len(self.decoder.decode(self.tokenizer.token_bytes(token)))
+        return {"tokens": [self.text(t) for t in ids], "token_logprobs": values, "top_logprobs": tops,
+                "text_offset": offsets}
 
 
 class Responder:
