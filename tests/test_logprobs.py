@@ -9,7 +9,7 @@ import torch
 from specdec.draft_length import make_policy
 from specdec.engine import Engine, Request
 from specdec.errors import SpecdecError
-from specdec.logprobs import MAX_TOP_LOGPROBS, most_likely
+from specdec.logprobs import MAX_TOP_LOGPROBS, most_likely, token_text
 from specdec.prefix_cache import PrefixCache
 from specdec.proposers.draft_model import DraftModelProposer
 from specdec.proposers.eagle import EagleProposer
@@ -147,6 +147,12 @@ def _run_engine(target, cache, request):
         while eng.busy:
             eng.step()
     return seq
+
+
+def test_a_piece_of_a_character_is_written_as_its_bytes():
+    assert token_text(" caf\u00e9".encode()) == " caf\u00e9"
+    assert token_text(b"\xe6\x97") == "bytes:\\xe6\\x97" != token_text(b"\xe6\x98")     # pieces stay apart
+    assert token_text(b"") == ""
 
 
 def test_tied_alternatives_come_lowest_id_first_as_the_argmax_picks():

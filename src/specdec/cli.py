@@ -252,8 +252,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
                "finish_reason": res.finish_reason, "prompt_tokens": res.prompt_tokens,
                "runtime": runtime_info(gen.target)}
         if asked:
+            from .logprobs import token_text
+
             text = gen.tokenizer.token_bytes
-            out["logprobs"] = [{"token": lp.token, "text": text(lp.token).decode("utf-8", "replace"),
+            out["logprobs"] = [{"token": lp.token, "text": token_text(text(lp.token)),
                                 "logprob": lp.logprob, "top": [[t, v] for t, v in lp.top]} for lp in res.logprobs]
         print(json.dumps(out))
         return 0

@@ -28,6 +28,15 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...]       # (id, log-probability), most likely first; as many as asked
 
 
+def token_text(raw: bytes) -> str:
+    """A token's bytes as the text logprobs show: the text, or `bytes:\\xe6\\x97` where they are not whole
+    UTF-8 (a piece of a character), as OpenAI writes such tokens, so that pieces stay apart."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
 def check_top_logprobs(top: object, name: str = "top_logprobs") -> int:
     """`top` as the number of alternatives to report, refused unless an integer in [0, MAX_TOP_LOGPROBS]."""
     if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:

@@ -33,7 +33,7 @@ from ..api import WEIGHTS_OF, DraftSource, Generator, best_method, has_shipped, 
 from ..draft_length import MAX_DRAFT_TOKENS
 from ..engine import Request
 from ..errors import SpecdecError
-from ..logprobs import TokenLogprob
+from ..logprobs import TokenLogprob, token_text
 from ..models.tokenizer import Tokenizer
 from ..names import AUTO_METHOD, DEFAULT_SAMPLE_DRAFTS
 from ..prefix_cache import PrefixCache
@@ -404,12 +404,7 @@ class LogprobsView:
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")  # ... counted as the text decodes them
 
     def text(self, token: int) -> str:
-        """A token's text, or `bytes:\\xNN...` where its bytes are not whole UTF-8."""
-        raw = self.tokenizer.token_bytes(token)
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return token_text(self.tokenizer.token_bytes(token))
 
     def _entry(self, token: int, logprob: float) -> dict:
         return {"token": self.text(token), "logprob": logprob, "bytes": list(self.tokenizer.token_bytes(token))}
