@@ -83,6 +83,8 @@ def test_export_has_the_names_and_shapes_vllm_and_sglang_load(tmp_path):
         assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
         assert cfg["num_hidden_layers"] == 1 and cfg["draft_vocab_size"] == 40 and cfg["vocab_size"] == 97
         assert cfg["eagle_aux_hidden_state_layer_ids"] == list(c.aux_layers) and not cfg["tie_word_embeddings"]
+        # SGLang reads eagle_config's ids and captures each one's output (the input of the next layer)
+        assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in c.aux_layers]
         assert sd["fc.weight"].shape == (H, 3 * H)
         q_out = c.n_heads * c.head_dim
         assert sd["midlayer.self_attn.q_proj.weight"].shape == (q_out, 2 * H)
@@ -174,6 +176,79 @@ def test_import_of_a_damaged_export_is_one_line(tmp_path):
     for d, message in cases:
         with pytest.raises(SpecdecError, match=message):
             import_eagle3(d, target)
+
+
+def test_a_config_in_sglangs_count_and_bad_aux_fields(tmp_path):
+    """A config naming its aux layers only in eagle_config (SGLang's count: the layers whose output is taken)
+    imports onto the same layers; malformed aux fields are one line, not a traceback."""
+    import json
+
+    import pytest
+
+    from specdec.errors import SpecdecError
+    from specdec.export import export_eagle3, import_eagle3
+
+    target, head = _head()
+    out = export_eagle3(head, "sglang", tmp_path / "e3")
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg["eagle_aux_hidden_state_layer_ids"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    assert import_eagle3(out, target).cfg.aux_layers == head.cfg.aux_layers
+    for bad, message in [({"eagle_config": "x"}, "eagle_config must be an object"),
+                         ({"eagle_aux_hidden_state_layer_ids": ["1", "2", "3"]}, "must be a list of integers"),
+                         ({"eagle_aux_hidden_state_layer_ids": [1.5, 2, 3]}, "must be a list of integers"),
+                         ({"num_hidden_layers": "one"}, "only one-layer heads")]:
+        (out / "config.json").write_text(json.dumps({**cfg, **bad}))
+        with pytest.raises(SpecdecError, match=message):
+            import_eagle3(out, target)
+
+
+def test_an_interrupted_export_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
+    """Ctrl-C (or a full disk) while the files are written: no half export, an earlier one intact."""
+    import pytest
+
+    import specdec.export as export
+
+    target, head = _head()
+    first = export.export_eagle3(head, "vllm", tmp_path / "e3")
+    before = {p.name: p.read_bytes() for p in first.iterdir()}
+    real = export._write_file
+
+    def interrupted(path, data):
+        if path.name == "config.json":
+            raise KeyboardInterrupt
+        real(path, data)
+
+    monkeypatch.setattr(export, "_write_file", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        export.export_eagle3(head, "sglang", tmp_path / "e3", overwrite=True)
+    assert {p.name: p.read_bytes() for p in first.iterdir()} == before          # no temporary folder either
+    with pytest.raises(KeyboardInterrupt):
+        export.export_eagle3(head, "vllm", tmp_path / "new")
+    assert list((tmp_path / "new").iterdir()) == []
+
+
+def test_an_export_refuses_a_folder_with_other_weights_and_imports_its_own(tmp_path):
+    import shutil
+
+    import pytest
+
+    from specdec.errors import SpecdecError
+    from specdec.export import export_eagle3, import_eagle3
+
+    target, head = _head()
+    out = export_eagle3(head, "vllm", tmp_path / "e3")
+    shutil.copy(out / "model.safetensors", tmp_path / "old.safetensors")
+    (tmp_path / "mixed").mkdir()
+    shutil.copy(tmp_path / "old.safetensors", tmp_path / "mixed" / "zz-old-head.safetensors")
+    with pytest.raises(SpecdecError, match="holds other weights \\(zz-old-head.safetensors\\)"):
+        export_eagle3(head, "vllm", tmp_path / "mixed")
+    other, other_head = _head(seed=5)
+    export_eagle3(other_head, "vllm", tmp_path / "other")
+    shutil.copy(tmp_path / "other" / "model.safetensors", out / "zz-another.safetensors")
+    back = import_eagle3(out, target)                                  # model.safetensors only
+    assert torch.equal(back.fc.weight, import_eagle3(tmp_path / "e3", target).fc.weight)
+    assert torch.equal(back.fc.weight.to(torch.bfloat16), head.fc.weight.to(torch.bfloat16))
 
 
 def test_medusa_export_matches_vllms_medusa_model(tmp_path):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -357,8 +358,10 @@ def test_export_into_an_unusable_directory_is_one_line(tmp_path):
     from specdec.export import _write
 
     (tmp_path / "f").write_text("x")
-    with pytest.raises(SpecdecError, match="cannot use .* as the output directory"):
+    with pytest.raises(SpecdecError, match="the output directory .*f is a file, not a directory"):
         _write(tmp_path / "f", {}, {}, False)
+    assert main(["export", "eagle3", ""]) == 2                  # an unset "$OUT": not the working directory
+    assert not Path("config.json").exists()
 
 
 def test_load_rejects_unknown_method_before_loading():

@@ -34,6 +34,8 @@ def cmd_export(a: argparse.Namespace) -> int:
     if a.weights and not Path(a.weights).is_file():
         raise SpecdecError(f"--weights {a.weights}: " + ("a folder, not a weights file" if Path(a.weights).is_dir()
                                                          else "weights not found"))
+    if not a.out_dir.strip():                                    # an unset "$OUT": not the working directory
+        raise SpecdecError("the output directory is empty: name a directory for the export")
     out_dir = Path(a.out_dir)
     with no_empty_dirs_left(out_dir):                           # a failed export leaves no directory it made
         check_out(out_dir, a.overwrite)

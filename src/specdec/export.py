@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from .errors import SpecdecError
+from .files import writable_dir
 from .models.decoder import Transformer
 from .models.eagle import check_vocab_ids
 from .models.eagle3 import Eagle3Config, Eagle3Head
@@ -29,39 +32,61 @@ EAGLE3_ARCH = "LlamaForCausalLMEagle3"
 MEDUSA_ARCH = "MedusaModel"
 
 
+FILES = ("config.json", "model.safetensors")
+
+
 def check_out(out: Path, overwrite: bool) -> None:
-    """`out` can take an export: a directory that can be created, holding no export unless `overwrite`."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:                                # a file in the way, no permission, a missing mount...
-        raise SpecdecError(f"cannot use {out} as the output directory: {e.strerror or e}") from None
-    for name in ("config.json", "model.safetensors"):
+    """`out` can take an export: a writable directory (created if needed), holding no export unless `overwrite`
+    and no other weights (vLLM and SGLang read every *.safetensors of the folder)."""
+    writable_dir(out, "the output directory")        # a file in the way, no permission, a read-only mount...
+    for name in FILES:
         if (out / name).exists() and not overwrite:
             raise SpecdecError(f"{out / name} exists; pass --overwrite to replace it")
+    others = sorted(f.name for f in out.glob("*.safetensors") if f.name != "model.safetensors")
+    if others:
+        raise SpecdecError(f"{out} holds other weights ({', '.join(others[:3])}): vLLM and SGLang would load them "
+                           "with the export; export into a folder of its own")
 
 
 def _write(out: Path, config: dict, tensors: dict[str, Tensor], overwrite: bool) -> Path:
+    """Both files into a temporary folder inside `out`, then moved in: an interrupted or failed export (Ctrl-C,
+    a full disk) leaves `out` as it was, never weights without their config."""
     from safetensors.torch import save
 
     check_out(out, overwrite)
-    _write_whole(out / "model.safetensors", save({k: v.contiguous() for k, v in tensors.items()},
-                                                 metadata={"format": "pt"}))
-    _write_whole(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=".export-", suffix=".tmp", dir=out))
+    except OSError as e:
+        raise SpecdecError(f"cannot write the export into {out}: {e.strerror or e}") from None
+    try:
+        _write_file(tmp / "model.safetensors", save({k: v.contiguous() for k, v in tensors.items()},
+                                                    metadata={"format": "pt"}))
+        _write_file(tmp / "config.json", (json.dumps(config, indent=2) + "\n").encode())
+        for name in FILES:
+            os.replace(tmp / name, out / name)
+    except OSError as e:
+        raise SpecdecError(f"cannot write the export into {out}: {e.strerror or e}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
-def _write_whole(path: Path, data: bytes) -> None:
-    """`data` to `path`, whole or not at all (a temporary file renamed), in the umask's usual mode (0644 typically)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    except OSError as e:
-        raise SpecdecError(f"cannot write {path}: {e.strerror or e}") from None
+def _write_file(path: Path, data: bytes) -> None:
+    """`data` to a new file `path` in the umask's usual mode (0644 typically; mkdtemp's folder is 0700)."""
+    path.write_bytes(data)
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def eagle3_config(head: Eagle3Head, fmt: str, dtype: str = "bfloat16") -> dict:
-    """The Llama config vLLM / SGLang read for an EAGLE-3 head."""
+    """The Llama config vLLM / SGLang read for an EAGLE-3 head. The aux layers are named twice, each as its engine
+    counts: vLLM reads the top-level ids as the layers whose input is taken (ours), SGLang the `eagle_config` ones
+    as the layers whose output is taken (one less)."""
     c = head.cfg
     if fmt not in FORMATS:
         raise SpecdecError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -76,7 +101,7 @@ def eagle3_config(head: Eagle3Head, fmt: str, dtype: str = "bfloat16") -> dict:
             "tie_word_embeddings": False, "attention_bias": False, "torch_dtype": dtype,
             "target_hidden_size": c.dim, "eagle_aux_hidden_state_layer_ids": list(c.aux_layers),
             "eagle_config": {"use_aux_hidden_state": True,
-                             "eagle_aux_hidden_state_layer_ids": list(c.aux_layers)}}
+                             "eagle_aux_hidden_state_layer_ids": [i - 1 for i in c.aux_layers]}}
 
 
 def eagle3_tensors(head: Eagle3Head) -> dict[str, Tensor]:
@@ -110,6 +135,24 @@ def export_medusa(heads: MedusaHeads, fmt: str, out: Path, overwrite: bool = Fal
     return _write(out, config, sd, overwrite)
 
 
+def aux_layers_of(raw: dict, n_layers: int, cfg_file: Path) -> list[int]:
+    """The aux layers a config names, as vLLM counts them (the layers whose input is taken): its top-level
+    `eagle_aux_hidden_state_layer_ids`, else `eagle_config`'s, counted as SGLang does (outputs: one more), else
+    both engines' default."""
+    nested = raw.get("eagle_config") or {}
+    if not isinstance(nested, dict):
+        raise SpecdecError(f"{cfg_file}: eagle_config must be an object, got {json.dumps(nested)[:40]}")
+    ids, shift = raw.get("eagle_aux_hidden_state_layer_ids"), 0
+    if not ids:
+        ids, shift = nested.get("eagle_aux_hidden_state_layer_ids"), 1
+    if not ids:
+        return [2, n_layers // 2, n_layers - 3]
+    if not isinstance(ids, list) or not all(type(i) is int for i in ids):
+        raise SpecdecError(f"{cfg_file}: eagle_aux_hidden_state_layer_ids must be a list of integers, got "
+                           f"{json.dumps(ids)[:60]}")
+    return [i + shift for i in ids]
+
+
 def import_eagle3(path: Path, target: Transformer) -> Eagle3Head:
     """An EAGLE-3 head in vLLM / SGLang layout (a directory with config.json and *.safetensors) on
     `target`, checked against the target's shapes."""
@@ -117,7 +160,7 @@ def import_eagle3(path: Path, target: Transformer) -> Eagle3Head:
 
     p = Path(path)
     cfg_file = p / "config.json"
-    files = sorted(p.glob("*.safetensors"))
+    files = [p / "model.safetensors"] if (p / "model.safetensors").is_file() else sorted(p.glob("*.safetensors"))
     if not cfg_file.is_file() or not files:
         raise SpecdecError(f"{p} is not an EAGLE-3 export (needs config.json and *.safetensors)")
     try:
@@ -128,15 +171,14 @@ def import_eagle3(path: Path, target: Transformer) -> Eagle3Head:
         raise SpecdecError(f"{cfg_file} is not a JSON object: not an EAGLE-3 export")
     tc = target.config
     L = tc.n_layers
-    aux = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
-        "eagle_aux_hidden_state_layer_ids") or [2, L // 2, L - 3]
+    aux = aux_layers_of(raw, L, cfg_file)
     want = {"hidden_size": tc.dim, "vocab_size": tc.vocab_size, "num_attention_heads": tc.n_heads,
             "num_key_value_heads": tc.n_kv_heads}
     bad = {k: (raw.get(k), v) for k, v in want.items() if raw.get(k) != v}
     if bad:
         raise SpecdecError(f"{p} was made for another target: " +
                            ", ".join(f"{k} {a} (target: {b})" for k, (a, b) in bad.items()))
-    if int(raw.get("num_hidden_layers", 1)) != 1 or len(aux) != 3 or not all(1 <= i < L for i in aux):
+    if raw.get("num_hidden_layers", 1) != 1 or len(aux) != 3 or not all(1 <= i < L for i in aux):
         raise SpecdecError(f"{p}: only one-layer heads over three aux layers in 1..{L - 1} load here")
     sd: dict[str, Tensor] = {}
     for f in files:

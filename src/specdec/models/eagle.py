@@ -124,8 +124,12 @@ def write_weights(path: Path, tensors: dict[str, Tensor], metadata: dict[str, st
 
     p = Path(path)
     tmp = p.with_name(f".{p.name}.tmp")
-    tmp.write_bytes(save(tensors, metadata=metadata))
-    os.replace(tmp, p)
+    try:
+        tmp.write_bytes(save(tensors, metadata=metadata))
+        os.replace(tmp, p)
+    except BaseException:                          # a full disk, Ctrl-C: no partial temporary file stays
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_weights(path: Path, kind: str, target: Transformer) -> tuple[dict[str, Tensor], dict[str, str]]:
