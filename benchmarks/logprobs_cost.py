@@ -1,9 +1,11 @@
 """What log-probabilities cost: tokens/s of the same greedy generations without them, with each token's
 (`logprobs=True`), with 5 and 20 alternatives, and with the prompt's too, interleaved per prompt and repeat in
 one run; medians of the per-prompt ratios to the run without. Every variant's tokens must equal the plain run's.
+The default method is `none`: `suffix` learns from each run's output, so the runs after the first of a prompt
+draft more and the ratios measure that instead.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/logprobs_cost.py --threads 1
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/logprobs_cost.py --method none --repeats 5
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/logprobs_cost.py --method eagle3 --repeats 5
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ VARIANTS = {"off": {}, "logprobs": dict(logprobs=True), "top 5": dict(logprobs=T
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--method", default="suffix", help="the method generating (default: suffix)")
+    ap.add_argument("--method", default="none", help="the method generating (default: none)")
     ap.add_argument("--prompts", type=int, default=8, help="mini-suite prompts, one per category (default: 8)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=3)
