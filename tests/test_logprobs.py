@@ -56,6 +56,7 @@ def test_plain_logprobs_are_the_full_contexts_distribution():
         context.append(tok)
 
 
+@pytest.mark.exactness                  # run again on the portable AVX2 kernels (`make test`)
 @pytest.mark.parametrize("method", list(PROPOSERS))
 @pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), 4])
 def test_every_method_reports_the_bits_plain_decoding_reports(method, k):
