@@ -343,6 +343,25 @@ def test_n_choices_sample_with_seeds_of_their_own_streamed_or_not(gen, client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2 * len(plain.tokens)
 
 
+def test_several_prompts_in_one_completion_request(gen, client):
+    """A list of prompts: prompt i's choice j is choice i * n + j, sampled as offline generation samples item
+    i * n + j of the list of each prompt repeated n times; usage counts each prompt once."""
+    prompts = [PROMPT, "Two plus two is"]
+    want = offline(gen, [p for p in prompts for _ in range(2)], 8, chat=False, temperature=0.8, seed=3)
+    got = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=8, temperature=0.8, seed=3,
+                                    echo=True, logprobs=0)
+    assert [c.index for c in got.choices] == [0, 1, 2, 3]
+    assert [c.text for c in got.choices] == [p + w.text for p, w in zip([p for p in prompts for _ in range(2)], want)]
+    assert got.usage.prompt_tokens == want[0].prompt_tokens + want[2].prompt_tokens
+    assert got.usage.completion_tokens == sum(len(w.tokens) for w in want)
+    ids = [gen.tokenizer.encode(p, False) for p in prompts]
+    greedy = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    assert [c.text for c in greedy.choices] == [w.text for w in offline(gen, prompts, 6, chat=False)]
+    chunks = list(client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, stream=True))
+    for i, w in enumerate(offline(gen, prompts, 6, chat=False)):
+        assert "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) == w.text
+
+
 def test_eight_concurrent_streams(gen, server, client):
     wants = gen.generate(CHAT_PROMPTS, max_new_tokens=24, chat=True)
 
@@ -375,6 +394,8 @@ def test_more_choices_than_the_server_has_slots_is_a_400(single):
     r = post(single.url, {"prompt": "hi", "n": 2, "max_tokens": 2}, "/v1/completions")
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
     assert "n must be <= 1 (this server's --max-batch + --max-waiting" in r.json()["error"]["message"]
+    r = post(single.url, {"prompt": ["hi", "ho"], "max_tokens": 2}, "/v1/completions")
+    assert r.status_code == 400 and "2 prompts x n=1 choices must be <= 1" in r.json()["error"]["message"]
     r = post(single.url, {"prompt": "hi", "n": 1, "max_tokens": 2}, "/v1/completions")
     assert r.status_code == 200 and len(r.json()["choices"]) == 1
 
@@ -619,7 +640,8 @@ BAD = [  # (what, path, body, status, param)
      "n"),
     ("missing prompt", "/v1/completions", {"max_tokens": 2}, 400, "prompt"),
     ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "prompt"),
-    ("two prompts", "/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("an empty prompt in a list", "/v1/completions", {"prompt": ["a", ""]}, 400, "prompt"),
+    ("an id out of range in a list", "/v1/completions", {"prompt": [[1, 2], [1, 10 ** 9]]}, 400, "prompt"),
     ("token id out of range", "/v1/completions", {"prompt": [1, 10 ** 9]}, 400, "prompt"),
     ("bad role", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages"),
     ("no messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),

@@ -163,7 +163,7 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> ApiE
 # ---- request parsing: the server-dependent checks after schema validation ------------------------
 @dataclass(frozen=True)
 class Parsed:
-    prompt: list[int]
+    prompts: list[list[int]]           # one for chat; completions may send several (each gets n choices)
     max_tokens: int
     sampling: SamplingParams
     stop: tuple[str, ...]
@@ -173,8 +173,8 @@ class Parsed:
     prediction: tuple[int, ...]
     logprobs: bool                     # report the completion tokens' log-probabilities
     top_logprobs: int                  # ... with that many alternatives each
-    echo: str = ""                     # completions with echo: the prompt's text, put before the completion
-    n: int = 1                         # choices (OpenAI's n), each sampled with a seed of its own
+    echoes: list[str] = field(default_factory=list)  # completions with echo: each prompt's text, before its text
+    n: int = 1                         # choices per prompt (OpenAI's n), each sampled with a seed of its own
 
 
 def content_text(content: str | list[TextPart]) -> str:
@@ -272,21 +272,24 @@ def parse_common(req: CommonRequest, state: ServerState, max_tokens_names: tuple
             "prediction": prediction, "n": n}
 
 
-def prompt_ids(value: str | list[int] | list[str] | list[list[int]], state: ServerState) -> list[int]:
-    """A completion prompt: a string or a list of token ids (or a list holding exactly one of those)."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]
-    if isinstance(value, list) and len(value) > 1 and isinstance(value[0], (str, list)):
-        raise bad("only one prompt per request is supported", "prompt", "unsupported_parameter")
+def prompt_list(value: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
+    """A completion's prompts: a string or a list of token ids is one prompt, a list of those several."""
+    if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+        return list(value)
+    return [value]
+
+
+def prompt_ids(value: str | list[int], state: ServerState, where: str = "prompt") -> list[int]:
+    """One completion prompt's token ids (`where`: how errors name it)."""
     if isinstance(value, str):
         ids = state.generator.tokenizer.encode(value, False) if value else []
     else:
         ids = list(value)
     if not ids:
-        raise bad("prompt must not be empty", "prompt")
+        raise bad(f"{where} must not be empty", "prompt")
     vocab = state.generator.target.vocab_size
     if not isinstance(value, str) and not all(0 <= t < vocab for t in ids):
-        raise bad(f"prompt token ids must be in [0, {vocab})", "prompt")
+        raise bad(f"{where} token ids must be in [0, {vocab})", "prompt")
     return ids
 
 
@@ -294,13 +297,20 @@ def parse_completion(req: CompletionRequest, state: ServerState) -> Parsed:
     check_model(req.model, state)
     common = parse_common(req, state, ("max_tokens",))
     common["max_tokens"] = common["max_tokens"] or min(16, state.config.max_tokens)
-    ids = prompt_ids(req.prompt, state)
-    check_prompt_length(ids, common["max_tokens"], state, "prompt")
-    echo = ""
-    if req.echo:
-        text = req.prompt[0] if isinstance(req.prompt, list) and len(req.prompt) == 1 else req.prompt
-        echo = text if isinstance(text, str) else state.generator.tokenizer.decode(ids)
-    return Parsed(ids, **common, logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0, echo=echo)
+    values = prompt_list(req.prompt)
+    slots = state.config.max_batch + state.config.max_waiting
+    if len(values) * common["n"] > slots:
+        raise bad(f"{len(values)} prompts x n={common['n']} choices must be <= {slots} (this server's --max-batch + "
+                  "--max-waiting: each choice takes a batch slot)", "prompt")
+    prompts = []
+    for i, value in enumerate(values):
+        where = "prompt" if len(values) == 1 else f"prompt[{i}]"
+        prompts.append(prompt_ids(value, state, where))
+        check_prompt_length(prompts[-1], common["max_tokens"], state, "prompt")
+    echoes = [v if isinstance(v, str) else state.generator.tokenizer.decode(ids)
+              for v, ids in zip(values, prompts)] if req.echo else []
+    return Parsed(prompts, **common, logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0,
+                  echoes=echoes)
 
 
 def parse_chat(req: ChatCompletionRequest, state: ServerState) -> Parsed:
@@ -317,7 +327,7 @@ def parse_chat(req: ChatCompletionRequest, state: ServerState) -> Parsed:
     check_prompt_length(ids, common["max_tokens"], state, "messages")
     if not common["max_tokens"]:            # default: as much as the limits allow (at least 1: checked above)
         common["max_tokens"] = min(state.config.max_tokens, state.generator.target.max_seq_len - len(ids) - 1)
-    return Parsed(ids, **common, logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs or 0)
+    return Parsed([ids], **common, logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs or 0)
 
 
 def validation_error(e: RequestValidationError, state: ServerState) -> ApiError:
@@ -437,30 +447,31 @@ class Responder:
     request share its id (`Responder.of`)."""
 
     def __init__(self, chat: bool, model: str, include_usage: bool, logprobs: LogprobsView,
-                 echo: str = "", prompt: Sequence[int] = (), index: int = 0) -> None:
+                 echo: str = "", prompt: Sequence[int] = (), index: int = 0, n: int = 1) -> None:
         """echo: a completion's prompt text to put before its text (echo: true), `prompt` its token ids; index:
-        the choice's."""
+        the choice's (prompt i's choice j is i * n + j)."""
         self.chat, self.model, self.include_usage = chat, model, include_usage
-        self.logprobs, self.echo, self.prompt, self.index = logprobs, echo, prompt, index
+        self.logprobs, self.echo, self.prompt, self.index, self.n = logprobs, echo, prompt, index, n
         self.echoed = not echo                       # a stream: the prompt's text went out (or there is none)
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
     @staticmethod
-    def of(n: int, chat: bool, model: str, include_usage: bool, tokenizer: Tokenizer, parsed: Parsed) -> list["Responder"]:
-        """The responders of a request's n choices, under one id."""
-        outs = [Responder(chat, model, include_usage, LogprobsView(tokenizer, chat, parsed.logprobs), parsed.echo,
-                          parsed.prompt, i) for i in range(n)]
+    def of(chat: bool, model: str, include_usage: bool, tokenizer: Tokenizer, parsed: Parsed) -> list["Responder"]:
+        """The responders of a request's choices (n per prompt), under one id."""
+        n = parsed.n
+        outs = [Responder(chat, model, include_usage, LogprobsView(tokenizer, chat, parsed.logprobs),
+                          parsed.echoes[k // n] if parsed.echoes else "", parsed.prompts[k // n], k, n)
+                for k in range(len(parsed.prompts) * n)]
         for out in outs[1:]:
             out.id, out.created = outs[0].id, outs[0].created
         return outs
 
     @staticmethod
-    def usage(dones: Sequence[Done]) -> dict:
-        """A request's usage: its prompt once, the completion tokens of all its choices."""
-        completion = sum(d.completion_tokens for d in dones)
-        return {"prompt_tokens": dones[0].prompt_tokens, "completion_tokens": completion,
-                "total_tokens": dones[0].prompt_tokens + completion,
+    def usage(dones: Sequence[Done], n: int) -> dict:
+        """A request's usage: each prompt once (its n choices share it), the completion tokens of all choices."""
+        prompt, completion = sum(d.prompt_tokens for d in dones[::n]), sum(d.completion_tokens for d in dones)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "completion_tokens_details": {
                     key: sum(d.speculative[key] for d in dones)
                     for key in ("accepted_prediction_tokens", "rejected_prediction_tokens")}}
@@ -484,7 +495,8 @@ class Responder:
         choices = [out.choice(d) | ({"speculative": d.speculative} if len(dones) > 1 else {})
                    for out, d in zip(outs, dones)]
         kind = "chat.completion" if outs[0].chat else "text_completion"
-        return outs[0]._obj(kind, choices) | {"usage": Responder.usage(dones), "speculative": dones[0].speculative}
+        return outs[0]._obj(kind, choices) | {"usage": Responder.usage(dones, outs[0].n),
+                                              "speculative": dones[0].speculative}
 
     def chunk(self, text: str | None, finish_reason: str | None, role: bool = False,
               logprobs: Sequence[TokenLogprob] = (), prompt_logprobs: Sequence[TokenLogprob] = ()) -> dict:
@@ -519,7 +531,7 @@ class Responder:
         if not self.include_usage:
             return []
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return [self._obj(kind, []) | {"usage": self.usage(dones)}]
+        return [self._obj(kind, []) | {"usage": self.usage(dones, self.n)}]
 
 
 def sse(obj: dict | str) -> str:
@@ -598,10 +610,11 @@ class Routes:
         """Submit the request's choices to the scheduler; answer with JSON or an SSE stream. `tenant`: the
         caller's (authorize)."""
         scheduler = self.state.scheduler
-        requests = [Request(parsed.prompt, parsed.max_tokens, sampling, parsed.stop, prediction=parsed.prediction,
-                            tenant=tenant, logprobs=parsed.logprobs, top_logprobs=parsed.top_logprobs,
-                            prompt_logprobs=parsed.logprobs and bool(parsed.echo))
-                    for sampling in choice_sampling(parsed.sampling, parsed.n)]
+        total = len(parsed.prompts) * parsed.n
+        requests = [Request(parsed.prompts[k // parsed.n], parsed.max_tokens, sampling, parsed.stop,
+                            prediction=parsed.prediction, tenant=tenant, logprobs=parsed.logprobs,
+                            top_logprobs=parsed.top_logprobs, prompt_logprobs=parsed.logprobs and bool(parsed.echoes))
+                    for k, sampling in enumerate(choice_sampling(parsed.sampling, total))]
         choices = Choices(Job.choices(requests, parsed.spec))
         try:
             for job in choices.jobs:
@@ -613,8 +626,7 @@ class Routes:
         except Closed as e:
             choices.cancel(scheduler)
             raise ApiError(503, str(e), None, "server_shutting_down") from None
-        outs = Responder.of(parsed.n, chat, self.state.model_name, parsed.include_usage,
-                            self.state.generator.tokenizer, parsed)
+        outs = Responder.of(chat, self.state.model_name, parsed.include_usage, self.state.generator.tokenizer, parsed)
         watch = Watch(request)
         dones: dict[int, Done] = {}
         try:
@@ -715,8 +727,9 @@ class Choices:
 
 
 def choice_sampling(sampling: SamplingParams, n: int) -> list[SamplingParams]:
-    """The sampling of each of n choices: one choice keeps the request's seed, choice i of several samples with
-    derive_seed(seed, i) (as `generate` samples prompt i of a list), so they differ."""
+    """The sampling of each of a request's n choices (all prompts' together): one choice keeps the request's seed,
+    choice i of several samples with derive_seed(seed, i) (as `generate` samples prompt i of a list), so they
+    differ."""
     if n == 1:
         return [sampling]
     return [replace(sampling, seed=derive_seed(sampling.seed, i)) for i in range(n)]
