@@ -450,7 +450,8 @@ class Generator:
                                f"{type(prompt).__name__}; generate takes a list of prompts")
         params = SamplingParams(temperature, top_k, top_p, seed)
         reqs, slots = self._prepare([prompt], True, max_new_tokens, [params], stop, chat, truncate, prediction)
-        return self._stream(self._with_logprobs(reqs, logprobs, top_logprobs, prompt_logprobs), slots)               # bad arguments raised above, before the first piece
+        reqs = self._with_logprobs(reqs, logprobs, top_logprobs, prompt_logprobs)
+        return self._stream(reqs, slots)               # bad arguments raised above, before the first piece
 
     def _stream(self, reqs: list[Request], slots: int) -> Iterator[str]:
         owner = threading.current_thread()     # the thread iterating; a dropped stream may be closed in another

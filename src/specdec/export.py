@@ -72,15 +72,8 @@ def _write(out: Path, config: dict, tensors: dict[str, Tensor], overwrite: bool)
 
 
 def _write_file(path: Path, data: bytes) -> None:
-    """`data` to a new file `path` in the umask's usual mode (0644 typically; mkdtemp's folder is 0700)."""
+    """`data` to a new file `path`, in the umask's usual mode (0644 typically; only mkdtemp's folder is 0700)."""
     path.write_bytes(data)
-    os.chmod(path, 0o666 & ~_umask())
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def eagle3_config(head: Eagle3Head, fmt: str, dtype: str = "bfloat16") -> dict:

@@ -78,7 +78,7 @@ class Tokenizer:
         self.bos_id = vocab.get(special.get("bos_token", ""), -1)    # -1: the model has none
         # byte-fallback tokens (`<0xE3>`): the decoder spells a run of them as one UTF-8 string, so their text
         # may change with the tokens after them (detokenize.py holds it back until the run ends)
-        self.byte_ids = frozenset(i for t, i in vocab.items() if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", t))
+        self.byte_ids = frozenset(i for t, i in vocab.items() if BYTE_TOKEN.fullmatch(t))
         self._control = sorted((t.content for t in backend.get_added_tokens_decoder().values() if t.special and t.content),
                                key=len, reverse=True)                           # control tokens' texts, longest first
         self._literal = None                       # a copy that encodes control tokens' texts as plain text
@@ -181,13 +181,14 @@ class Tokenizer:
         piece = self.backend.id_to_token(token) or ""
         byte = BYTE_TOKEN.fullmatch(piece)
         decoder = self.backend.decoder
-        text = decoder.decode(["a", piece])[1:] if decoder is not None and piece else piece   # "a": keeps a lead space
         if byte:
             out = bytes([int(byte.group(1), 16)])
-        elif "\ufffd" in text and piece and all(c in BYTE_LEVEL for c in piece):
-            out = bytes(BYTE_LEVEL[c] for c in piece)                                 # a byte-level piece of a character
         else:
-            out = text.encode("utf-8")
+            text = decoder.decode(["a", piece])[1:] if decoder is not None and piece else piece  # "a": keeps a lead space
+            if "\ufffd" in text and piece and all(c in BYTE_LEVEL for c in piece):
+                out = bytes(BYTE_LEVEL[c] for c in piece)                             # a byte-level piece of a character
+            else:
+                out = text.encode("utf-8")
         self._bytes[token] = out
         return out
 

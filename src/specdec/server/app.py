@@ -429,11 +429,12 @@ class LogprobsView:
             return {"content": [self._entry(lp.token, lp.logprob)
                                 | {"top_logprobs": [self._entry(t, v) for t, v in lp.top]} for lp in logprobs],
                     "refusal": None}
-        ids = [*echo[:1], *(lp.token for lp in [*echo_logprobs, *logprobs])]
-        values: list[float | None] = [None] * len(echo[:1]) + [lp.logprob for lp in [*echo_logprobs, *logprobs]]
-        tops: list[dict | None] = [None] * len(echo[:1])
-        tops += [{self.text(t): v for t, v in lp.top} | {self.text(lp.token): lp.logprob}
-                 for lp in [*echo_logprobs, *logprobs]]
+        scored = [*echo_logprobs, *logprobs]
+        first = list(echo[:1])                                       # the prompt's first token: no log-probability
+        ids = first + [lp.token for lp in scored]
+        values: list[float | None] = [None] * len(first) + [lp.logprob for lp in scored]
+        tops: list[dict | None] = [None] * len(first)
+        tops += [{self.text(t): v for t, v in lp.top} | {self.text(lp.token): lp.logprob} for lp in scored]
         offsets = []
         for token in ids:                    # a piece of a character starts where that character will stand
             offsets.append(self.offset)

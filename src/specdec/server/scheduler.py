@@ -144,7 +144,7 @@ class Job:
     @staticmethod
     def create(request: Request, spec: SpecChoice) -> "Job":
         """A job bound to the running event loop (call from the asyncio side)."""
-        return Job(request, spec, asyncio.get_running_loop(), asyncio.Queue())
+        return Job.choices([request], spec)[0]
 
     @staticmethod
     def choices(requests: list[Request], spec: SpecChoice) -> list["Job"]:
