@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from specdec.errors import SpecdecError
+import specdec.sampling as sampling_module
 from specdec.sampling import (BatchSampling, SamplingParams, Stream, derive_seed, position_uniforms, sample, seed_tensor,
                               step_seeds, to_probs)
 from specdec.verify import Draft, verify
@@ -183,6 +184,29 @@ def test_each_row_of_the_transform_depends_only_on_its_own_logits_and_parameters
     batch = to_probs(logits, BatchSampling.of(params))
     for i, sp in enumerate(params):
         assert torch.equal(batch[i], to_probs(logits[i:i + 1], BatchSampling.of([sp]))[0]), sp
+
+
+def test_top_p_cut_from_a_window_equals_the_full_sort_bit_for_bit(monkeypatch):
+    """The top-p cut decided among a row's most likely tokens (torch.topk) gives the bits of sorting the whole row,
+    for peaked, flat and tied rows, rows with zeros (after top-k), and top_p from 0 to within 1e-7 of 1; both the
+    windows and the fallback to the full sort are taken."""
+    sorted_rows = []
+    by_sort = sampling_module.top_p_cut_by_sort
+    monkeypatch.setattr(sampling_module, "top_p_cut_by_sort", lambda p, t: sorted_rows.append(len(p)) or by_sort(p, t))
+    g = torch.Generator().manual_seed(0)
+    rows = 0
+    for V in (300, 5000, 49152):
+        for scale in (0.3, 3.0, 8.0):
+            x = torch.randn(16, V, generator=g) * scale
+            x[8:] = (x[8:] * 2).round() / 2                                 # ties, at the top and at the window's edge
+            x[:4, V // 2:] = float("-inf")                                 # zero mass (as top-k leaves)
+            x[4:6, :40] += 9.0                                             # a peak of tied tokens
+            probs = torch.softmax(x, -1)
+            for top_p in (0.0, 1e-6, 0.3, 0.9, 0.95, 0.99999, 0.9999999):
+                t = torch.full((16,), top_p)
+                assert torch.equal(sampling_module.top_p_cut(probs, t), by_sort(probs, t)), (V, scale, top_p)
+                rows += 16
+    assert 0 < sum(sorted_rows) < rows / 2          # most rows decided within a window, some by the full sort
 
 
 # ---- counter-based random streams -------------------------------------------------------------------

@@ -128,26 +128,77 @@ def to_probs(logits: Tensor, s: BatchSampling) -> Tensor:
     temp = torch.where(greedy, torch.ones_like(s.temperature),
                        s.temperature.clamp(min=MIN_TEMPERATURE, max=MAX_TEMPERATURE))
     x = logits / temp[:, None, None]
-    if bool((s.top_k > 0).any()):
-        k = torch.where(s.top_k > 0, s.top_k.clamp(max=V), torch.full_like(s.top_k, V))   # [B]
-        kth = torch.topk(x, int(k.max()), dim=-1).values                       # [B, T, kmax] descending
+    cuts = (s.top_k > 0) & (s.top_k < V)                                        # [B] rows whose top-k drops tokens
+    if bool(cuts.any()):                  # (a top-k of V or more keeps every token: such rows are not searched)
+        k = torch.where(cuts, s.top_k, torch.ones_like(s.top_k))                # [B]
+        kth = torch.topk(x, int(k[cuts].max()), dim=-1).values                 # [B, T, kmax] descending
         thresh = kth.gather(-1, (k - 1)[:, None, None].expand(B, T, 1))         # [B, T, 1]
+        thresh = thresh.masked_fill(~cuts[:, None, None], float("-inf"))
         x = x.masked_fill(x < thresh, float("-inf"))
     probs = torch.softmax(x, dim=-1)
     nucleus = s.top_p < 1                                                       # [B] rows with top-p
     if bool(nucleus.any()):
-        sp, si = probs.sort(dim=-1, descending=True, stable=True)
-        before = sp.cumsum(-1) - sp                                             # mass strictly before each token
-        drop = before >= s.top_p[:, None, None]
-        drop[..., 0] = False                          # the most likely token stays (top_p may round to 0 in float32)
-        sp = sp.masked_fill(drop, 0.0)
-        cut = torch.zeros_like(probs).scatter_(-1, si, sp)
-        cut = cut / row_total(cut)
+        top_p = s.top_p[:, None].expand(B, T).reshape(-1)                       # [B*T]
+        cut = top_p_cut(probs.reshape(B * T, V), top_p).view(B, T, V)
         probs = torch.where(nucleus[:, None, None], cut, probs)                 # other rows untouched
     if bool(greedy.any()):
         onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None, None], onehot, probs)
     return probs
+
+
+NUCLEUS_WINDOWS = (256, 4096)   # candidates a row's top-p cut is looked for among, before sorting the whole row
+NUCLEUS_MARGIN = 1e-5           # how far a window's mass must pass top_p for the window to decide the cut
+
+
+def top_p_cut(probs: Tensor, top_p: Tensor) -> Tensor:
+    """probs [N, V] float32 (softmax rows), top_p [N] -> each row's top-p cut, renormalised [N, V]: the same bits
+    as top_p_cut_by_sort, without sorting the whole vocabulary where a row's nucleus lies in its most likely few.
+
+    A row's m most likely tokens (torch.topk: any order among ties), put in the order of the full sort
+    (descending probability, equal ones by id), are the full sort's first s tokens, s the number of them above
+    the m-th probability (every token above it is among them, with all its equals). Where those s carry at least
+    top_p + NUCLEUS_MARGIN, every later token has at least that much mass before it (less the float32 roundings
+    of the cumulative sum, which accumulates in float64, far below the margin) and is dropped, and the cumulative
+    sums over the first s are the full sort's own: the cut is decided within the window, bit for bit. Rows it
+    does not decide try the next window, then the full sort."""
+    N, V = probs.shape
+    out = torch.empty_like(probs)
+    todo = torch.arange(N, device=probs.device)
+    for m in NUCLEUS_WINDOWS:
+        if m >= V or len(todo) == 0:
+            break
+        rows, p = (probs, top_p) if len(todo) == N else (probs[todo], top_p[todo])
+        vals, ids = rows.topk(m, dim=-1)                                        # [n, m] the m most likely
+        by_id = ids.argsort(dim=-1)
+        vals, ids = vals.gather(-1, by_id), ids.gather(-1, by_id)
+        vals, order = vals.sort(dim=-1, descending=True, stable=True)          # the full sort's order
+        ids = ids.gather(-1, order)
+        above = vals > vals[:, -1:]                                             # [n, m] the full sort's first s
+        mass = vals.cumsum(-1)                                                  # [n, m] as the full sort sums
+        s = above.sum(-1)                                                       # [n]
+        decided = (s > 0) & (mass.gather(-1, (s - 1).clamp(min=0)[:, None])[:, 0] >= p + NUCLEUS_MARGIN)
+        keep = ((mass - vals) < p[:, None]) & above
+        keep[:, 0] = True                            # the most likely token stays (top_p may round to 0 in float32)
+        cut = torch.zeros_like(rows).scatter_(-1, ids, vals.masked_fill(~keep, 0.0))
+        cut = cut / row_total(cut)
+        if bool(decided.all()) and len(todo) == N:
+            return cut                                                          # the usual case: one window
+        out[todo[decided]] = cut[decided]
+        todo = todo[~decided]
+    if len(todo):
+        out[todo] = top_p_cut_by_sort(probs[todo], top_p[todo])
+    return out
+
+
+def top_p_cut_by_sort(probs: Tensor, top_p: Tensor) -> Tensor:
+    """probs [N, V], top_p [N] -> the top-p cut, renormalised [N, V], by sorting whole rows (the definition)."""
+    sp, si = probs.sort(dim=-1, descending=True, stable=True)
+    before = sp.cumsum(-1) - sp                                                 # mass strictly before each token
+    drop = before >= top_p[:, None]
+    drop[:, 0] = False                                # the most likely token stays (top_p may round to 0 in float32)
+    cut = torch.zeros_like(probs).scatter_(-1, si, sp.masked_fill(drop, 0.0))
+    return cut / row_total(cut)
 
 
 def row_total(x: Tensor) -> Tensor:
