@@ -54,14 +54,29 @@ def test_a_file_that_is_no_gguf_is_one_line_before_any_loading_note(tmp_path, ca
                                                     "with the GGUF magic bytes)"]
 
 
-def test_a_truncated_gguf_says_so(tmp_path):
-    """A copy cut short (an interrupted download) is named truncated, in the header or in the tensors' data."""
-    whole = resolve("smollm2-135m")[1].read_bytes()
-    for n in (6, 1000, 5_000_000, len(whole) - 1):
-        cut = tmp_path / f"cut-{n}.gguf"
+def _truncated_copies_are_named_so(whole: bytes, cuts: list[int], folder: Path) -> None:
+    for n in cuts:
+        cut = folder / f"cut-{n}.gguf"
         cut.write_bytes(whole[:n])
         with pytest.raises(SpecdecError, match=f"truncated GGUF file: .*cut-{n}.gguf .{n} bytes. ends before"):
             open_gguf(cut)
+
+
+def test_a_truncated_gguf_says_so(tmp_path):
+    """A copy cut short (an interrupted download) is named truncated, in the header, its metadata, its tensor
+    list or the tensors' data (a small GGUF: every cut point)."""
+    path = tmp_path / "whole.gguf"
+    _llama_gguf(path, keys=True, embedding=True)
+    whole = path.read_bytes()
+    open_gguf(path)                                                          # whole, it opens
+    _truncated_copies_are_named_so(whole, list(range(6, len(whole), 7)) + [len(whole) - 1], tmp_path)
+
+
+@pytest.mark.slow
+def test_a_truncated_real_gguf_says_so(tmp_path):
+    """The same for the shipped model cut in its header, its tokenizer's metadata and its last tensor's data."""
+    whole = resolve("smollm2-135m")[1].read_bytes()
+    _truncated_copies_are_named_so(whole, [6, 1000, 5_000_000, len(whole) - 1], tmp_path)
 
 
 def test_unsupported_architecture(tmp_path):

@@ -195,18 +195,27 @@ def test_top_p_cut_from_a_window_equals_the_full_sort_bit_for_bit(monkeypatch):
     monkeypatch.setattr(sampling_module, "top_p_cut_by_sort", lambda p, t: sorted_rows.append(len(p)) or by_sort(p, t))
     g = torch.Generator().manual_seed(0)
     rows = 0
-    for V in (300, 5000, 49152):
-        for scale in (0.3, 3.0, 8.0):
+    for V, scales, top_ps in ((300, (0.3, 3.0, 8.0), (0.0, 1e-6, 0.3, 0.9, 0.95, 0.99999, 0.9999999)),
+                              (5000, (0.3, 3.0, 8.0), (0.0, 1e-6, 0.3, 0.9, 0.95, 0.99999, 0.9999999)),
+                              (49152, (3.0, 8.0), (0.3, 0.95, 0.99999))):            # smollm2's vocabulary
+        for scale in scales:
             x = torch.randn(16, V, generator=g) * scale
             x[8:] = (x[8:] * 2).round() / 2                                 # ties, at the top and at the window's edge
             x[:4, V // 2:] = float("-inf")                                 # zero mass (as top-k leaves)
             x[4:6, :40] += 9.0                                             # a peak of tied tokens
             probs = torch.softmax(x, -1)
-            for top_p in (0.0, 1e-6, 0.3, 0.9, 0.95, 0.99999, 0.9999999):
+            for top_p in top_ps:
                 t = torch.full((16,), top_p)
                 assert torch.equal(sampling_module.top_p_cut(probs, t), by_sort(probs, t)), (V, scale, top_p)
                 rows += 16
     assert 0 < sum(sorted_rows) < rows / 2          # most rows decided within a window, some by the full sort
+    # the window's mass reaches top_p exactly, and the float32 rounding of the cumulative sum lets the full sort
+    # keep the next token too (mass before it 0.5 - 2e-8 rounds below 0.5): the margin sends such a row to the sort
+    edge = torch.full((1, 1000), 2e-8)
+    edge[0, :2] = 0.25
+    half = torch.tensor([0.5])
+    assert int((by_sort(edge, half) > 0).sum()) == 3
+    assert torch.equal(sampling_module.top_p_cut(edge, half), by_sort(edge, half))
 
 
 # ---- counter-based random streams -------------------------------------------------------------------
