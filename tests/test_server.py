@@ -300,6 +300,23 @@ def test_echo_with_logprobs_scores_the_prompt(gen, client):
     assert plain.logprobs is None
 
 
+def test_echo_offsets_count_the_text_when_the_encoder_adds_a_token_it_does_not_spell(gen):
+    """A text prompt whose encoding starts with a token the text does not spell (gemma3's encoder adds <bos>):
+    that token stands at 0 and takes no room, so every other token's text_offset points at its text in the echo."""
+    from specdec.logprobs import TokenLogprob
+    from specdec.server.app import LogprobsView
+
+    tok = gen.tokenizer
+    text = "Hello there, world"
+    ids = [0] + tok.encode(text, False)                                    # <|endoftext|> in place of a BOS
+    scored = [TokenLogprob(t, -1.0, ()) for t in ids[1:]]
+    lp = LogprobsView(tok, chat=False, asked=True).echoing(text, ids).render([], ids, scored)
+    assert lp["tokens"][0] == "<|endoftext|>" and lp["text_offset"][:2] == [0, 0]
+    assert all(text[o:o + len(t)] == t for t, o in zip(lp["tokens"][1:], lp["text_offset"][1:]))
+    plain = LogprobsView(tok, chat=False, asked=True).echoing(tok.decode(ids), ids).render([], ids, scored)
+    assert plain["text_offset"] == [len("".join(plain["tokens"][:i])) for i in range(len(ids))]   # spelled out
+
+
 def test_pieces_of_characters_keep_apart_and_offsets_follow_the_text(gen, client):
     """Tokens that are bytes of a character: written bytes:\\xNN (so top_logprobs keeps every alternative, where
     U+FFFD for all of them merged them), and text_offset counts characters of the text, not of token strings."""

@@ -416,6 +416,16 @@ class LogprobsView:
     def text(self, token: int) -> str:
         return token_text(self.tokenizer.token_bytes(token))
 
+    def echoing(self, text: str, prompt: Sequence[int]) -> "LogprobsView":
+        """Offsets counted in the echoed prompt `text`: tokens its encoding put before it that it does not spell
+        (a BOS the encoder adds) stand at 0 and take no room."""
+        if not text or not self.asked or self.chat:
+            return self
+        spelled = b"".join(self.tokenizer.token_bytes(t) for t in prompt).decode("utf-8", "replace")
+        if spelled != text and spelled.endswith(text):
+            self.offset = len(text) - len(spelled)
+        return self
+
     def _entry(self, token: int, logprob: float) -> dict:
         return {"token": self.text(token), "logprob": logprob, "bytes": list(self.tokenizer.token_bytes(token))}
 
@@ -437,7 +447,7 @@ class LogprobsView:
         tops += [{self.text(t): v for t, v in lp.top} | {self.text(lp.token): lp.logprob} for lp in scored]
         offsets = []
         for token in ids:                    # a piece of a character starts where that character will stand
-            offsets.append(self.offset)
+            offsets.append(max(self.offset, 0))
             self.offset += len(self.decoder.decode(self.tokenizer.token_bytes(token)))
         return {"tokens": [self.text(t) for t in ids], "token_logprobs": values, "top_logprobs": tops,
                 "text_offset": offsets}
@@ -461,8 +471,10 @@ class Responder:
     def of(chat: bool, model: str, include_usage: bool, tokenizer: Tokenizer, parsed: Parsed) -> list["Responder"]:
         """The responders of a request's choices (n per prompt), under one id."""
         n = parsed.n
-        outs = [Responder(chat, model, include_usage, LogprobsView(tokenizer, chat, parsed.logprobs),
-                          parsed.echoes[k // n] if parsed.echoes else "", parsed.prompts[k // n], k, n)
+        echoes = parsed.echoes or [""] * len(parsed.prompts)
+        outs = [Responder(chat, model, include_usage,
+                          LogprobsView(tokenizer, chat, parsed.logprobs).echoing(echoes[k // n], parsed.prompts[k // n]),
+                          echoes[k // n], parsed.prompts[k // n], k, n)
                 for k in range(len(parsed.prompts) * n)]
         for out in outs[1:]:
             out.id, out.created = outs[0].id, outs[0].created
