@@ -34,14 +34,14 @@ PREFILL_FEED = 8             # a row feeding more tokens than this at once (a pr
 
 def token_texts(tok: Tokenizer) -> list[str]:
     """The text of every token id ("" for special tokens and pieces of a character)."""
-    backend = tok.backend
-    special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
-    out = [""] * backend.get_vocab_size()
-    for s, i in backend.get_vocab().items():
-        if i in special or i >= len(out):
+    special = {i for i, t in tok.backend.get_added_tokens_decoder().items() if t.special}
+    out = [""] * tok.backend.get_vocab_size()
+    for i in range(len(out)):
+        try:
+            text = "" if i in special else tok.token_bytes(i).decode("utf-8")
+        except UnicodeDecodeError:                                  # a piece of a character
             continue
-        text = backend.decoder.decode(["a", s])[1:] if backend.decoder is not None else s
-        if text and "\ufffd" not in text:
+        if "\ufffd" not in text:
             out[i] = text
     return out
 
