@@ -137,10 +137,10 @@ def to_probs(logits: Tensor, s: BatchSampling) -> Tensor:
         x = x.masked_fill(x < thresh, float("-inf"))
     probs = torch.softmax(x, dim=-1)
     nucleus = s.top_p < 1                                                       # [B] rows with top-p
-    if bool(nucleus.any()):
-        top_p = s.top_p[:, None].expand(B, T).reshape(-1)                       # [B*T]
-        cut = top_p_cut(probs.reshape(B * T, V), top_p).view(B, T, V)
-        probs = torch.where(nucleus[:, None, None], cut, probs)                 # other rows untouched
+    if bool(nucleus.any()):                                                     # other rows untouched
+        at = nucleus.nonzero()[:, 0]                                            # [n]
+        top_p = s.top_p[at, None].expand(len(at), T).reshape(-1)                # [n*T]
+        probs[at] = top_p_cut(probs[at].reshape(-1, V), top_p).view(len(at), T, V)
     if bool(greedy.any()):
         onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None, None], onehot, probs)
