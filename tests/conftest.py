@@ -24,6 +24,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.exactness)
 
 
+KERNEL_LIMITS = ("SPECDEC_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
+@pytest.fixture(autouse=True)
+def kernel_limits_stay_as_they_were():
+    """A test that leaves a kernel limit in the environment changes every later subprocess of its worker (a
+    server started afterwards picked other kernels): it fails here, not the test that meets the leak."""
+    before = {k: os.environ.get(k) for k in KERNEL_LIMITS}
+    yield
+    assert {k: os.environ.get(k) for k in KERNEL_LIMITS} == before, "a test left a kernel limit in os.environ"
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """(generator factory input) the real default target in fp32: model, tokenizer."""

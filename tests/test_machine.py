@@ -341,6 +341,7 @@ def test_the_isa_limit_wins_over_a_variable_already_set_and_says_so(monkeypatch,
     """SPECDEC_ISA=avx2 with ATEN_CPU_CAPABILITY=avx512 already set ran AVX-512 kernels while reporting the limit."""
     from specdec.machine import apply_isa_limit
 
+    monkeypatch.setattr(os, "environ", dict(os.environ))    # what apply_isa_limit sets must not reach later subprocesses
     monkeypatch.setenv("SPECDEC_ISA", "avx2")
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx512")
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
