@@ -99,7 +99,7 @@ def main() -> None:
               "peer_notes": []}
     command = "OMP_NUM_THREADS={0} .venv/bin/python benchmarks/head_variants.py {1}".format(a.threads, " ".join(sys.argv[1:]))
     results = runner.benchmark(systems, prompts, tokenizer, config, runner.machine_info(runtime["dtype"]), command,
-                               a.repeats, a.temperature)
+                               a.repeats, runner.SamplingParams(a.temperature))
     paths = report.write_report(results, Path(a.out))
     print(report.summary_table(results))
     print(f"report: {', '.join(str(p) for p in paths)}", file=sys.stderr)

@@ -106,7 +106,7 @@ def bench(target, found: list, temperature: float = 0.0, repeats: int = 2) -> di
               "draft_policy": "fixed", "draft_model": "self:1"}
     return runner.benchmark(found, PROMPTS, ChatTokenizer(target.vocab_size), config,
                             runner.machine_info("float32"), "specdec bench (test)", repeats=repeats,
-                            temperature=temperature, progress=False)
+                            sampling=runner.SamplingParams(temperature), progress=False)
 
 
 def test_results_schema_and_report_files(target, tmp_path):
@@ -192,6 +192,24 @@ def fake_cli(monkeypatch, target):
     monkeypatch.setattr(runner, "build_systems", lambda *a: [Corrupted(s.name, s.generator) if s.name == broken[0] else s
                                                               for s in build(*a)])
     return broken
+
+
+def test_cli_samples_with_top_p_and_top_k_and_says_so(fake_cli, tmp_path, monkeypatch):
+    """--top-p and --top-k reach every generation (with the run's seeds) and the results and report name them."""
+    seen = []
+    generate = runner.MethodSystem.generate
+    monkeypatch.setattr(runner.MethodSystem, "generate", lambda self, ids, n, params, *rest: seen.append(params)
+                        or generate(self, ids, n, params, *rest))
+    out = tmp_path / "topp"
+    assert main(["bench", "--methods", "ngram", "--temperature", "0.8", "--top-p", "0.9", "--top-k", "20",
+                 "--seed", "3", "--no-progress", "--dtype", "float32", "--peers", "", "--out", str(out)]) == 0
+    timed = [p for p in seen if p.temperature > 0]
+    assert timed and all((p.temperature, p.top_p, p.top_k) == (0.8, 0.9, 20) for p in timed)
+    assert len({p.seed for p in timed}) == len(PROMPTS)                     # a seed per prompt, shared by the methods
+    c = json.loads((out / "results.json").read_text())["config"]
+    assert (c["temperature"], c["top_p"], c["top_k"], c["greedy"]) == (0.8, 0.9, 20, False)
+    assert "temperature 0.8, top-p 0.9, top-k 20" in (out / "report.md").read_text()
+    assert main(["bench", "--top-p", "1.5", "--no-progress"]) == 2
 
 
 def test_cli_exit_status_follows_equality(fake_cli, tmp_path):

@@ -18,6 +18,7 @@ from .names import BENCH_FALLBACK_DRAFT, MAX_DRAFT_TOKENS, METHODS, PEERS, POLIC
 if TYPE_CHECKING:
     from .models.base import CausalLM
     from .models.tokenizer import Tokenizer
+    from .sampling import SamplingParams
 
 DEFAULT_METHODS = "none,suffix,ngram,draft,eagle,eagle3,medusa,hybrid"   # suffix: the default method
 
@@ -40,9 +41,14 @@ def register(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatter])
                    help=f"comma-separated subset of: {', '.join(CATEGORIES)} (default: all)")
     p.add_argument("--limit", type=int, default=None, help="at most N prompts per category (default: all)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs must equal none's)")
+    from .cli import add_dtype_arg, int_in, number_in, one_of, thread_count
+
+    p.add_argument("--top-p", type=number_in(0.0, 1.0), default=1.0,
+                   help="with --temperature: nucleus sampling, keep the most likely tokens up to this mass (default: 1, off)")
+    p.add_argument("--top-k", type=int_in(0), default=0,
+                   help="with --temperature: keep the K most likely tokens (default: 0, off)")
     p.add_argument("--repeats", type=int, default=1, help="timed repeats of every (prompt, method)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
-    from .cli import add_dtype_arg, int_in, one_of, thread_count
 
     add_dtype_arg(p)
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
@@ -111,6 +117,13 @@ def _check_numbers(a: argparse.Namespace) -> None:
     make_policy(a.draft_policy, a.num_draft_tokens)
 
 
+def sampling_of(a: argparse.Namespace) -> "SamplingParams":
+    """The run's sampling (its seed varied per prompt and repeat by the runner)."""
+    from .sampling import SamplingParams
+
+    return SamplingParams(a.temperature, a.top_k, a.top_p, a.seed)
+
+
 def command_line(a: argparse.Namespace) -> str:
     """The command as typed when run as `specdec` (with any thread environment variables in front), else an
     equivalent one with every setting."""
@@ -120,7 +133,8 @@ def command_line(a: argparse.Namespace) -> str:
     if sys.argv and Path(sys.argv[0]).name == "specdec" and len(sys.argv) > 1 and sys.argv[1] == "bench":
         return " ".join([*env, shlex.join(["specdec", *sys.argv[1:]])])
     parts = ["specdec", "bench", "--model", a.model, "--methods", a.methods, "--suite", a.suite,
-             "--temperature", str(a.temperature), "--repeats", str(a.repeats), "--seed", str(a.seed),
+             "--temperature", str(a.temperature), "--top-p", str(a.top_p), "--top-k", str(a.top_k),
+             "--repeats", str(a.repeats), "--seed", str(a.seed),
              "--dtype", a.dtype, "--num-draft-tokens", str(a.num_draft_tokens), "--draft-policy", a.draft_policy]
     for flag, value in (("--categories", a.categories), ("--limit", a.limit), ("--draft-model", a.draft_model),
                         ("--threads", a.threads or None), ("--peers", None if a.peers == "auto" else a.peers),
@@ -240,7 +254,7 @@ def _bench(a: argparse.Namespace, out: Path, categories: list[str], peer_names: 
                                 "sample_drafts": s.sample_drafts} for s in specs],
               "peer_notes": notes}
     results = runner.benchmark([*systems, *peers], prompts, tokenizer, config, runner.machine_info(runtime["dtype"]),
-                               command_line(a), a.repeats, a.temperature, a.seed, a.progress)
+                               command_line(a), a.repeats, sampling_of(a), a.progress)
     paths = report.write_report(results, out)
     print(report.summary_table(results))
     print(f"report: {', '.join(str(p) for p in paths)}", file=sys.stderr)

@@ -46,9 +46,17 @@ def _equality(cell: dict, name: str, greedy: bool) -> str:
 # --------------------------------------------------------------------------- sections
 
 
+def sampling_mode(c: dict, temperature: str) -> str:
+    """"greedy", or the temperature (named as `temperature` says) with the top-p and top-k a run set."""
+    if c["greedy"]:
+        return "greedy"
+    cuts = [f"top-p {c['top_p']}" if c.get("top_p", 1.0) < 1 else "", f"top-k {c['top_k']}" if c.get("top_k") else ""]
+    return ", ".join([f"{temperature}{c['temperature']}", *filter(None, cuts)])
+
+
 def _heading(results: dict) -> list[str]:
     c = results["config"]
-    mode = "greedy" if c["greedy"] else f"temperature {c['temperature']}"
+    mode = sampling_mode(c, "temperature ")
     draft = f", draft `{c['draft_model']}`" if c.get("draft_model") else ""
     isa = (c.get("runtime") or {}).get("isa_limit")
     dtype = f"{c['dtype']} (kernels limited to {isa} by SPECDEC_ISA)" if isa else c["dtype"]
@@ -217,7 +225,7 @@ def _colors(plt, n: int) -> list:
 
 def _title(results: dict, what: str) -> str:
     c = results["config"]
-    mode = "greedy" if c["greedy"] else f"T={c['temperature']}"
+    mode = sampling_mode(c, "T=")
     return f"{what} - {c['model']}, {c['suite']} suite, {c['dtype']}, {mode}"
 
 

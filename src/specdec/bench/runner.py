@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -287,9 +287,9 @@ def run_record(system: System, prompt: Prompt, repeat: int, turns: list[Generati
     return record
 
 
-def sampling_params(temperature: float, seed: int, repeat: int, prompt_index: int) -> SamplingParams:
-    """The same seed for every system on a given (prompt, repeat)."""
-    return SamplingParams(temperature, 0, 1.0, seed + 100_003 * repeat + prompt_index)
+def sampling_params(base: SamplingParams, repeat: int, prompt_index: int) -> SamplingParams:
+    """`base` with the seed of a (prompt, repeat): the same for every system."""
+    return replace(base, seed=base.seed + 100_003 * repeat + prompt_index)
 
 
 def warm_up(systems: Sequence[System], prompts: Sequence[Prompt], tokenizer: ChatTokenizer) -> None:
@@ -310,9 +310,10 @@ class BenchInterrupted(Interrupted):
 
 
 def run(systems: Sequence[System], prompts: Sequence[Prompt], tokenizer: ChatTokenizer, repeats: int = 1,
-        temperature: float = 0.0, seed: int = 0, progress: bool = True, warmup: bool = True) -> list[dict]:
-    """Raw run records: for each repeat, for each prompt, every system back to back. Interrupted (Ctrl-C,
-    SIGTERM): BenchInterrupted with the records of the prompts every system finished."""
+        sampling: SamplingParams = SamplingParams(), progress: bool = True, warmup: bool = True) -> list[dict]:
+    """Raw run records: for each repeat, for each prompt, every system back to back, sampling as `sampling` says
+    (its seed varied per prompt and repeat). Interrupted (Ctrl-C, SIGTERM): BenchInterrupted with the records of
+    the prompts every system finished."""
     from tqdm import tqdm
 
     if repeats < 1:
@@ -328,7 +329,7 @@ def run(systems: Sequence[System], prompts: Sequence[Prompt], tokenizer: ChatTok
                 for system in systems:
                     system.forget()                  # the warm-up's and earlier repeats' outputs draft nothing
                 for index, prompt in enumerate(prompts):
-                    params = sampling_params(temperature, seed, repeat, index)
+                    params = sampling_params(sampling, repeat, index)
                     for system in systems:
                         bar.set_postfix_str(f"r{repeat + 1} {prompt.id} {system.name}", refresh=False)
                         turns = run_prompt(system, prompt, tokenizer, params)
@@ -533,7 +534,7 @@ def categories_of(prompts: Sequence[Prompt]) -> list[str]:
 
 
 def benchmark(systems: Sequence[System], prompts: Sequence[Prompt], tokenizer: ChatTokenizer, config: dict,
-              machine: dict, command: str, repeats: int = 1, temperature: float = 0.0, seed: int = 0,
+              machine: dict, command: str, repeats: int = 1, sampling: SamplingParams = SamplingParams(),
               progress: bool = True, warmup: bool = True) -> dict:
     """Run everything and return the full results object (config, machine, prompts, raw runs, summary)."""
     if not prompts:
@@ -544,19 +545,20 @@ def benchmark(systems: Sequence[System], prompts: Sequence[Prompt], tokenizer: C
     started = time.perf_counter()
     planned = repeats * len(prompts) * len(systems)
     try:
-        records = run(systems, prompts, tokenizer, repeats, temperature, seed, progress, warmup)
+        records = run(systems, prompts, tokenizer, repeats, sampling, progress, warmup)
     except BenchInterrupted as stop:
         if not stop.records:
             raise Interrupted("no prompt was finished by every system; nothing to report") from None
         records = stop.records
         done = {r["prompt_id"] for r in records}
         prompts = [p for p in prompts if p.id in done]
-    greedy = temperature == 0
+    greedy = sampling.greedy
     summary = summarize(records, methods, peers, categories_of(prompts), greedy, yardsticks)
     return {
         "schema": SCHEMA,
         "command": command,
-        "config": {**config, "repeats": repeats, "temperature": temperature, "seed": seed, "greedy": greedy,
+        "config": {**config, "repeats": repeats, "temperature": sampling.temperature, "top_k": sampling.top_k,
+                   "top_p": sampling.top_p, "seed": sampling.seed, "greedy": greedy,
                    "methods": methods, "peers": peers, "categories": categories_of(prompts),
                    "chat_template": tokenizer.has_chat_template},
         "machine": machine,
