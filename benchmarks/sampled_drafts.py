@@ -92,7 +92,7 @@ def main() -> None:
     figures = {}
     for t in (float(x) for x in a.temperatures.split(",")):
         STEPS.clear()
-        runner.run([system], prompts, tok, 1, t, a.seed, progress=False, warmup=False)
+        runner.run([system], prompts, tok, 1, runner.SamplingParams(t, seed=a.seed), progress=False, warmup=False)
         n = len(STEPS)
         point, sampled = sum(s[0] for s in STEPS) / n, sum(s[1] for s in STEPS) / n
         higher = sum(s[1] > s[0] for s in STEPS) / n
