@@ -218,6 +218,24 @@ def test_top_p_cut_from_a_window_equals_the_full_sort_bit_for_bit(monkeypatch):
     assert torch.equal(sampling_module.top_p_cut(edge, half), by_sort(edge, half))
 
 
+def test_drawing_over_the_support_in_id_order_is_drawing_over_the_whole_row():
+    """Where a row is 0 off a set of ids (a head's reduced vocabulary), sampling its entries at those ids in
+    ascending order and mapping back draws the very token sampling the whole row draws, for every uniform
+    (exact zeros leave the float64 running sums as they are)."""
+    g = torch.Generator().manual_seed(2)
+    V = 5000
+    support = torch.randperm(V, generator=g)[:700].sort().values
+    logits = torch.full((4, V), float("-inf"))
+    logits[:, support] = torch.randn(4, 700, generator=g) * 3
+    params = [SamplingParams(1.0), SamplingParams(0.7, 0, 0.9), SamplingParams(1.0, 50), SamplingParams(0.5)]
+    q = to_probs(logits[:, None], BatchSampling.of(params))[:, 0]
+    for seed in range(20):
+        u = torch.rand(4, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        assert torch.equal(support[sample(q[:, support], u)], sample(q, u))
+    u = torch.tensor([0.0, 1 - 2.0 ** -53, 0.5, 0.999], dtype=torch.float64)        # the ends too
+    assert torch.equal(support[sample(q[:, support], u)], sample(q, u))
+
+
 # ---- counter-based random streams -------------------------------------------------------------------
 def test_inverse_cdf_reaches_every_token_of_a_long_tail():
     """A 262,144-token distribution with a few likely tokens and a long tail (an LM's shape): the uniform at the

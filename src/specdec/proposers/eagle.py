@@ -189,6 +189,7 @@ class EagleProposer:
         u = position_uniforms(step_seeds(batch.seeds.to(dev), first), first[:, None] + torch.arange(k, device=dev),
                               Stream.DRAFT)                                              # [B, k]
         vocab_ids = self.head.vocab_ids.to(dev)
+        support = vocab_ids.sort().values                                                # [V'] ascending ids: where q > 0
         V = self.head.tgt.vocab_size
         base = self.cache.lengths[rows].clone()                                           # [B] committed pairs
         out, toks, qs, top = pred, [], [], []
@@ -201,8 +202,12 @@ class EagleProposer:
                 logits[:, vocab_ids] = head_logits                                       # [B, V], -inf off the head's vocab
                 q = to_probs(logits[:, None], batch.sampling)[:, 0]                      # [B, V]
                 argmax = vocab_ids[j]
-                q = torch.where(sampled[:, None], q, torch.zeros_like(q).scatter_(-1, argmax[:, None], 1.0))
-                toks.append(torch.where(sampled, sample(q, u[:, d]), argmax))
+                # q is 0 off the head's vocabulary, so drawing over it in id order draws the token (and the float64
+                # sums) of drawing over all of q, for a sixth of the work
+                drawn = support[sample(q[:, support], u[:, d])]
+                if not bool(sampled.all()):
+                    q = torch.where(sampled[:, None], q, torch.zeros_like(q).scatter_(-1, argmax[:, None], 1.0))
+                toks.append(torch.where(sampled, drawn, argmax))
                 qs.append(q)
                 conf = conf + lp
                 top.append(conf)
