@@ -139,8 +139,13 @@ def to_probs(logits: Tensor, s: BatchSampling) -> Tensor:
     nucleus = s.top_p < 1                                                       # [B] rows with top-p
     if bool(nucleus.any()):                                                     # other rows untouched
         at = nucleus.nonzero()[:, 0]                                            # [n]
+        every = len(at) == B                                                    # the usual case: no copies
         top_p = s.top_p[at, None].expand(len(at), T).reshape(-1)                # [n*T]
-        probs[at] = top_p_cut(probs[at].reshape(-1, V), top_p).view(len(at), T, V)
+        cut = top_p_cut((probs if every else probs[at]).reshape(-1, V), top_p).view(len(at), T, V)
+        if every:
+            probs = cut
+        else:
+            probs[at] = cut
     if bool(greedy.any()):
         onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None, None], onehot, probs)
