@@ -228,6 +228,29 @@ def test_an_entry_with_damaged_bytes_inside_is_converted_again(tmp_path):
     assert weight_cache.read(where) is None
 
 
+@pytest.mark.parametrize("chunk", [8, 24, weight_cache.CHUNK])
+def test_the_checksum_read_from_the_file_is_the_tensors_checksum(tmp_path, monkeypatch, chunk):
+    """`read` checks an entry by reading its file in chunks (no page of the memory map touched): the same value
+    as `checksum` of its tensors, with tensors of odd byte counts, empty ones and ones over many chunks; a flipped
+    bit changes it."""
+    from safetensors.torch import save_file
+
+    monkeypatch.setattr(weight_cache, "CHUNK", chunk)
+    g = torch.Generator().manual_seed(0)
+    tensors = {"b.odd": torch.randint(0, 256, (13,), dtype=torch.uint8, generator=g),
+               "a.words": torch.randn(7, 5, generator=g), "c.empty": torch.empty(0),
+               "d.halves": torch.randn(33, generator=g).bfloat16()}
+    where = tmp_path / "entry.safetensors"
+    save_file(tensors, str(where))
+    assert weight_cache.file_checksum(where) == weight_cache.checksum(tensors)
+    with where.open("r+b") as f:                                          # one bit of the last tensor's tail
+        f.seek(where.stat().st_size - 1)
+        last = f.read(1)[0]
+        f.seek(where.stat().st_size - 1)
+        f.write(bytes([last ^ 4]))
+    assert weight_cache.file_checksum(where) != weight_cache.checksum(tensors)
+
+
 def test_a_copy_or_link_of_a_registered_file_is_that_model_and_shares_its_entry(tmp_path, monkeypatch):
     import shutil
 
