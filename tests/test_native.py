@@ -236,6 +236,27 @@ def test_native_q4_linear_is_the_8_bit_quantized_product_with_the_same_bits_ever
 
 
 @needs_native
+def test_native_q4_linear_is_exact_at_the_largest_integer_sums():
+    """Codes 15 against inputs that all quantize to +127 or -127: a block's products sum to +-30480, the most
+    the kernels' 16-bit partial sums hold; every instruction level stays right and gives the same bits."""
+    import numpy as np
+
+    b = _q4_blocks(32, 576, 5)
+    b.q[:] = 15
+    b.q[16:, ::3] = 0                                              # and a group whose sums are not all the largest
+    lay = native.q4_layout(b.q, b.scale, b.zero)
+    x = torch.ones(4, 576)
+    x[1] = -1
+    x[2] = torch.from_numpy(np.resize([1.0, -1.0, 0.5, -0.25], 576))
+    x[3, ::2] = -3
+    levels = sorted({native.q8x8_isa(i) for i in (0, 1, 2)})
+    outs = [native.Q4Linear(lay["codes"], lay["scale"], lay["zero"], None, isa)(x) for isa in levels]
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
+    torch.testing.assert_close(outs[0].double(), _q8_reference(x, b), rtol=1e-5, atol=1e-5)
+
+
+@needs_native
 def test_native_q4_linear_keeps_its_bits_over_torchs_threads():
     """A layer large enough to be split between threads (groups of 16 outputs) gives the one-thread bits."""
     b = _q4_blocks(3072, 576, 3)

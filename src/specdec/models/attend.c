@@ -632,17 +632,23 @@ static void q4_group512(const q4_job *j, int64_t g) {
 #endif
 
 #ifdef __AVX2__
+/* Up to Q4_PASS rows per pass over a group's weights: each block of codes is loaded and unpacked once per pass,
+ * both halves (outputs 0-7, 8-15) at once, so the weight stream runs without pause (a pass per 4 rows and per half
+ * re-read the group from cache while no memory request was in flight). A row's 8-bit products add up in 16 bits:
+ * codes <= 15 and |xq| <= 127 make a pair sum at most 3810 in size, a block's 30480, so one widening per row and
+ * block, not eight. Every output gets the same float operations in block order as in the plain C kernel. */
+#define Q4_PASS 8
 static void q4_group256(const q4_job *j, int64_t g) {
     const int64_t nb = j->K / QB;
     const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-    for (int h = 0; h < 2; h++)                            /* rows 0-7, then 8-15 of the group */
-        for (int64_t m0 = 0; m0 < j->M; m0 += 4) {
-            const int mc = j->M - m0 < 4 ? (int)(j->M - m0) : 4;
-            __m256 acc[4];
-            for (int c = 0; c < 4; c++) acc[c] = _mm256_setzero_ps();
-            for (int64_t b = 0; b < nb; b++) {
+    for (int64_t m0 = 0; m0 < j->M; m0 += Q4_PASS) {
+        const int mc = j->M - m0 < Q4_PASS ? (int)(j->M - m0) : Q4_PASS;
+        __m256 acc[Q4_PASS][2];
+        for (int c = 0; c < mc; c++) acc[c][0] = acc[c][1] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            if (m0 == 0) Q4_PREFETCH(j, g, b);
+            for (int h = 0; h < 2; h++) {
                 const uint8_t *wb = j->codes + (g * nb + b) * 256 + 32 * h;
-                if (h == 0 && m0 == 0) Q4_PREFETCH(j, g, b);
                 __m256i q[8];
                 for (int p = 0; p < 4; p++) {
                     __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 64 * p));
@@ -654,20 +660,25 @@ static void q4_group256(const q4_job *j, int64_t g) {
                 for (int c = 0; c < mc; c++) {
                     const int64_t m = m0 + c, mb = m * nb + b;
                     const int32_t *x4 = (const int32_t *)(j->xq + m * j->K + b * QB);
-                    __m256i s = _mm256_set1_epi32(-j->xs8[mb]);        /* the codes' offset of 8, then the products */
-                    for (int i = 0; i < 8; i++)     /* codes <= 15, |xq| <= 127: the 16-bit pair sums cannot saturate */
-                        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(q[i], _mm256_set1_epi32(x4[i])), ones));
-                    acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(_mm256_cvtepi32_ps(s),
-                                                                 _mm256_mul_ps(sv, _mm256_set1_ps(j->dx[mb]))));
-                    acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(zv, _mm256_set1_ps(j->sx[mb])));
+                    __m256i p[8];
+                    for (int i = 0; i < 8; i++) p[i] = _mm256_maddubs_epi16(q[i], _mm256_set1_epi32(x4[i]));
+                    const __m256i t = _mm256_add_epi16(
+                        _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])),
+                        _mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7])));
+                    const __m256i s = _mm256_sub_epi32(_mm256_madd_epi16(t, ones), _mm256_set1_epi32(j->xs8[mb]));
+                    acc[c][h] = _mm256_add_ps(acc[c][h], _mm256_mul_ps(_mm256_cvtepi32_ps(s),
+                                                                       _mm256_mul_ps(sv, _mm256_set1_ps(j->dx[mb]))));
+                    acc[c][h] = _mm256_add_ps(acc[c][h], _mm256_mul_ps(zv, _mm256_set1_ps(j->sx[mb])));
                 }
             }
-            for (int c = 0; c < mc; c++) {
+        }
+        for (int c = 0; c < mc; c++)
+            for (int h = 0; h < 2; h++) {
                 float a[8];
-                _mm256_storeu_ps(a, acc[c]);
+                _mm256_storeu_ps(a, acc[c][h]);
                 q4_store(j->out, j->out_bf16, (m0 + c) * j->N + g * Q4G + 8 * h, a, 8);
             }
-        }
+    }
 }
 #endif
 
@@ -738,18 +749,19 @@ static void q8r_group512(const q4_job *j, int64_t g) {
 #endif
 
 #ifdef __AVX2__
-/* halves: a scale per 16 inputs (ROWS_Q8H, `scale` [N / 16][nb][32]), else per 32 (`scale` [N / 16][nb][16]) */
+/* halves: a scale per 16 inputs (ROWS_Q8H, `scale` [N / 16][nb][32]), else per 32 (`scale` [N / 16][nb][16]); rows in
+ * passes of up to Q4_PASS over the weights, both halves of a block at once, as q4_group256 */
 static void q8r_group256(const q4_job *j, int64_t g, int halves) {
     const int64_t nb = j->K / QB, stride = halves ? 2 * Q4G : Q4G;
     const __m256i ones = _mm256_set1_epi16(1);
-    for (int h = 0; h < 2; h++)
-        for (int64_t m0 = 0; m0 < j->M; m0 += 4) {
-            const int mc = j->M - m0 < 4 ? (int)(j->M - m0) : 4;
-            __m256 acc[4];
-            for (int c = 0; c < 4; c++) acc[c] = _mm256_setzero_ps();
-            for (int64_t b = 0; b < nb; b++) {
+    for (int64_t m0 = 0; m0 < j->M; m0 += Q4_PASS) {
+        const int mc = j->M - m0 < Q4_PASS ? (int)(j->M - m0) : Q4_PASS;
+        __m256 acc[Q4_PASS][2];
+        for (int c = 0; c < mc; c++) acc[c][0] = acc[c][1] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            if (halves && m0 == 0) _mm_prefetch((const char *)(j->codes + (g * nb + b) * 512 + 512 * 4), _MM_HINT_T0);
+            for (int h = 0; h < 2; h++) {
                 const uint8_t *wb = j->codes + (g * nb + b) * 512 + 32 * h;
-                if (halves && h == 0 && m0 == 0) _mm_prefetch((const char *)(wb + 512 * 4), _MM_HINT_T0);
                 __m256i q[8];
                 for (int p = 0; p < 8; p++) q[p] = _mm256_loadu_si256((const __m256i *)(wb + 64 * p));
                 const float *sb = j->scale + (g * nb + b) * stride + 8 * h;
@@ -765,20 +777,22 @@ static void q8r_group256(const q4_job *j, int64_t g, int halves) {
                     }
                     const __m256 dx = _mm256_set1_ps(j->dx[mb]);
                     if (!halves) {                             /* the whole block's exact integer sum, one scale */
-                        acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s[0], s[1])),
-                                                                     _mm256_mul_ps(lo, dx)));
+                        acc[c][h] = _mm256_add_ps(acc[c][h], _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s[0], s[1])),
+                                                                           _mm256_mul_ps(lo, dx)));
                         continue;
                     }
-                    acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(_mm256_cvtepi32_ps(s[0]), _mm256_mul_ps(lo, dx)));
-                    acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(_mm256_cvtepi32_ps(s[1]), _mm256_mul_ps(hi, dx)));
+                    acc[c][h] = _mm256_add_ps(acc[c][h], _mm256_mul_ps(_mm256_cvtepi32_ps(s[0]), _mm256_mul_ps(lo, dx)));
+                    acc[c][h] = _mm256_add_ps(acc[c][h], _mm256_mul_ps(_mm256_cvtepi32_ps(s[1]), _mm256_mul_ps(hi, dx)));
                 }
             }
-            for (int c = 0; c < mc; c++) {
+        }
+        for (int c = 0; c < mc; c++)
+            for (int h = 0; h < 2; h++) {
                 float a[8];
-                _mm256_storeu_ps(a, acc[c]);
+                _mm256_storeu_ps(a, acc[c][h]);
                 q4_store(j->out, j->out_bf16, (m0 + c) * j->N + g * Q4G + 8 * h, a, 8);
             }
-        }
+    }
 }
 #endif
 
