@@ -1,6 +1,7 @@
 """The native attention kernel: right against a float64 reference, and each query's bits its own."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -261,8 +262,25 @@ def test_native_q4_linear_keeps_its_bits_over_torchs_threads():
     """A layer large enough to be split between threads (groups of 16 outputs) gives the one-thread bits."""
     b = _q4_blocks(3072, 576, 3)
     k = native.Q4Linear.of(native.q4_layout(b.q, b.scale, b.zero))
+    assert k.threads                                          # 885 KB of codes: split by default
     x = torch.randn(5, 576, generator=torch.Generator().manual_seed(4))
     assert same_bits_on_one_and_two_threads(k, x)
+    assert same_bits_on_one_and_two_threads(dataclasses.replace(k, threads=False), x)
+    assert torch.equal(dataclasses.replace(k, threads=False)(x), k(x))
+
+
+def test_a_layers_native_kernel_is_timed_on_one_thread_and_split_where_torch_has_several(monkeypatch):
+    """`fastest` gets both forms of a native kernel where torch has several threads (which pays depends on the CPU
+    and the shape), one where it has one."""
+    from specdec.models.gguf_loader import split_or_not
+
+    made = native.Q4Linear(torch.zeros(1, 1, 256, dtype=torch.uint8), torch.zeros(1, 1, 16), torch.zeros(1, 1, 16),
+                           None, 1, True)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert list(split_or_not("native-q4", lambda: made)) == ["native-q4"]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    forms = {n: make() for n, make in split_or_not("native-q4", lambda: made).items()}
+    assert {n: k.threads for n, k in forms.items()} == {"native-q4": False, "native-q4-threads": True}
 
 
 @pytest.mark.skipif(not native._compiler() or os.environ.get("SPECDEC_NATIVE", "1") == "0",

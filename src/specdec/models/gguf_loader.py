@@ -275,7 +275,7 @@ def q4_kernel(int4: Int4Linear, layout: dict[str, torch.Tensor], w: torch.Tensor
     """A 4-bit linear's kernel: torch's int4 kernel (bfloat16 activations) or the native one (activations
     quantized to 8 bits, as llama.cpp computes), whichever is faster on this machine for its shape, timed at
     the first start (`kernels.fastest`) and kept, so every start computes the same bits."""
-    makers = {"int4": lambda: int4, "native-q4": lambda: native.Q4Linear.of(layout)}
+    makers = {"int4": lambda: int4, **split_or_not("native-q4", lambda: native.Q4Linear.of(layout))}
     return fastest(("q4-linear", *w.shape, cfg_dtype_name(w.dtype), *sorted(makers), native.source_stamp()), makers, w)
 
 
@@ -283,10 +283,21 @@ def q8_kernel(layout: dict[str, torch.Tensor], w: torch.Tensor) -> Kernel:
     """A linear of 8-bit codes: the native 8-bit kernel (activations quantized to 8 bits, as llama.cpp computes
     Q8_0, Q5_0 and Q6_K layers) or oneDNN on the dequantized weights prepacked, whichever is faster on this machine
     for its shape (timed at the first start and kept, as `q4_kernel`)."""
-    makers = {"onednn": lambda: pack(w), "native-q8r": lambda: native.Q8Rows.of_layout(layout)}
+    makers = {"onednn": lambda: pack(w), **split_or_not("native-q8r", lambda: native.Q8Rows.of_layout(layout))}
     scales = f"scales/{32 * 16 // layout['d'].shape[-1]}"                  # a scale per 32 or per 16 inputs
     return fastest(("q8-linear", *w.shape, scales, cfg_dtype_name(w.dtype), *sorted(makers), native.source_stamp()),
                    makers, w)
+
+
+def split_or_not(name: str, make: Callable[[], native.Q4Linear | native.Q8Rows]) -> dict[str, Callable[[], Kernel]]:
+    """A native kernel as candidates of `fastest`: on the calling thread (`name`) and, where torch has several, its
+    output groups split over them (`name`-threads). Which pays depends on the CPU and the shape (threads pay for a
+    layer whose codes stream from memory, not for one whose call is shorter than waking them), so the first start
+    times both; the bits are the same."""
+    if torch.get_num_threads() == 1:
+        return {name: make}
+    return {name: lambda: dataclasses.replace(make(), threads=False),
+            f"{name}-threads": lambda: dataclasses.replace(make(), threads=True)}
 
 
 def fused_blocks(tensors: dict, cfg: ModelConfig, interleaved: bool, types: tuple[str, ...],

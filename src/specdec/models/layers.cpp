@@ -66,7 +66,7 @@ struct Linear {
     const uint8_t *codes = nullptr; //         or 8-bit one (codes [N / 16, K / 32, 512], native.q8_rows_layout)
     const float *scale = nullptr, *zero = nullptr;  // [N / 16, K / 32, 16] (8-bit: scale d, zero unused)
     int isa = 0;                    //         its instructions at most (the same bits at every level)
-    int bits = 4;                   //         of a code
+    int threads = 1;                //         split over torch's threads (else on the calling one)
     at::Tensor weight;              // oneDNN: the prepacked weight (`kernels.PackedLinear`)
     at::ScalarType dtype = at::kFloat;  //     its inputs' and outputs' dtype
     int pair = 1;                   //         a lone row computed as two copies of it (`kernels.linear`)
@@ -92,18 +92,14 @@ struct Loop {
     quantize_fn quantize = nullptr;
 };
 
-// Threads pay for a native linear from about 750 KB of codes, 1.5M 4-bit weights (measured on an AMD EPYC
-// Zen 4, 2 threads: the [3072 x 576] gate/up layer 39 -> 25 us for 1 row, 81 -> 49 us for 5; the [576 x 1536]
-// layer was slower on 2 threads than on 1, 51 -> 61 us for 5 rows): smaller ones run on the calling thread.
-const int64_t PARALLEL_CODE_BYTES = 750000;
-
 const at::TensorOptions BF16 = at::TensorOptions().dtype(at::kBFloat16);
 
-// A native kernel (4-bit or 8-bit codes) over torch's threads (groups of 16 outputs split between them): x [M, K]
-// quantized once, then out [M, N] (out_bf16: bfloat16, else float32). Returns 0, or -3 on a torch error.
+// A native kernel (4-bit or 8-bit codes), with `threads` over torch's threads (groups of 16 outputs split between
+// them), else on the calling thread (whichever its first start timed faster for the shape: `native.threads_pay`):
+// x [M, K] quantized once, then out [M, N] (out_bf16: bfloat16, else float32). Returns 0, or -3 on a torch error.
 int q4_threads(quantize_fn quantize, q4_fn q4, const void *x, int x_bf16, int64_t M, int64_t K,
                const uint8_t *codes, const float *scale, const float *zero, int64_t N, void *out, int out_bf16,
-               int isa, int bits) {
+               int isa, int threads) {
     const int64_t nb = K / 32;
     at::Tensor xq = at::empty({M, K}, at::TensorOptions().dtype(at::kChar));
     at::Tensor dx = at::empty({M, nb}, at::TensorOptions().dtype(at::kFloat));
@@ -111,7 +107,7 @@ int q4_threads(quantize_fn quantize, q4_fn q4, const void *x, int x_bf16, int64_
     at::Tensor xs8 = at::empty({M, nb}, at::TensorOptions().dtype(at::kInt));
     quantize(x, x_bf16, M, K, (int8_t *)xq.data_ptr(), (float *)dx.data_ptr(), (float *)sx.data_ptr(),
              (int32_t *)xs8.data_ptr());
-    const int64_t groups = N / 16, grain = N * K * bits / 8 >= PARALLEL_CODE_BYTES ? 4 : groups;
+    const int64_t groups = N / 16, grain = threads ? 4 : groups;
     at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
         q4((const int8_t *)xq.data_ptr(), (const float *)dx.data_ptr(), (const float *)sx.data_ptr(),
            (const int32_t *)xs8.data_ptr(), M, K, codes, scale, zero, N, out, out_bf16, g0, g1, isa);
@@ -144,7 +140,7 @@ at::Tensor int4_mm(const Loop &m, const Linear &l, const at::Tensor &x) {
     }
     at::Tensor y = at::empty({x.size(0), l.n_out}, m.act);
     q4_threads(m.quantize, l.matmul, x.data_ptr(), m.bf16, x.size(0), l.n_in, l.codes, l.scale, l.zero, l.n_out,
-               y.data_ptr(), m.bf16, l.isa, l.bits);
+               y.data_ptr(), m.bf16, l.isa, l.threads);
     return y;
 }
 
@@ -216,9 +212,9 @@ extern "C" {
 // One native linear over torch's threads (`native.Q4Linear` and `native.Q8Rows` call it where the loop is built).
 int specdec_q4_threads(quantize_fn quantize, q4_fn q4, const void *x, int x_bf16, int64_t M, int64_t K,
                        const uint8_t *codes, const float *scale, const float *zero, int64_t N, void *out,
-                       int out_bf16, int isa, int bits) {
+                       int out_bf16, int isa, int threads) {
     try {
-        return q4_threads(quantize, q4, x, x_bf16, M, K, codes, scale, zero, N, out, out_bf16, isa, bits);
+        return q4_threads(quantize, q4, x, x_bf16, M, K, codes, scale, zero, N, out, out_bf16, isa, threads);
     } catch (...) {
         return -3;
     }
@@ -256,12 +252,13 @@ int specdec_loop_linear(void *m, int64_t i, int which, void *packed, int64_t N, 
 }
 
 // ... through a native kernel `matmul` (attend.c's specdec_q4_q8_matmul: codes, scale, zero in native.q4_layout's
-// layout; specdec_q8r_q8_matmul: codes and scale d in native.q8_rows_layout's, zero unused).
-int specdec_loop_rows(void *m, int64_t i, int which, q4_fn matmul, int bits, const uint8_t *codes,
+// layout; specdec_q8r_q8_matmul: codes and scale d in native.q8_rows_layout's, zero unused), over torch's threads
+// or not (`threads`, see q4_threads).
+int specdec_loop_rows(void *m, int64_t i, int which, q4_fn matmul, int threads, const uint8_t *codes,
                       const float *scale, const float *zero, int64_t N, int64_t K, int isa, int64_t max_rows) {
     return set_linear(m, i, which, NATIVE_ROWS, N, K, max_rows, [&](Linear &l) {
         l.matmul = matmul;
-        l.bits = bits;
+        l.threads = threads;
         l.codes = codes;
         l.scale = scale;
         l.zero = zero;

@@ -476,11 +476,11 @@ class LayerLoop:
             for which, k in enumerate(ks):
                 if isinstance(k, Q4Linear):
                     keep += [k.codes, k.scale, k.zero]
-                    rc = lib.specdec_loop_rows(handle, i, which, _entry(_ROWS_ENTRY[ROWS_Q4]), 4, k.codes.data_ptr(),
+                    rc = lib.specdec_loop_rows(handle, i, which, _entry(_ROWS_ENTRY[ROWS_Q4]), k.threads, k.codes.data_ptr(),
                                                k.scale.data_ptr(), k.zero.data_ptr(), *k.shape, k.isa, k.check.max_rows)
                 elif isinstance(k, Q8Rows):
                     keep += [k.codes, k.d]
-                    rc = lib.specdec_loop_rows(handle, i, which, _entry(_ROWS_ENTRY[k.kind]), 8, k.codes.data_ptr(),
+                    rc = lib.specdec_loop_rows(handle, i, which, _entry(_ROWS_ENTRY[k.kind]), k.threads, k.codes.data_ptr(),
                                                k.d.data_ptr(), k.d.data_ptr(), *k.shape, k.isa, k.check.max_rows)
                 elif isinstance(k, PackedLinear):
                     keep.append(k.weight)
@@ -556,10 +556,17 @@ ROWS_Q4, ROWS_Q8, ROWS_Q8H = 0, 1, 2   # attend.c's row kernels: 4-bit codes, 8-
 _ROWS_ENTRY = {ROWS_Q4: "specdec_q4_q8_matmul", ROWS_Q8: "specdec_q8r_q8_matmul", ROWS_Q8H: "specdec_q8h_q8_matmul"}
 
 
-def _rows_linear(kind: int, x: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, isa: int, what: str) -> Tensor:
+# Threads pay for a native linear from about 750 KB of codes, 1.5M 4-bit weights, by default (measured on an AMD
+# EPYC Zen 4, 2 threads: the [3072 x 576] gate/up layer 39 -> 25 us for 1 row, 81 -> 49 us for 5; the [576 x 1536]
+# layer was slower on 2 threads than on 1, 51 -> 61 us for 5 rows); a model's layers time both at the first start.
+PARALLEL_CODE_BYTES = 750_000
+
+
+def _rows_linear(kind: int, x: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, isa: int, threads: bool,
+                 what: str) -> Tensor:
     """x [M, K] (bfloat16 or float32, checked by the caller) -> float32 [M, N] through attend.c's row kernel `kind`
-    (ROWS_Q4, ROWS_Q8, ROWS_Q8H): over torch's threads as the layer loop runs them where it is built, else on one
-    thread (the same bits)."""
+    (ROWS_Q4, ROWS_Q8, ROWS_Q8H): with `threads` over torch's threads where the layer loop is built, as it runs
+    them, else on one thread (the same bits either way)."""
     x = x.contiguous()
     M, K, N = x.shape[0], codes.shape[1] * 32, codes.shape[0] * Q4_GROUP
     out = torch.empty(M, N, dtype=torch.float32)
@@ -567,7 +574,7 @@ def _rows_linear(kind: int, x: Tensor, codes: Tensor, scale: Tensor, zero: Tenso
             out.data_ptr(), 0, isa)
     if loop_available():
         rc = _LOOP[0].specdec_q4_threads(_entry("specdec_q8_quantize"), _entry(_ROWS_ENTRY[kind]), *args,
-                                         4 if kind == ROWS_Q4 else 8)
+                                         int(threads))
     else:
         rc = _LIB[0].specdec_rows_linear(kind, *args)
     if rc:
@@ -602,6 +609,7 @@ class Q8Rows:
     check: "RowCheck"
     isa: int = 2
     dtype: torch.dtype = torch.bfloat16   # of its inputs (bfloat16 or float32: the same values quantized; float32 out)
+    threads: bool = True  # its output groups split over torch's threads (else on the calling thread)
 
     pair = False
 
@@ -624,7 +632,7 @@ class Q8Rows:
         K = self.shape[1]
         if x.dtype not in DTYPES or x.dim() != 2 or x.shape[1] != K:
             raise ValueError(f"8-bit linear: expected [M, {K}] bfloat16 or float32, got {x.dtype} {list(x.shape)}")
-        return _rows_linear(self.kind, x, self.codes, self.d, self.d, self.isa, "8-bit linear")
+        return _rows_linear(self.kind, x, self.codes, self.d, self.d, self.isa, self.threads, "8-bit linear")
 
     @staticmethod
     def of(q: Tensor, d: Tensor) -> "Q8Rows":
@@ -639,7 +647,8 @@ class Q8Rows:
         from .kernels import RowCheck, checked
 
         isa = q8x8_isa()
-        k = Q8Rows(layout["codes"], layout["d"], RowCheck(True, True), isa, dtype)
+        k = Q8Rows(layout["codes"], layout["d"], RowCheck(True, True), isa, dtype,
+                   layout["codes"].numel() >= PARALLEL_CODE_BYTES)
         key = ("native-q8r", *k.shape) if k.kind == ROWS_Q8 else ("native-q8h", *k.shape)
         return replace(k, check=checked(key, k, k.shape[1], torch.bfloat16, every_count=False))
 
@@ -656,6 +665,7 @@ class Q4Linear:
     zero: Tensor          # [N / 16, K / 32, 16] float32
     check: "RowCheck"
     isa: int = 2          # instructions at most: 0 plain C, 1 AVX2, 2 AVX-512 VNNI (the same bits)
+    threads: bool = True  # its output groups split over torch's threads (else on the calling thread)
 
     dtype = torch.float32  # of its inputs and outputs (the layer loop feeds bfloat16 directly: the same values)
     pair = False
@@ -671,7 +681,7 @@ class Q4Linear:
         K = self.shape[1]
         if x.dtype not in DTYPES or x.dim() != 2 or x.shape[1] != K:
             raise ValueError(f"Q4 linear: expected [M, {K}] float32 or bfloat16, got {x.dtype} {list(x.shape)}")
-        return _rows_linear(ROWS_Q4, x, self.codes, self.scale, self.zero, self.isa, "Q4 linear")
+        return _rows_linear(ROWS_Q4, x, self.codes, self.scale, self.zero, self.isa, self.threads, "Q4 linear")
 
     @staticmethod
     def of(layout: dict[str, Tensor]) -> "Q4Linear":
@@ -679,6 +689,7 @@ class Q4Linear:
         from .kernels import RowCheck, checked
 
         isa = q8x8_isa()
-        k = Q4Linear(layout["codes"], layout["scale"], layout["zero"], RowCheck(True, True), isa)
+        k = Q4Linear(layout["codes"], layout["scale"], layout["zero"], RowCheck(True, True), isa,
+                     layout["codes"].numel() >= PARALLEL_CODE_BYTES)
         check = checked(("native-q4", *k.shape), k, k.shape[1], torch.float32, every_count=False)
-        return Q4Linear(k.codes, k.scale, k.zero, check, isa)
+        return replace(k, check=check)
