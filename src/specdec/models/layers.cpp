@@ -95,7 +95,7 @@ struct Loop {
 const at::TensorOptions BF16 = at::TensorOptions().dtype(at::kBFloat16);
 
 // A native kernel (4-bit or 8-bit codes), with `threads` over torch's threads (groups of 16 outputs split between
-// them), else on the calling thread (whichever its first start timed faster for the shape: `native.threads_pay`):
+// them), else on the calling thread (whichever its first start timed faster for the shape: `gguf_loader.split_or_not`):
 // x [M, K] quantized once, then out [M, N] (out_bf16: bfloat16, else float32). Returns 0, or -3 on a torch error.
 int q4_threads(quantize_fn quantize, q4_fn q4, const void *x, int x_bf16, int64_t M, int64_t K,
                const uint8_t *codes, const float *scale, const float *zero, int64_t N, void *out, int out_bf16,

@@ -87,8 +87,13 @@ def checksum(tensors: dict[str, torch.Tensor]) -> str:
         raw = tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy()       # [bytes] a view, no copy
         words = len(raw) // 8
         part = int(raw[:words * 8].view(np.uint64).sum(dtype=np.uint64)) + int(raw[words * 8:].sum(dtype=np.uint64))
-        total = (total * 1_000_003 + part + len(raw) + sum(name.encode())) % (1 << 64)
+        total = _chained(total, name, part, len(raw))
     return f"{total:016x}"
+
+
+def _chained(total: int, name: str, part: int, length: int) -> int:
+    """The running checksum after tensor `name` of `length` bytes whose words and tail bytes sum to `part`."""
+    return (total * 1_000_003 + part + length + sum(name.encode())) % (1 << 64)
 
 
 CHUNK = 1 << 22                 # bytes per read of `file_checksum` (a multiple of 8)
@@ -118,7 +123,7 @@ def file_checksum(where: Path) -> str:
                 part += int(np.frombuffer(buf, np.uint64, words).sum(dtype=np.uint64))
                 tail = bytes(buf[words * 8:n])                      # only the tensor's last chunk has one
             part += sum(tail)
-            total = (total * 1_000_003 + part % (1 << 64) + length + sum(name.encode())) % (1 << 64)
+            total = _chained(total, name, part, length)
     return f"{total:016x}"
 
 

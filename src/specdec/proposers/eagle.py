@@ -49,6 +49,7 @@ class EagleProposer:
             raise SpecdecError("sampled drafts are chains: a draft tree (topk > 1) drafts point masses")
         self.head, self.topk, self.depth, self.budget, self.name = head, topk, depth, budget, name
         self.sample_from = sample_from
+        self.support = head.vocab_ids.sort().values          # [V'] the head's ids ascending: where a sampled q > 0
         self.feature_layers = head.feature_layers
         self.log_min_confidence = math.log(min_confidence) if min_confidence > 0 else -math.inf
         self.pred: dict[int, Tensor] = {}
@@ -189,7 +190,7 @@ class EagleProposer:
         u = position_uniforms(step_seeds(batch.seeds.to(dev), first), first[:, None] + torch.arange(k, device=dev),
                               Stream.DRAFT)                                              # [B, k]
         vocab_ids = self.head.vocab_ids.to(dev)
-        support = vocab_ids.sort().values                                                # [V'] ascending ids: where q > 0
+        support = self.support.to(dev)                                                   # [V'] ascending ids
         V = self.head.tgt.vocab_size
         base = self.cache.lengths[rows].clone()                                           # [B] committed pairs
         out, toks, qs, top = pred, [], [], []
