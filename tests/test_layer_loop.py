@@ -123,6 +123,27 @@ def test_the_native_loop_gives_the_python_loops_bits(shape, dtype, case, kernel)
 
 
 @needs_loop
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", ["llama", "gemma"])
+def test_attention_split_over_two_threads_keeps_the_bits(shape, dtype):
+    """On long contexts the loop splits attention's (token, query head) pairs over torch's threads, cutting kv
+    groups apart (llama: 9 heads in groups of 3; gemma: 4 heads in one group): the bits of one thread and of
+    the Python loop, outputs and keys."""
+    model = q4_model(shape, dtype, "native")
+    threads = torch.get_num_threads()
+    runs = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            runs.append(forward_both(model, [200, 121, 7], 3))
+    finally:
+        torch.set_num_threads(threads)
+    [(one, k_one), (python, k_python)], [(two, k_two), _] = runs
+    assert torch.equal(one, two) and torch.equal(one, python)
+    assert torch.equal(k_one, k_two) and torch.equal(k_one, k_python)
+
+
+@needs_loop
 def test_the_loop_runs_and_is_used_by_decoding_forwards(monkeypatch):
     model = q4_model("llama", torch.float32, "mixed")
     calls = []

@@ -149,45 +149,46 @@ static void attend_group(const float *qs, int64_t g, const float *kr, const floa
  *        kc + row_off[b] + j * head_stride + (at[b] + t) * hd, and attends over slots s < S of that row
  *        where mask [B, T, S] (bytes) is nonzero
  * out    [B*T, nh * hd] bfloat16 (out_bf16) or float32
- * Returns 0, -1 if memory ran out, -2 if nh / nkv > 64.
+ * In two steps, so a caller can split the second over threads (`layers.cpp`): specdec_attend_rope, then
+ * specdec_attend_heads over any partition of the B*T*nh (token, query head) pairs; each pair gets the same
+ * operations whichever range it falls in.
  */
-int specdec_qkv_attend(const void *qkv, int qkv_bf16, int64_t qkv_stride, const float *cos, const float *ssin,
-                       const float *q_norm, const float *k_norm, float eps, float *kc, float *vc,
-                       const int64_t *row_off, const int64_t *at, int64_t head_stride,
-                       const uint8_t *mask, int64_t S, int64_t B, int64_t T, int64_t nh, int64_t nkv,
-                       int64_t hd, float scale, void *out, int out_bf16) {
-    int64_t g = nh / nkv, half = hd / 2, width = nh + 2 * nkv;
-    if (g > 64) return -2;
-    float *rows = malloc(sizeof(float) * (size_t)(B * T * nh * hd));          /* roped queries */
+typedef struct {
+    const void *qkv; int qkv_bf16; int64_t qkv_stride;
+    const float *cos, *ssin, *q_norm, *k_norm; float eps;
+    float *kc, *vc; const int64_t *row_off, *at; int64_t head_stride;
+    const uint8_t *mask; int64_t S, B, T, nh, nkv, hd; float scale;
+    void *out; int out_bf16;
+} attend_call;
+
+/* 1. queries (normed, roped) into rows [B*T, nh, hd] float32; keys roped and values copied into the cache.
+ * Returns 0, -1 if memory ran out, -2 if nh / nkv > 64. */
+int specdec_attend_rope(const attend_call *a, float *rows) {
+    const int64_t hd = a->hd, half = hd / 2, nh = a->nh, nkv = a->nkv, width = nh + 2 * nkv;
+    if (nh / nkv > 64) return -2;
     float *head = malloc(sizeof(float) * (size_t)hd);
-    float *o = malloc(sizeof(float) * (size_t)(g * hd));
-    float *score = malloc(sizeof(float) * (size_t)(g * (S > 0 ? S : 1)));
-    int64_t *slots = malloc(sizeof(int64_t) * (size_t)(S > 0 ? S : 1));
-    if (!rows || !head || !o || !score || !slots) {
-        free(rows); free(head); free(o); free(score); free(slots);
-        return -1;
-    }
-    /* 1. queries roped into `rows`, keys roped and values copied into the cache */
-    for (int64_t b = 0; b < B; b++) {
-        for (int64_t t = 0; t < T; t++) {
-            int64_t r = b * T + t;
-            const float *c = cos + r * hd, *sn = ssin + r * hd;
+    if (!head) return -1;
+    for (int64_t b = 0; b < a->B; b++) {
+        for (int64_t t = 0; t < a->T; t++) {
+            int64_t r = b * a->T + t;
+            const float *c = a->cos + r * hd, *sn = a->ssin + r * hd;
             for (int64_t j = 0; j < width; j++) {
                 for (int64_t d = 0; d < hd; d++) {
-                    int64_t e = r * qkv_stride + j * hd + d;
-                    head[d] = qkv_bf16 ? bf16_to_f32(((const uint16_t *)qkv)[e]) : ((const float *)qkv)[e];
+                    int64_t e = r * a->qkv_stride + j * hd + d;
+                    head[d] = a->qkv_bf16 ? bf16_to_f32(((const uint16_t *)a->qkv)[e]) : ((const float *)a->qkv)[e];
                 }
                 float *dst;
+                int64_t slot = a->row_off[b] + (a->at[b] + t) * hd;
                 if (j < nh) dst = rows + (r * nh + j) * hd;
-                else if (j < nh + nkv) dst = kc + row_off[b] + (j - nh) * head_stride + (at[b] + t) * hd;
+                else if (j < nh + nkv) dst = a->kc + slot + (j - nh) * a->head_stride;
                 else {
-                    dst = vc + row_off[b] + (j - nh - nkv) * head_stride + (at[b] + t) * hd;
+                    dst = a->vc + slot + (j - nh - nkv) * a->head_stride;
                     for (int64_t d = 0; d < hd; d++) dst[d] = head[d];
                     continue;
                 }
-                const float *w = j < nh ? q_norm : k_norm;
+                const float *w = j < nh ? a->q_norm : a->k_norm;
                 if (w) {
-                    float inv = rms_inverse(head, hd, eps);
+                    float inv = rms_inverse(head, hd, a->eps);
                     for (int64_t d = 0; d < hd; d++) head[d] = head[d] * inv * w[d];
                 }
                 for (int64_t d = 0; d < half; d++) {
@@ -197,26 +198,58 @@ int specdec_qkv_attend(const void *qkv, int qkv_bf16, int64_t qkv_stride, const 
             }
         }
     }
-    /* 2. attention: each query over its visible slots in slot order */
-    for (int64_t b = 0; b < B; b++) {
-        for (int64_t t = 0; t < T; t++) {
-            int64_t r = b * T + t, n = 0;
-            const uint8_t *m = mask + r * S;
-            for (int64_t s = 0; s < S; s++)
-                if (m[s]) slots[n++] = s;
-            for (int64_t j = 0; j < nkv; j++) {
-                const float *kr = kc + row_off[b] + j * head_stride, *vr = vc + row_off[b] + j * head_stride;
-                attend_group(rows + (r * nh + j * g) * hd, g, kr, vr, slots, n, hd, scale, score, o);
-                int64_t base = r * nh * hd + j * g * hd;
-                if (out_bf16)
-                    for (int64_t x = 0; x < g * hd; x++) ((uint16_t *)out)[base + x] = f32_to_bf16(o[x]);
-                else
-                    for (int64_t x = 0; x < g * hd; x++) ((float *)out)[base + x] = o[x];
-            }
+    free(head);
+    return 0;
+}
+
+/* 2. the (token, query head) pairs w0 .. w1 - 1 (token-major: pair r * nh + h) of the roped queries `rows`, each
+ * over its visible slots in slot order, into out. The heads of a kv group in the range share one pass over its
+ * keys. Returns 0, or -1 if memory ran out. */
+int specdec_attend_heads(const attend_call *a, const float *rows, int64_t w0, int64_t w1) {
+    const int64_t nh = a->nh, hd = a->hd, g = nh / a->nkv, S = a->S > 0 ? a->S : 1;
+    float *o = malloc(sizeof(float) * (size_t)(g * hd));
+    float *score = malloc(sizeof(float) * (size_t)(g * S));
+    int64_t *slots = malloc(sizeof(int64_t) * (size_t)S);
+    if (!o || !score || !slots) {
+        free(o); free(score); free(slots);
+        return -1;
+    }
+    for (int64_t r = w0 / nh; r * nh < w1; r++) {
+        int64_t b = r / a->T, n = 0;
+        const uint8_t *m = a->mask + r * a->S;
+        for (int64_t s = 0; s < a->S; s++)
+            if (m[s]) slots[n++] = s;
+        for (int64_t j = 0; j < a->nkv; j++) {
+            int64_t h0 = r * nh + j * g, h1 = h0 + g;                   /* this group's pairs, within the range */
+            h0 = h0 < w0 ? w0 : h0;
+            h1 = h1 > w1 ? w1 : h1;
+            if (h0 >= h1) continue;
+            const float *kr = a->kc + a->row_off[b] + j * a->head_stride, *vr = a->vc + a->row_off[b] + j * a->head_stride;
+            attend_group(rows + h0 * hd, h1 - h0, kr, vr, slots, n, hd, a->scale, score, o);
+            if (a->out_bf16)
+                for (int64_t x = 0; x < (h1 - h0) * hd; x++) ((uint16_t *)a->out)[h0 * hd + x] = f32_to_bf16(o[x]);
+            else
+                for (int64_t x = 0; x < (h1 - h0) * hd; x++) ((float *)a->out)[h0 * hd + x] = o[x];
         }
     }
-    free(rows); free(head); free(o); free(score); free(slots);
+    free(o); free(score); free(slots);
     return 0;
+}
+
+/* Both steps on the calling thread (`native.Attend`). Returns 0, -1 if memory ran out, -2 if nh / nkv > 64. */
+int specdec_qkv_attend(const void *qkv, int qkv_bf16, int64_t qkv_stride, const float *cos, const float *ssin,
+                       const float *q_norm, const float *k_norm, float eps, float *kc, float *vc,
+                       const int64_t *row_off, const int64_t *at, int64_t head_stride,
+                       const uint8_t *mask, int64_t S, int64_t B, int64_t T, int64_t nh, int64_t nkv,
+                       int64_t hd, float scale, void *out, int out_bf16) {
+    const attend_call a = {qkv, qkv_bf16, qkv_stride, cos, ssin, q_norm, k_norm, eps, kc, vc, row_off, at,
+                           head_stride, mask, S, B, T, nh, nkv, hd, scale, out, out_bf16};
+    float *rows = malloc(sizeof(float) * (size_t)(B * T * nh * hd));          /* roped queries */
+    if (!rows) return -1;
+    int rc = specdec_attend_rope(&a, rows);
+    if (!rc) rc = specdec_attend_heads(&a, rows, 0, B * T * nh);
+    free(rows);
+    return rc;
 }
 
 /* ---- An 8-bit LM head (GGUF Q8_0: per block of 32 weights along K, a scale d and 32 int8 codes) ----

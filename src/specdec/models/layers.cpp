@@ -5,7 +5,8 @@
 //   qkv  = int4_mm(h, wqkv)                        torch's CPU int4 kernel (at::cpu, no dispatcher), attend.c's
 //                                                  4-bit or 8-bit kernel (8-bit activations) over torch's
 //                                                  threads, or a oneDNN-prepacked linear (other formats)
-//   a    = qkv_attend(qkv, ...)                    attend.c (q/k norms, rope, cache writes, attention)
+//   a    = attend(qkv, ...)                        attend.c (q/k norms, rope, cache writes; then attention,
+//                                                  its query heads split over torch's threads on long contexts)
 //   o    = int4_mm(a, wo)          [o = post_attn_norm(o): attend.c, nothing added]
 //   x, h = add_rms_norm(x, o, ffn_norm)
 //   g, u = int4_mm(h, w13).chunk(2)
@@ -23,14 +24,21 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/TensorImpl.h>
+#include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <vector>
 
-typedef int (*attend_fn)(const void *qkv, int qkv_bf16, int64_t qkv_stride, const float *cos, const float *ssin,
-                         const float *q_norm, const float *k_norm, float eps, float *kc, float *vc,
-                         const int64_t *row_off, const int64_t *at, int64_t head_stride, const uint8_t *mask,
-                         int64_t S, int64_t B, int64_t T, int64_t nh, int64_t nkv, int64_t hd, float scale,
-                         void *out, int out_bf16);
+// One layer's attention call, as attend.c declares it.
+extern "C" struct attend_call {
+    const void *qkv; int qkv_bf16; int64_t qkv_stride;
+    const float *cos, *ssin, *q_norm, *k_norm; float eps;
+    float *kc, *vc; const int64_t *row_off, *at; int64_t head_stride;
+    const uint8_t *mask; int64_t S, B, T, nh, nkv, hd; float scale;
+    void *out; int out_bf16;
+};
+typedef int (*rope_fn)(const attend_call *a, float *rows);
+typedef int (*heads_fn)(const attend_call *a, const float *rows, int64_t w0, int64_t w1);
 typedef int (*norm_fn)(const void *x, const void *o, int bf16, int64_t N, int64_t D, const float *w, float eps,
                        void *xo, void *h);
 typedef int (*quantize_fn)(const void *x, int x_bf16, int64_t M, int64_t K, int8_t *xq, float *dx, float *sx,
@@ -87,12 +95,17 @@ struct Loop {
     int gelu = 0;
     int bf16 = 1;                   // activations bfloat16, else float32
     at::TensorOptions act;          // of the activations
-    attend_fn attend = nullptr;
+    rope_fn rope = nullptr;         // attend.c's two steps of attention (specdec_attend_rope, specdec_attend_heads)
+    heads_fn heads = nullptr;
     norm_fn norm = nullptr;
     quantize_fn quantize = nullptr;
 };
 
 const at::TensorOptions BF16 = at::TensorOptions().dtype(at::kBFloat16);
+
+// Attention's (token, query head) pairs split over torch's threads once a part holds this much work (visible
+// slots times head width): below it, waking the other threads costs more than it saves.
+const int64_t ATTEND_GRAIN = 65536;
 
 // A native kernel (4-bit or 8-bit codes), with `threads` over torch's threads (groups of 16 outputs split between
 // them), else on the calling thread (whichever its first start timed faster for the shape: `gguf_loader.split_or_not`):
@@ -171,11 +184,18 @@ int run_layer(const Loop &m, int i, const specdec_plan &p, at::Tensor &x, at::Te
     at::Tensor qkv = int4_mm(m, l.lin[WQKV], h);                               // [N, (nh + 2 nkv) hd]
     int64_t N = x.size(0);
     at::Tensor a = at::empty({N, p.nh * p.hd}, m.act);
+    at::Tensor rows = at::empty({N, p.nh * p.hd}, at::TensorOptions().dtype(at::kFloat));   // roped queries
     int64_t off = i * p.layer_bytes;
-    rc = m.attend(qkv.data_ptr(), m.bf16, qkv.stride(0), p.cos, p.ssin, l.norm[Q_NORM], l.norm[K_NORM], (float)m.eps,
-                  (float *)(p.k + off), (float *)(p.v + off), p.row_off, p.at, p.head_stride, p.mask, p.S, p.B,
-                  p.T, p.nh, p.nkv, p.hd, p.scale, a.data_ptr(), m.bf16);
-    if (rc) return rc == -1 ? -1 : -2;
+    const attend_call c = {qkv.data_ptr(), m.bf16, qkv.stride(0), p.cos, p.ssin, l.norm[Q_NORM], l.norm[K_NORM],
+                           (float)m.eps, (float *)(p.k + off), (float *)(p.v + off), p.row_off, p.at, p.head_stride,
+                           p.mask, p.S, p.B, p.T, p.nh, p.nkv, p.hd, p.scale, a.data_ptr(), m.bf16};
+    if ((rc = m.rope(&c, (float *)rows.data_ptr()))) return rc == -1 ? -1 : -2;
+    std::atomic<int> failed{0};
+    at::parallel_for(0, N * p.nh, std::max<int64_t>(1, ATTEND_GRAIN / std::max<int64_t>(1, p.S * p.hd)),
+                     [&](int64_t w0, int64_t w1) {
+        if (m.heads(&c, (const float *)rows.data_ptr(), w0, w1)) failed = -1;
+    });
+    if (failed) return -1;
     o = int4_mm(m, l.lin[WO], a);                                              // [N, D]
     if (l.norm[POST_ATTN_NORM] && (rc = post_norm(m, o, l.norm[POST_ATTN_NORM]))) return rc;
     if ((rc = add_norm(m, x, o, l.norm[FFN_NORM], h))) return rc;
@@ -220,8 +240,8 @@ int specdec_q4_threads(quantize_fn quantize, q4_fn q4, const void *x, int x_bf16
     }
 }
 
-void *specdec_loop_new(int64_t n_layers, int64_t dim, double eps, int gelu, int bf16, attend_fn attend, norm_fn norm,
-                       quantize_fn quantize) {
+void *specdec_loop_new(int64_t n_layers, int64_t dim, double eps, int gelu, int bf16, rope_fn rope, heads_fn heads,
+                       norm_fn norm, quantize_fn quantize) {
     try {
         Loop *m = new Loop();
         m->layers.resize(n_layers);
@@ -230,7 +250,8 @@ void *specdec_loop_new(int64_t n_layers, int64_t dim, double eps, int gelu, int 
         m->gelu = gelu;
         m->bf16 = bf16;
         m->act = at::TensorOptions().dtype(bf16 ? at::kBFloat16 : at::kFloat);
-        m->attend = attend;
+        m->rope = rope;
+        m->heads = heads;
         m->norm = norm;
         m->quantize = quantize;
         return m;

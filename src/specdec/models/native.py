@@ -218,7 +218,7 @@ def _build_loop() -> str:
     except (OSError, subprocess.SubprocessError) as e:
         return f"could not build or load it: {e}"
     lib.specdec_loop_new.restype = _PTR
-    lib.specdec_loop_new.argtypes = [_I64, _I64, ctypes.c_double, ctypes.c_int, ctypes.c_int, _PTR, _PTR, _PTR]
+    lib.specdec_loop_new.argtypes = [_I64, _I64, ctypes.c_double, ctypes.c_int, ctypes.c_int, _PTR, _PTR, _PTR, _PTR]
     lib.specdec_loop_free.restype = None
     lib.specdec_loop_free.argtypes = [_PTR]
     lib.specdec_loop_linear.restype = ctypes.c_int
@@ -465,7 +465,8 @@ class LayerLoop:
             return None
         lib = _LOOP[0]
         handle = lib.specdec_loop_new(len(layers), cfg.dim, cfg.norm_eps, int(cfg.gelu),
-                                      int(model.dtype == torch.bfloat16), _entry("specdec_qkv_attend"),
+                                      int(model.dtype == torch.bfloat16), _entry("specdec_attend_rope"),
+                                      _entry("specdec_attend_heads"),
                                       _entry("specdec_add_rms_norm"), _entry("specdec_q8_quantize"))
         if not handle:
             raise MemoryError("native layer loop: out of memory")
