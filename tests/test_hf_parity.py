@@ -7,7 +7,10 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -46,6 +49,39 @@ def gemma3_path() -> Path:
     return p
 
 
+def transformers_copy(path: Path) -> Path:
+    """transformers' own conversion of a GGUF (tokenizer and float32 model), saved once per file content and
+    transformers version under $SPECDEC_CACHE/test-hf: transformers reads a GGUF's vocabulary (49k-262k entries)
+    through gguf's field reader twice per load, 40-120 s on 2 busy cores, where a saved copy loads in seconds."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from safetensors.torch import save_model
+
+    from specdec.models.registry import cache_dir
+
+    digest = hashlib.sha256(transformers.__version__.encode())
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    out = cache_dir() / "test-hf" / f"{path.stem}-{digest.hexdigest()[:16]}"
+    if not (out / "complete").is_file():
+        tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
+        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        if hasattr(hf.config, "quantization_config"):    # its GGUF origin: transformers will not save that
+            del hf.config.quantization_config
+        hf.config.save_pretrained(tmp)
+        save_model(hf, str(tmp / "model.safetensors"))  # tied embeddings stored once
+        (tmp / "complete").touch()
+        shutil.rmtree(out, ignore_errors=True)           # an interrupted copy (no "complete"), or a racing one
+        try:
+            tmp.rename(out)
+        except OSError:                                 # another test worker renamed its copy first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 class Loaded:
     def __init__(self, path: Path) -> None:
         pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF file")
@@ -54,9 +90,9 @@ class Loaded:
         from specdec.models.gguf_loader import load_gguf
 
         self.path = path
-        self.tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        self.hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                       dtype=torch.float32).eval()
+        copy = transformers_copy(path)
+        self.tok = AutoTokenizer.from_pretrained(copy)
+        self.hf = AutoModelForCausalLM.from_pretrained(copy, dtype=torch.float32).eval()
         self.lean = load_gguf(path, torch.float32)
 
     def ids(self, text: str) -> torch.Tensor:
