@@ -29,6 +29,20 @@ def needs_bf16(dtype: torch.dtype) -> None:
         pytest.skip("no oneDNN bfloat16 on this CPU (or SPECDEC_ISA limits it)")
 
 
+def cache_at(monkeypatch: pytest.MonkeyPatch, where) -> None:
+    """$SPECDEC_CACHE at `where` for one test, holding the native libraries and kernel checks the running cache
+    has already built (tens of seconds of compiling and timing that the test is not about)."""
+    import shutil
+
+    from specdec.models.registry import cache_dir
+
+    built = cache_dir()
+    for part in ("native", "kernel-checks"):
+        if (built / part).is_dir() and not (where / part).exists():
+            shutil.copytree(built / part, where / part)
+    monkeypatch.setenv("SPECDEC_CACHE", str(where))
+
+
 def same_bits_on_one_and_two_threads(kernel, x: torch.Tensor) -> bool:
     """Whether kernel(x) gives the same bits with one torch thread and with two."""
     threads = torch.get_num_threads()

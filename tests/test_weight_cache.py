@@ -9,6 +9,8 @@ from specdec.models import weight_cache
 from specdec.models.gguf_loader import load_gguf
 from specdec.models.registry import resolve
 
+from helpers import cache_at
+
 pytestmark = pytest.mark.integration
 
 
@@ -23,24 +25,23 @@ def _logits(model) -> torch.Tensor:
 def test_cached_weights_give_the_same_bits(form, tmp_path, monkeypatch):
     if form == "q4" and not probe().int4_kernel:
         pytest.skip("no int4 kernel here")
-    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    cache_at(monkeypatch, tmp_path)
     _, path = resolve("smollm2-135m")
     dtype, int4 = (torch.bfloat16 if probe().native_bf16 else torch.float32, True) if form == "q4" else (torch.float32, False)
-    fresh = load_gguf(path, dtype, int4=int4, use_cache=False)
-    with torch.inference_mode():
-        want = _logits(fresh)
-    del fresh
-    first = load_gguf(path, dtype, int4=int4)                  # converts and stores
+    first = load_gguf(path, dtype, int4=int4)                  # converts (the weights it computes with) and stores
     where = weight_cache.entry(path, dtype, int4)
     assert where.is_file()
+    with torch.inference_mode():
+        want = _logits(first)
+    del first
     again = load_gguf(path, dtype, int4=int4)                  # reads the entry
     with torch.inference_mode():
-        assert torch.equal(_logits(first), want) and torch.equal(_logits(again), want)
+        assert torch.equal(_logits(again), want)
     assert again.compute == form
 
 
 def test_a_damaged_entry_is_converted_again(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    cache_at(monkeypatch, tmp_path)
     _, path = resolve("smollm2-135m")
     where = weight_cache.entry(path, torch.float32, False)
     where.parent.mkdir(parents=True, exist_ok=True)
@@ -56,7 +57,7 @@ def test_processes_starting_together_convert_the_weights_once(tmp_path, monkeypa
 
     from specdec.models import gguf_loader
 
-    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    cache_at(monkeypatch, tmp_path)
     _, path = resolve("smollm2-135m")
     conversions: list[int] = []
     real = gguf_loader.read_gguf
@@ -115,7 +116,7 @@ def test_loading_removes_older_formats_of_the_file_and_orphan_locks(tmp_path, mo
 
     from specdec.models import registry
 
-    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    cache_at(monkeypatch, tmp_path)
     monkeypatch.setattr(weight_cache, "_SWEPT", set())
     _, path = resolve("smollm2-135m")
     where = weight_cache.entry(path, torch.float32, False)
@@ -189,7 +190,7 @@ def test_an_entry_keeps_every_kernel_layout(tmp_path, monkeypatch):
     from specdec.models.config import ModelConfig
     from specdec.models.gguf_loader import Weights
 
-    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    cache_at(monkeypatch, tmp_path)
     g = torch.Generator().manual_seed(0)
     cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, hidden_dim=64,
                       max_seq_len=64, name="t")
@@ -278,7 +279,7 @@ def test_a_damaged_assembled_gemma3_file_is_assembled_again(tmp_path, monkeypatc
 
     from specdec.models.registry import file_digest
 
-    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    cache_at(monkeypatch, tmp_path)
     _, path = resolve("gemma3-270m")
     assert file_digest(path) == g.EXPECTED_SHA256
     with path.open("r+b") as f:
@@ -292,7 +293,7 @@ def test_a_tokenizer_that_cannot_be_saved_is_one_line(tmp_path, monkeypatch):
     from specdec.errors import SpecdecError
     from specdec.models.tokenizer import Tokenizer
 
-    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    cache_at(monkeypatch, tmp_path)
     _, path = resolve("smollm2-135m")
     (tmp_path / "tokenizers").write_text("a file where the folder goes")
     with pytest.raises(SpecdecError, match="cannot write the converted tokenizer to .*tokenizers"):
@@ -305,7 +306,7 @@ def test_converting_a_tokenizer_says_so(tmp_path, monkeypatch, caplog):
 
     from specdec.models.tokenizer import Tokenizer
 
-    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    cache_at(monkeypatch, tmp_path)
     caplog.set_level(logging.INFO, logger="specdec")
     _, path = resolve("smollm2-135m")
     Tokenizer.from_gguf(path)
