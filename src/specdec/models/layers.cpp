@@ -103,8 +103,8 @@ struct Loop {
 
 const at::TensorOptions BF16 = at::TensorOptions().dtype(at::kBFloat16);
 
-// Attention's (token, query head) pairs split over torch's threads once a part holds this much work (visible
-// slots times head width): below it, waking the other threads costs more than it saves.
+// Attention's (token, query head) pairs split over torch's threads where they hold more than this much work
+// (pairs times visible slots times head width): below it, waking the other threads costs more than it saves.
 const int64_t ATTEND_GRAIN = 65536;
 
 // A native kernel (4-bit or 8-bit codes), with `threads` over torch's threads (groups of 16 outputs split between
