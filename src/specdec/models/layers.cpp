@@ -17,6 +17,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/empty.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/ops/_weight_int4pack_mm_for_cpu_cpu_dispatch.h>
 #include <ATen/ops/silu_cpu_dispatch.h>
 #include <ATen/ops/gelu_cpu_dispatch.h>
@@ -107,6 +108,11 @@ const at::TensorOptions BF16 = at::TensorOptions().dtype(at::kBFloat16);
 // (pairs times visible slots times head width): below it, waking the other threads costs more than it saves.
 const int64_t ATTEND_GRAIN = 65536;
 
+// A new CPU tensor without a trip through the dispatcher (at::empty's): a forward makes about ten per layer.
+at::Tensor fresh(at::IntArrayRef sizes, const at::TensorOptions &options) {
+    return at::detail::empty_cpu(sizes, options);
+}
+
 // A native kernel (4-bit or 8-bit codes), with `threads` over torch's threads (groups of 16 outputs split between
 // them), else on the calling thread (whichever its first start timed faster for the shape: `gguf_loader.split_or_not`):
 // x [M, K] quantized once, then out [M, N] (out_bf16: bfloat16, else float32). Returns 0, or -3 on a torch error.
@@ -114,16 +120,17 @@ int q4_threads(quantize_fn quantize, q4_fn q4, const void *x, int x_bf16, int64_
                const uint8_t *codes, const float *scale, const float *zero, int64_t N, void *out, int out_bf16,
                int isa, int threads) {
     const int64_t nb = K / 32;
-    at::Tensor xq = at::empty({M, K}, at::TensorOptions().dtype(at::kChar));
-    at::Tensor dx = at::empty({M, nb}, at::TensorOptions().dtype(at::kFloat));
-    at::Tensor sx = at::empty({M, nb}, at::TensorOptions().dtype(at::kFloat));
-    at::Tensor xs8 = at::empty({M, nb}, at::TensorOptions().dtype(at::kInt));
-    quantize(x, x_bf16, M, K, (int8_t *)xq.data_ptr(), (float *)dx.data_ptr(), (float *)sx.data_ptr(),
-             (int32_t *)xs8.data_ptr());
+    // the quantized rows in this thread's scratch (no tensor: a call costs no allocation once it has grown)
+    thread_local std::vector<float> scratch;
+    const int64_t words = (M * K + 3) / 4 + 3 * M * nb;
+    if ((int64_t)scratch.size() < words) scratch.resize(words);
+    int8_t *xq = (int8_t *)scratch.data();
+    float *dx = scratch.data() + (M * K + 3) / 4, *sx = dx + M * nb;
+    int32_t *xs8 = (int32_t *)(sx + M * nb);
+    quantize(x, x_bf16, M, K, xq, dx, sx, xs8);
     const int64_t groups = N / 16, grain = threads ? 4 : groups;
     at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-        q4((const int8_t *)xq.data_ptr(), (const float *)dx.data_ptr(), (const float *)sx.data_ptr(),
-           (const int32_t *)xs8.data_ptr(), M, K, codes, scale, zero, N, out, out_bf16, g0, g1, isa);
+        q4(xq, dx, sx, xs8, M, K, codes, scale, zero, N, out, out_bf16, g0, g1, isa);
     });
     return 0;
 }
@@ -151,7 +158,7 @@ at::Tensor int4_mm(const Loop &m, const Linear &l, const at::Tensor &x) {
                                                             l.scale_zero);
         return m.bf16 ? y : y.to(at::kFloat);
     }
-    at::Tensor y = at::empty({x.size(0), l.n_out}, m.act);
+    at::Tensor y = fresh({x.size(0), l.n_out}, m.act);
     q4_threads(m.quantize, l.matmul, x.data_ptr(), m.bf16, x.size(0), l.n_in, l.codes, l.scale, l.zero, l.n_out,
                y.data_ptr(), m.bf16, l.isa, l.threads);
     return y;
@@ -160,8 +167,8 @@ at::Tensor int4_mm(const Loop &m, const Linear &l, const at::Tensor &x) {
 // (x + o, norm(x + o) * w); o undefined: (x, norm(x) * w)
 int add_norm(const Loop &m, at::Tensor &x, const at::Tensor &o, const float *w, at::Tensor &h) {
     int64_t N = x.size(0);
-    at::Tensor xo = o.defined() ? at::empty({N, m.dim}, m.act) : x;
-    h = at::empty({N, m.dim}, m.act);
+    at::Tensor xo = o.defined() ? fresh({N, m.dim}, m.act) : x;
+    h = fresh({N, m.dim}, m.act);
     int rc = m.norm(x.data_ptr(), o.defined() ? o.data_ptr() : nullptr, m.bf16, N, m.dim, w, (float)m.eps, xo.data_ptr(),
                     h.data_ptr());
     x = xo;
@@ -170,7 +177,7 @@ int add_norm(const Loop &m, at::Tensor &x, const at::Tensor &o, const float *w, 
 
 // a sandwich norm of a layer's output (decoder.Block._post_norm): attend.c's norm, nothing added
 int post_norm(const Loop &m, at::Tensor &o, const float *w) {
-    at::Tensor h = at::empty({o.size(0), m.dim}, m.act);
+    at::Tensor h = fresh({o.size(0), m.dim}, m.act);
     int rc = m.norm(o.data_ptr(), nullptr, m.bf16, o.size(0), m.dim, w, (float)m.eps, o.data_ptr(), h.data_ptr());
     o = h;
     return rc;
@@ -183,8 +190,8 @@ int run_layer(const Loop &m, int i, const specdec_plan &p, at::Tensor &x, at::Te
     if (rc) return rc;
     at::Tensor qkv = int4_mm(m, l.lin[WQKV], h);                               // [N, (nh + 2 nkv) hd]
     int64_t N = x.size(0);
-    at::Tensor a = at::empty({N, p.nh * p.hd}, m.act);
-    at::Tensor rows = at::empty({N, p.nh * p.hd}, at::TensorOptions().dtype(at::kFloat));   // roped queries
+    at::Tensor a = fresh({N, p.nh * p.hd}, m.act);
+    at::Tensor rows = fresh({N, p.nh * p.hd}, at::TensorOptions().dtype(at::kFloat));   // roped queries
     int64_t off = i * p.layer_bytes;
     const attend_call c = {qkv.data_ptr(), m.bf16, qkv.stride(0), p.cos, p.ssin, l.norm[Q_NORM], l.norm[K_NORM],
                            (float)m.eps, (float *)(p.k + off), (float *)(p.v + off), p.row_off, p.at, p.head_stride,
@@ -321,10 +328,10 @@ int specdec_loop_run(void *mp, int64_t first, int64_t last, const void *x, const
     try {
         if (first >= last) return -3;
         int64_t bytes = N * m.dim * (m.bf16 ? 2 : 4);
-        at::Tensor xs = at::empty({N, m.dim}, m.act), os;
+        at::Tensor xs = fresh({N, m.dim}, m.act), os;
         std::memcpy(xs.data_ptr(), x, bytes);
         if (o) {
-            os = at::empty({N, m.dim}, m.act);
+            os = fresh({N, m.dim}, m.act);
             std::memcpy(os.data_ptr(), o, bytes);
         }
         for (int64_t i = first; i < last; i++) {
