@@ -29,7 +29,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-import specdec  # noqa: F401  (applies $SPECDEC_ISA before torch computes)
+import specdec  # (applies $SPECDEC_ISA before torch computes)
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -182,6 +182,49 @@ def kernel_replay(model, run: "Run", repeats: int) -> tuple[float, dict[str, flo
     return (*rec.replay(repeats), len(rec.calls))
 
 
+class Timed:
+    """A callable whose calls' wall time adds up in `seconds`."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn, self.seconds = fn, 0.0
+        for name in ("max_rows", "dtype"):                            # what the decoder reads of a layer loop
+            if hasattr(fn, name):
+                setattr(self, name, getattr(fn, name))
+
+    def __call__(self, *args):
+        t = time.perf_counter()
+        try:
+            return self.fn(*args)
+        finally:
+            self.seconds += time.perf_counter() - t
+
+
+def engine_step(model: str, dtype: str, tokens: int, python_layers: bool) -> tuple[float, float, float]:
+    """Per decoding step of the engine itself (`none`, greedy, through `specdec.load`): the wall time, the time in
+    the layer loop and in the LM head (seconds). A generation of one token (the prompt's prefill and its first
+    token) is subtracted from one of 1 + `tokens`, twice, so the prefill does not count."""
+    gen = specdec.load(model, method="none", dtype=dtype, draft_policy="fixed")
+    target = gen.target
+    if python_layers:
+        target.loop = None
+    prompt = "Write a very long story about a dragon and a knight, with many chapters."
+    gen.generate(prompt, max_new_tokens=8)                                     # warm-up
+    loop = target.loop = Timed(target.loop) if target.loop is not None else None
+    head = target.lm_head = Timed(target.lm_head)
+    per = []
+    for _ in range(2):
+        runs = []
+        for n in (1, 1 + tokens):
+            before = (loop.seconds if loop else 0.0, head.seconds)
+            t = time.perf_counter()
+            gen.generate(prompt, max_new_tokens=n)
+            runs.append((time.perf_counter() - t, (loop.seconds if loop else 0.0) - before[0],
+                         head.seconds - before[1], len(gen.last_result.tokens)))
+        (w0, l0, h0, n0), (w1, l1, h1, n1) = runs
+        per.append(((w1 - w0) / (n1 - n0), (l1 - l0) / (n1 - n0), (h1 - h0) / (n1 - n0)))
+    return tuple(statistics.mean(v) for v in zip(*per))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", default="smollm2-135m")
@@ -193,6 +236,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12, help="most frequent ops to list")
     ap.add_argument("--head", choices=("chosen", "dense", "int4"), default="chosen",
                     help="the LM head kernel: the one chosen on this machine, or force one of the candidates")
+    ap.add_argument("--step-tokens", type=int, default=128,
+                    help="tokens of the engine's own decoding (`none`, greedy) timed per step (0: skip)")
     ap.add_argument("--python-layers", action="store_true",
                     help="run the layers from Python even where the native layer loop is available")
     a = ap.parse_args()
@@ -249,6 +294,14 @@ def main() -> None:
     print(f"profiler events per forward: {n_ops:.0f}; most frequent:")
     for name, c in ops.most_common(a.top):
         print(f"  {c / a.tokens:7.1f}  {name}")
+    if a.step_tokens > 0:
+        wall, loop, head = (1000 * v for v in engine_step(a.model, a.dtype, a.step_tokens, a.python_layers))
+        kernels = loop + head
+        print(f"a decoding step of the engine (`none`, greedy, {a.step_tokens} tokens after the README's prompt, "
+              f"prefill subtracted): {wall:.2f} ms per token; "
+              + (f"layer loop {loop:.2f} ms, LM head {head:.2f} ms, the rest (the engine's Python and ATen calls, the "
+                 f"forward's set-up) {wall - kernels:.2f} ms = {100 * (wall - kernels) / wall:.1f}% of the step"
+                 if loop else f"LM head {head:.2f} ms (the layers run from Python: not split further)"))
 
 
 if __name__ == "__main__":
