@@ -316,7 +316,10 @@ def test_eagle3_run_on_a_tiny_target_keeps_a_short_budget(tmp_path):
     assert len(list(tmp_path.glob("features3-magpie-000*.pt"))) == 3                    # one cache file per shard
     t = time.time()
     report = fit_eagle3(target, "tiny", rows, out, opts, tmp_path, random.Random(0), t)
-    assert time.time() - t < 5 + 3.0         # a tiny step takes milliseconds; the final validation and writing less than 3 s
+    # a tiny step takes milliseconds, the final validation and writing tens of them on an idle machine (5.03 s in
+    # all); a fresh clone's suite on 2 busy cores once took 9.3 s, so the bound leaves room for such a stall while
+    # still catching a budget that lets steps or reports run on
+    assert time.time() - t < 5 + 6.0
     assert report["steps"] > 0 and report["tokens_seen"] > 0
     curve = [json.loads(line) for line in out.with_suffix(".curve.jsonl").read_text().splitlines()]
     assert len(curve) >= 2 and curve[-1]["tokens"] == report["tokens_seen"]
