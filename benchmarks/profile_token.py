@@ -51,16 +51,24 @@ def labelled(fn: Callable, label: str) -> Callable:
     return run
 
 
-class LabelledLoop:
+class StandIn:
+    """A callable standing in for `fn` (a native layer loop, an LM head), with what the decoder reads of a layer
+    loop (its max_rows and dtype) where `fn` has it."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+        for name in ("max_rows", "dtype"):
+            if hasattr(fn, name):
+                setattr(self, name, getattr(fn, name))
+
+
+class LabelledLoop(StandIn):
     """A native layer loop whose calls are marked "layer loop" in the profile (the kernels it runs are not
     recorded by the profiler: they bypass the dispatcher)."""
 
-    def __init__(self, loop) -> None:
-        self.loop, self.max_rows, self.dtype = loop, loop.max_rows, loop.dtype
-
     def __call__(self, *args):
         with record_function("layer loop"):
-            return self.loop(*args)
+            return self.fn(*args)
 
 
 class Run:
@@ -182,14 +190,10 @@ def kernel_replay(model, run: "Run", repeats: int) -> tuple[float, dict[str, flo
     return (*rec.replay(repeats), len(rec.calls))
 
 
-class Timed:
-    """A callable whose calls' wall time adds up in `seconds`."""
+class Timed(StandIn):
+    """`fn`, its calls' wall time added up in `seconds`."""
 
-    def __init__(self, fn: Callable) -> None:
-        self.fn, self.seconds = fn, 0.0
-        for name in ("max_rows", "dtype"):                            # what the decoder reads of a layer loop
-            if hasattr(fn, name):
-                setattr(self, name, getattr(fn, name))
+    seconds = 0.0
 
     def __call__(self, *args):
         t = time.perf_counter()
