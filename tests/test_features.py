@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from helpers import tiny_model
-from specdec.models.decoder import rms_norm
 
 
 def _run(model, tokens, features=()):
@@ -24,7 +23,7 @@ def test_features_append_layer_outputs_and_leave_the_head_alone():
     assert torch.equal(wide[..., :H], plain)
     assert torch.equal(model.lm_head(wide), model.lm_head(plain))
     last = wide[..., 3 * H:]                                                # layer 3's output, before the final norm
-    assert torch.equal(rms_norm(last, model.norm, model.config.norm_eps), plain)
+    assert torch.equal(model.final_norm(last.reshape(-1, H)).view_as(last), plain)
     assert not torch.equal(wide[..., H:2 * H], wide[..., 2 * H:3 * H])      # different depths differ
 
 

@@ -260,3 +260,13 @@ def test_forward_slots_write_and_read_what_indexing_does(rows, lengths):
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
     for got, want in zip(slots.read(1), caches[1].read(1, r, 16, False)):
         assert torch.equal(got, want)
+
+
+def test_a_chains_mask_is_its_causal_tree_mask():
+    """The causal chain's visibility, built without a tree mask, is the one a lower-triangular tree mask gives."""
+    from specdec.models.decoder import CAUSAL, Transformer
+
+    lengths = torch.tensor([0, 5, 17])
+    for T in (1, 3, 6):
+        tril = torch.ones(T, T, dtype=torch.bool).tril().expand(3, T, T)
+        assert torch.equal(Transformer._mask(lengths, T, 32, CAUSAL), Transformer._mask(lengths, T, 32, tril))

@@ -353,3 +353,21 @@ def test_inverse_cdf_never_picks_a_token_without_mass():
     for total in (1e-3, 0.3, 1.0, 1.5, 3.3):
         probs = (torch.tensor([0.0, 0.4, 0.0, 0.6, 0.0, 0.0]) * total).expand(3, 6)
         assert sample(probs, u).tolist() == [1, 3, 3]
+
+
+def test_argmax_is_torchs_first_index_of_the_largest():
+    """numpy's vectorised argmax stands in for torch's on float32 CPU rows: the same index on ties, infinities and
+    NaN (the first NaN wins), for any leading shape; other dtypes go to torch."""
+    nan, inf = float("nan"), float("inf")
+    rows = torch.tensor([[1., 3., nan, 3., nan], [-inf] * 5, [2., 5., 5., inf, inf], [0., -0., 0., 1., 1.],
+                         [-1., -1., -1., -1., -1.]])
+    assert torch.equal(sampling_module.argmax(rows), rows.argmax(-1))
+    logits = torch.randn(3, 4, 49152, generator=torch.Generator().manual_seed(3))
+    logits[1, 2, 7] = logits[1, 2, 9] = logits[1, 2].max() + 1                 # a tie: the first index
+    got = sampling_module.argmax(logits)
+    assert got.dtype == torch.long and got.shape == (3, 4) and torch.equal(got, logits.argmax(-1))
+    assert int(got[1, 2]) == 7
+    assert torch.equal(sampling_module.argmax(logits[:, 1:3, ::2]), logits[:, 1:3, ::2].argmax(-1))   # strided
+    assert torch.equal(sampling_module.argmax(logits[0, 0]), logits[0, 0].argmax(-1))
+    half = logits.bfloat16()
+    assert torch.equal(sampling_module.argmax(half), half.argmax(-1))

@@ -32,7 +32,10 @@ class KVCache:
 
     def check_room(self, rows: Tensor, t: int) -> None:
         """Raise if writing `t` scratch rows would run past the cache."""
-        need = int(self.lengths[rows].max()) + t
+        self.check_fits(int(self.lengths[rows].max()) + t)
+
+    def check_fits(self, need: int) -> None:
+        """Raise if `need` slots of a row run past the cache."""
         if need > self.slots:
             raise SpecdecError(f"context full: {need} tokens needed, the cache holds {self.slots}")
 
@@ -82,6 +85,11 @@ class KVCache:
                 for buf in (self.k, self.v):
                     # advanced indices around a slice: the indexed view is [B, T, L, n_kv, hd]
                     buf.permute(1, 3, 0, 2, 4)[r, dst] = buf.permute(1, 3, 0, 2, 4)[r, src]
+        self.lengths[rows] += num_keep
+
+    def advance(self, rows: Tensor, num_keep: Tensor) -> None:
+        """Keep the first num_keep [B] scratch rows of `rows` where they are (a chain's accepted prefix):
+        `commit` of an identity path, without looking at it."""
         self.lengths[rows] += num_keep
 
     def span(self, row: int, start: int, end: int) -> tuple[Tensor, Tensor]:

@@ -122,6 +122,7 @@ class Engine:
         self.prefilled_last = False                                            # the last step prefilled
         self.rows = 0
         self.slots = 0
+        self._last_batch: tuple[list[SequenceState], ActiveBatch] = ([], self._new_batch([]))
 
     # ---- capacity -----------------------------------------------------------------
     def allocate(self, rows: int, slots: int) -> None:
@@ -219,6 +220,15 @@ class Engine:
         return events
 
     def _batch(self, seqs: list[SequenceState]) -> ActiveBatch:
+        """The proposer's view of `seqs`; the last one again while the same sequences decode (their token
+        lists grow in place), as building it takes a handful of tensors."""
+        if self._last_batch[0] == seqs:
+            return self._last_batch[1]
+        batch = self._new_batch(seqs)
+        self._last_batch = (list(seqs), batch)
+        return batch
+
+    def _new_batch(self, seqs: list[SequenceState]) -> ActiveBatch:
         dev = self.target.device
         return ActiveBatch(torch.tensor([s.row for s in seqs], device=dev), [s.tokens for s in seqs],
                            BatchSampling.of([s.request.sampling for s in seqs], dev),
@@ -327,18 +337,21 @@ class Engine:
         t1 = time.perf_counter()
         scored = self._score(batch, draft, pending)
         verdict = self._verify(batch, draft, pending, scored)
-        first_new = self._commit(seqs, batch, verdict)
-        self._note_logprobs(seqs, scored.logits, verdict.path, verdict.num_new.tolist())
+        num_new = verdict.num_new.tolist()                                       # [B] as Python ints, once
+        first_new = self._commit(seqs, batch, draft, verdict, num_new)
+        self._note_logprobs(seqs, scored.logits, verdict.path, num_new)
         t2 = time.perf_counter()
         self.proposer.commit(batch, verdict, scored.hidden)
-        self.predictions.commit([s.row for s in seqs], [s.generated for s in seqs], verdict.num_new.tolist(),
-                                draft.offered().masked_fill(~draft.predicted, 0).tolist())
+        if self.predictions:
+            self.predictions.commit([s.row for s in seqs], [s.generated for s in seqs], num_new,
+                                    draft.offered().masked_fill(~draft.predicted, 0).tolist())
         t3 = time.perf_counter()
-        self._record(seqs, draft, verdict, t1 - t0 + t3 - t2, t2 - t1)
+        self._record(seqs, draft, verdict, num_new, t1 - t0 + t3 - t2, t2 - t1)
+        lengths = self.cache.lengths.tolist()
         for s, first in zip(seqs, first_new):
             self._check_end(s, first)
             if not s.done:
-                assert int(self.cache.lengths[s.row]) == len(s.tokens) - 1, "target cache out of step with tokens"
+                assert lengths[s.row] == len(s.tokens) - 1, "target cache out of step with tokens"
 
     def _propose(self, seqs: list[SequenceState], batch: ActiveBatch, k: int) -> Draft:
         """The batch drafts k tokens, as the policy asked (rows with a prediction: from it); each row keeps
@@ -349,10 +362,11 @@ class Engine:
         room = min(self._room(s) for s in seqs)
         k = max(0, min(k, room))
         conts = self.predictions.continuations([s.row for s in seqs], min(PREDICTION_DRAFT_TOKENS, room))
-        draft = Draft.empty(B, dev)
         if k and not all(conts):
             draft = self.proposer.propose(batch, k)
             check_draft(draft, B, k, self.target.vocab_size)            # what the verifier trusts
+        else:
+            draft = Draft.empty(B, dev)
         draft = with_predictions(draft, conts)
         if draft.tokens.shape[1] == 0:
             return draft
@@ -365,7 +379,7 @@ class Engine:
         its ancestor mask, every node at the position of its depth."""
         B, K = draft.tokens.shape
         if draft.is_chain:
-            nodes = torch.cat([pending[:, None], draft.tokens], 1)                      # [B, K+1]
+            nodes = torch.cat([pending[:, None], draft.tokens], 1) if K else pending[:, None]   # [B, K+1]
             depth = torch.arange(K + 1, device=pending.device).expand(B, K + 1)
             mask = None                                                                   # causal
         else:
@@ -388,7 +402,7 @@ class Engine:
         rejection, so nothing this step commits or reports (tokens, accepted counts) depended on them,
         and they are as fresh next step as if never computed. Sampled drafts are drawn afresh at every
         step (sampling.step_seeds), so the same holds for the draws behind them."""
-        if draft.is_chain and bool((batch.sampling.temperature <= 0).all()) and not bool(draft.sampled.any()):
+        if draft.is_chain and batch.sampling.greedy and not bool(draft.sampled.any()):
             return verify_greedy(draft.tokens, scored.logits)      # no distribution nor uniform needed
         probs = to_probs(scored.logits, batch.sampling)                                     # [B, N, V]
         u_target = position_uniforms(batch.seeds, scored.positions + 1, Stream.TARGET)          # [B, N]
@@ -397,12 +411,16 @@ class Engine:
         u_accept = position_uniforms(batch.seeds, scored.positions[:, :-1] + 1, Stream.ACCEPT)  # [B, K]
         return verify(draft, probs, u_target, u_accept)
 
-    def _commit(self, seqs: list[SequenceState], batch: ActiveBatch, verdict: Verdict) -> list[int]:
-        """The target's cache keeps the committed path's rows; the sequences take the new tokens (where
-        each one's new tokens start is returned)."""
-        self.cache.commit(batch.rows, verdict.path, verdict.num_new)
+    def _commit(self, seqs: list[SequenceState], batch: ActiveBatch, draft: Draft, verdict: Verdict,
+                num_new: list[int]) -> list[int]:
+        """The target's cache keeps the committed path's rows (a chain's: its scratch prefix, already in place);
+        the sequences take their num_new new tokens (where each one's new tokens start is returned)."""
+        if draft.is_chain:
+            self.cache.advance(batch.rows, verdict.num_new)
+        else:
+            self.cache.commit(batch.rows, verdict.path, verdict.num_new)
         first_new = [len(s.tokens) for s in seqs]
-        for s, tokens, n in zip(seqs, verdict.tokens.tolist(), verdict.num_new.tolist()):
+        for s, tokens, n in zip(seqs, verdict.tokens.tolist(), num_new):
             s.tokens.extend(tokens[:n])
         return first_new
 
@@ -424,12 +442,12 @@ class Engine:
                 rows = logits[b, path[b, :n]]                                              # [n, V]
                 s.logprobs += token_logprobs(rows, s.tokens[-n:], s.request.top_logprobs)
 
-    def _record(self, seqs: list[SequenceState], draft: Draft, verdict: Verdict, draft_s: float,
-                target_s: float) -> None:
+    def _record(self, seqs: list[SequenceState], draft: Draft, verdict: Verdict, num_new: list[int],
+                draft_s: float, target_s: float) -> None:
         """Each sequence's counters and the draft-length policy learn the step's outcome."""
         offered = draft.offered()                                                          # [B]
         predicted = (draft.predicted & (offered > 0)).tolist()
-        for s, valid, n, pred in zip(seqs, offered.tolist(), verdict.num_new.tolist(), predicted):
+        for s, valid, n, pred in zip(seqs, offered.tolist(), num_new, predicted):
             s.counters.record_step(valid, n - 1, n, pred)
             s.counters.draft_seconds += draft_s
             s.counters.target_seconds += target_s

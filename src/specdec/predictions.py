@@ -76,6 +76,10 @@ class Predictions:
     def reset(self) -> None:
         self.index = {}
 
+    def __bool__(self) -> bool:
+        """Whether any sequence has a prediction."""
+        return bool(self.index)
+
     def start(self, rows: list[int], predictions: list[tuple[int, ...]], outputs: list[list[int]]) -> None:
         """New sequences in `rows`, with their predictions (empty: none) and outputs so far (the first token)."""
         for r, p, out in zip(rows, predictions, outputs):

@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from .errors import SpecdecError
-from .sampling import row_total, sample
+from .sampling import argmax, row_total, sample
 from .tree import PAD, TokenTree
 
 ROOT = -1                 # Draft.parents: the draft hangs from the pending token (the tree's root)
@@ -93,13 +93,14 @@ class Draft:
             raise ValueError(f"Draft.tokens must be a [B, K] tensor, got {getattr(self.tokens, 'shape', self.tokens)!r}")
         B, K = self.tokens.shape
         chain = chain_parents(B, K, self.tokens.device)
-        if self.parents is None:
+        given = self.parents is not None                        # not given: a chain, nothing to compare
+        if not given:
             object.__setattr__(self, "parents", chain)
         if self.predicted is None:
             object.__setattr__(self, "predicted", torch.zeros(B, dtype=torch.bool, device=self.tokens.device))
         if self.sampled is None:
             object.__setattr__(self, "sampled", torch.full((B,), self.probs is not None, device=self.tokens.device))
-        object.__setattr__(self, "is_chain", torch.equal(self.parents, chain))
+        object.__setattr__(self, "is_chain", not given or torch.equal(self.parents, chain))
         if self.probs is not None and not self.is_chain:
             raise ValueError("sampled drafts (with the proposer's q) must be a chain")
         if self.reuse is not None and (not self.is_chain or self.reuse.hidden.shape[1] != K + 1):
@@ -179,6 +180,8 @@ def check_draft(draft: object, batch: int, k: int, vocab: int) -> None:
     if t.dtype != torch.long or t.shape[0] != batch:
         raise broke(f"draft tokens must be long [{batch}, K], got {str(t.dtype).removeprefix('torch.')} {list(t.shape)}")
     K = t.shape[1]
+    if K == 0 and draft.parents.shape == t.shape:
+        return                                                                        # no drafts: nothing to trust
     real = t != PAD                                                                   # [B, K]
     wrong = t[real & ((t < 0) | (t >= vocab))]
     if wrong.numel():
@@ -220,7 +223,7 @@ class Verdict:
     target_tokens: Tensor            # [B, N] the target's own token after every scored row (drawn with that
                                      # position's uniform; greedy: its argmax), for Jacobi-style proposers
 
-    @property
+    @cached_property
     def num_new(self) -> Tensor:     # [B] tokens committed this step
         return self.num_accepted + 1
 
@@ -251,12 +254,14 @@ def verify_point_masses(x: Tensor, p: Tensor, u_target: Tensor) -> Verdict:
 def verify_greedy(x: Tensor, logits: Tensor) -> Verdict:
     """verify_point_masses for rows that all decode greedily, from their logits [B, K+1, V]: the target's token
     is the argmax (the first index on ties), which is what sampling its one-hot gives for any uniform."""
-    return _follow(x, logits.argmax(-1))
+    return _follow(x, argmax(logits))
 
 
 def _follow(x: Tensor, y: Tensor) -> Verdict:
     """Drafts x [B, K] followed while they equal the target's tokens y [B, K+1]."""
     K = x.shape[1]
+    if K == 0:                                                                  # plain decoding: y is the new token
+        return Verdict(torch.zeros_like(y[:, 0]), y, torch.zeros_like(y), y)
     follows = (x != PAD) & (x == y[:, :K])                                      # [B, K]
     num_accepted = follows.long().cumprod(-1).sum(-1)                           # [B]
     return _chain_verdict(y, num_accepted, y)

@@ -35,6 +35,11 @@ def _float(x: Tensor) -> Tensor:
     return x if x.dtype == torch.float32 else x.float()
 
 
+def _dense(x: Tensor) -> Tensor:
+    """x contiguous, without an ATen call where it is already."""
+    return x if x.is_contiguous() else x.contiguous()
+
+
 def rope_tables(head_dim: int, base: float, max_len: int, scale: float = 1.0,
                 freq_factors: tuple[float, ...] = ()) -> tuple[Tensor, Tensor]:
     """cos, sin [max_len, head_dim] in float32 on the CPU (NeoX layout: the two halves share angles); angle
@@ -82,6 +87,7 @@ def float32_prefill_pays(dtype: torch.dtype, device: torch.device) -> bool:
 LINEARS = ("wqkv", "wo", "w13", "w2")
 NO_NORM = torch.empty(0)                  # no q / k norm (Llama)
 NO_OUTPUT = torch.empty(0)                # a layer's input with nothing left to add (the first layer's)
+CAUSAL = torch.empty(0, 0, 0, dtype=torch.bool)  # a forward's tree mask for a causal chain (each row sees those before it)
 
 
 def cfg_dtype_name(dtype: torch.dtype) -> str:
@@ -255,7 +261,16 @@ class Transformer(nn.Module):
     def lm_head(self, hidden: Tensor) -> Tensor:
         """hidden [..., H] (or a forward's wider output with `features`) -> float32 logits [..., V]."""
         w = self.output if self.output.numel() else self.embed
-        return linear(hidden[..., :self.config.dim], w, self.packed, "lm_head").float()
+        if hidden.shape[-1] != self.config.dim:
+            hidden = hidden[..., :self.config.dim]
+        return _float(linear(hidden, w, self.packed, "lm_head"))
+
+    def final_norm(self, x: Tensor, o: Tensor = NO_OUTPUT) -> Tensor:
+        """The final RMSNorm of the residual stream x [N, D] after the last layer's output o [N, D] (empty: nothing
+        to add): in one native call where the layers' norms are native, else torch's add and norm."""
+        if native.available(x.device) and x.dtype in native.DTYPES and (not o.numel() or o.dtype == x.dtype):
+            return native.add_rms_norm(_dense(x), _dense(o), _float(self.norm), self.config.norm_eps)[1]
+        return rms_norm(x + o if o.numel() else x, self.norm, self.config.norm_eps)
 
     def check_features(self, layers: tuple[int, ...]) -> tuple[int, ...]:
         """`layers` (0-based) if this model has them: a forward's `features` argument."""
@@ -324,9 +339,7 @@ class Transformer(nn.Module):
         depend only on the tokens up to it: not on G, nor on how a prompt is cut into pieces of up to
         INVARIANT_MAX_T tokens; they may differ in the last place from forward's, as a narrow model's
         linears run on float32 copies here where that is faster (see float32_prefill_pays)."""
-        B, T = positions.shape
-        causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril().expand(B, T, T)
-        return self._forward(self.embed_tokens(tokens), positions, cache, rows, causal, tree=False, prefill=True,
+        return self._forward(self.embed_tokens(tokens), positions, cache, rows, CAUSAL, tree=False, prefill=True,
                              features=features)
 
     def forward_reusing(self, reuse: "Reuse", positions: Tensor, cache: KVCache, rows: Tensor,
@@ -335,12 +348,10 @@ class Transformer(nn.Module):
         self-speculative draft running this model's own layers): their keys and values go into the scratch
         slots, and layers N.. run from the given residual stream. Row-invariant kernels make the result the
         bits forward would give (tests/test_self.py)."""
-        B, T = positions.shape
-        cache.check_room(rows, T)
+        cache.check_room(rows, positions.shape[1])
         for i in range(reuse.layers):
             cache.write(i, rows, reuse.k[i], reuse.v[i])
-        causal = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril().expand(B, T, T)
-        return self._forward(reuse.hidden, positions, cache, rows, causal, tree=False, prefill=False,
+        return self._forward(reuse.hidden, positions, cache, rows, CAUSAL, tree=False, prefill=False,
                              features=features, first_layer=reuse.layers)
 
     def forward_embeds(self, x: Tensor, positions: Tensor, cache: KVCache, rows: Tensor,
@@ -350,23 +361,23 @@ class Transformer(nn.Module):
 
         exact_tree=False skips the per-node tails of a token tree (faster; for drafters, whose
         bits never reach the output: the same q drafts and is verified against)."""
-        B, T = positions.shape
         if tree_mask is None:
-            return self._forward(x, positions, cache, rows, torch.ones(T, T, dtype=torch.bool, device=x.device)
-                                 .tril().expand(B, T, T), tree=False, prefill=False, features=features)
-        return self._forward(x, positions, cache, rows, tree_mask, tree=exact_tree and T <= INVARIANT_MAX_T,
+            return self._forward(x, positions, cache, rows, CAUSAL, tree=False, prefill=False, features=features)
+        return self._forward(x, positions, cache, rows, tree_mask, tree=exact_tree and positions.shape[1] <= INVARIANT_MAX_T,
                              prefill=False, features=features)
 
     def _forward(self, x: Tensor, positions: Tensor, cache: KVCache, rows: Tensor, tree_mask: Tensor,
                  *, tree: bool, prefill: bool, features: tuple[int, ...], first_layer: int = 0) -> Tensor:
-        """tree: scratch slots are not positions (a token tree), so tails are gathered by position;
+        """tree_mask [B, T, T]: who sees whom among the forward's rows (CAUSAL: a chain at the scratch slots);
+        tree: scratch slots are not positions (a token tree), so tails are gathered by position;
         prefill: a prompt piece (through the prefill kernels: float32 copies, or dense weights in q4)."""
         B, T = positions.shape
         self.check_features(features)
-        cache.check_room(rows, T)
         lengths = cache.lengths[rows]                                          # [B]
-        kv_len = -(-(int(lengths.max()) + T) // KV_BLOCK) * KV_BLOCK          # whole key blocks
-        visible, kpos = self._mask(lengths, positions, T, kv_len, tree_mask)
+        need = int(lengths.max()) + T
+        cache.check_fits(need)
+        kv_len = -(-need // KV_BLOCK) * KV_BLOCK                               # whole key blocks
+        visible = self._mask(lengths, T, kv_len, tree_mask)
         nkv, nh = self.config.n_kv_heads, self.config.n_heads
         slots, tvis = torch.empty(0, dtype=torch.long), torch.empty(0)
         use_native = T <= INVARIANT_MAX_T and native.available(x.device)
@@ -378,6 +389,7 @@ class Transformer(nn.Module):
         cos, sin = _float(self.cos[positions])[:, None], _float(self.sin_signed[positions])[:, None]  # [B, 1, T, hd]
         if self.config.sliding_window > 0:
             lcos, lsin = _float(self.lcos[positions])[:, None], _float(self.lsin_signed[positions])[:, None]
+            kpos = self._key_positions(lengths, positions, kv_len)
             window = positions[:, None, :, None] - kpos[:, :, None, :] < self.config.sliding_window
             if tree:
                 vpos = tail[:, None, None] + torch.arange(tvis.shape[-1], device=x.device)
@@ -414,8 +426,7 @@ class Transformer(nn.Module):
                 x, o = layer(x, o, cos, sin, mask, where, prefill)
             if i in features:
                 taken[i] = x + o
-        x = x + o if o.numel() else x
-        out = rms_norm(x, self.norm, self.config.norm_eps).view(B, T, D)
+        out = self.final_norm(x, o).view(B, T, D)
         if not features:
             return out
         # layers a caller ran itself (forward_reusing) have no output here: zeros
@@ -448,18 +459,28 @@ class Transformer(nn.Module):
         return slots, visible, tail
 
     @staticmethod
-    def _mask(lengths: Tensor, positions: Tensor, T: int, kv_len: int,
-              tree_mask: Tensor) -> tuple[Tensor, Tensor]:
-        """Visibility [B, 1, T, kv_len] (True = attend) and key positions [B, 1, kv_len]."""
+    def _mask(lengths: Tensor, T: int, kv_len: int, tree_mask: Tensor) -> Tensor:
+        """Visibility [B, 1, T, kv_len] (True = attend): every committed key, and of the T scratch slots after them
+        what tree_mask [B, T, T] allows (CAUSAL: a chain's row t sees the scratch slots up to its own)."""
         B = lengths.shape[0]
         dev = lengths.device
         j = torch.arange(kv_len, device=dev)
+        if tree_mask is CAUSAL:
+            return (j < (lengths[:, None] + torch.arange(1, T + 1, device=dev))[:, :, None])[:, None]
         mask = (j[None, None, :] < lengths[:, None, None]).expand(B, T, kv_len).clone()
         scratch = lengths[:, None] + torch.arange(T, device=dev)               # [B, T]
         mask.scatter_(2, scratch[:, None, :].expand(B, T, T), tree_mask)
-        kpos = j.expand(B, kv_len).clone()
+        return mask[:, None]
+
+    @staticmethod
+    def _key_positions(lengths: Tensor, positions: Tensor, kv_len: int) -> Tensor:
+        """[B, 1, kv_len] the position of each key slot: a committed slot's index, the forward's positions
+        [B, T] at its scratch slots."""
+        B, T = positions.shape
+        scratch = lengths[:, None] + torch.arange(T, device=lengths.device)   # [B, T]
+        kpos = torch.arange(kv_len, device=lengths.device).expand(B, kv_len).clone()
         kpos.scatter_(1, scratch, positions)
-        return mask[:, None], kpos[:, None]
+        return kpos[:, None]
 
 
 def truncated(model: Transformer, n_layers: int) -> Transformer:

@@ -18,7 +18,7 @@ from torch import Tensor
 from ..errors import SpecdecError
 from ..models.base import CausalLM
 from ..models.tokenizer import Tokenizer
-from ..sampling import Stream, position_uniforms, sample, step_seeds, to_probs
+from ..sampling import Stream, argmax, position_uniforms, sample, step_seeds, to_probs
 from ..tree import PAD
 from ..verify import Draft, Verdict
 from .base import ActiveBatch
@@ -184,7 +184,7 @@ class CrossVocabProposer:
                 x = sample(q, u[:, i])
                 qs.append(target_probs(q, self.d2t, self.allowed, self.map.target_vocab))
             else:
-                x = logits.argmax(-1)
+                x = argmax(logits)
             tokens[:, i] = self.d2t[x]
             if i < k - 1:
                 logits = self._step(x[:, None], rows, torch.ones(B, dtype=torch.long, device=dev))

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ..models.attention import INVARIANT_MAX_T
 from ..models.base import CausalLM
-from ..sampling import Stream, position_uniforms, sample, step_seeds, to_probs
+from ..sampling import Stream, argmax, position_uniforms, sample, step_seeds, to_probs
 from ..tree import PAD
 from ..verify import Draft, Verdict
 from .base import ActiveBatch
@@ -88,7 +88,7 @@ class DraftModelProposer:
                 qs.append(to_probs(logits[:, None], batch.sampling)[:, 0])      # [B, V]; greedy rows: one-hot
                 x = sample(qs[-1], u[:, i])
             else:
-                x = logits.argmax(-1)
+                x = argmax(logits)
             if i > 0 and self.min_confidence > 0:
                 conf = torch.softmax(logits.float(), -1).amax(-1)               # [B] rows drafting greedily
                 if sampled:
