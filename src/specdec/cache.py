@@ -64,7 +64,7 @@ class KVCache:
 
     def slots_of(self, rows: Tensor, t: int, kv_len: int) -> "ForwardSlots":
         """Where a forward of `t` tokens per row of `rows` [B] writes and reads, for every layer."""
-        return ForwardSlots(self, rows, t, kv_len)
+        return ForwardSlots(self, rows, t, kv_len, self.lengths[rows].tolist())
 
     def commit(self, rows: Tensor, keep: Tensor, num_keep: Tensor) -> None:
         """Keep scratch rows `keep` [B, T] (the first num_keep[b] of them; later entries, PAD among them,
@@ -130,11 +130,11 @@ class ForwardSlots:
     and a forward makes two writes and two reads per layer, so the fast forms matter when decoding.
     """
 
-    def __init__(self, cache: KVCache, rows: Tensor, t: int, kv_len: int) -> None:
+    def __init__(self, cache: KVCache, rows: Tensor, t: int, kv_len: int, at: list[int]) -> None:
+        """at: the committed length of each row of `rows` [B] (where its scratch slots start)."""
         self.cache, self.rows, self.t, self.kv_len = cache, rows, t, kv_len
         ids = rows.tolist()
         self.contiguous = ids == list(range(ids[0], ids[0] + len(ids)))
-        at = cache.lengths[rows].tolist()
         self.even = self.contiguous and len(set(at)) == 1
         _, R, n_kv, S, hd = cache.k.shape
         B = len(ids)
@@ -143,7 +143,7 @@ class ForwardSlots:
         self._layer = R * n_kv * S * hd                                        # elements per layer
         self._first = ids[0] * n_kv * S * hd                                   # offset of the first row
         self._at = at[0] * hd
-        self.row_off = rows.to(torch.int64) * (n_kv * S * hd)                   # [B] each row's offset in a layer
+        self.row_off = torch.tensor([r * n_kv * S * hd for r in ids], dtype=torch.int64, device=rows.device)   # [B] each row's offset in a layer
         self.at = torch.tensor(at, dtype=torch.int64)                         # [B] each row's first scratch slot
 
     def write(self, layer: int, k: Tensor, v: Tensor) -> None:

@@ -389,7 +389,7 @@ class Engine:
         if draft.reuse is not None:                       # the proposer ran the target's first layers already
             hidden = self.target.forward_reusing(draft.reuse, positions, self.cache, batch.rows, self.features)
         else:
-            hidden = self.target(nodes.clamp(min=0), positions, self.cache, batch.rows, mask, self.features)  # [B, N, H']
+            hidden = self.target(nodes.clamp(min=0) if K else nodes, positions, self.cache, batch.rows, mask, self.features)  # [B, N, H']
         return Scored(hidden, self.target.lm_head(hidden), positions)
 
     def _verify(self, batch: ActiveBatch, draft: Draft, pending: Tensor, scored: Scored) -> Verdict:
@@ -402,7 +402,7 @@ class Engine:
         rejection, so nothing this step commits or reports (tokens, accepted counts) depended on them,
         and they are as fresh next step as if never computed. Sampled drafts are drawn afresh at every
         step (sampling.step_seeds), so the same holds for the draws behind them."""
-        if draft.is_chain and batch.sampling.greedy and not bool(draft.sampled.any()):
+        if draft.is_chain and batch.sampling.greedy and (draft.probs is None or not bool(draft.sampled.any())):
             return verify_greedy(draft.tokens, scored.logits)      # no distribution nor uniform needed
         probs = to_probs(scored.logits, batch.sampling)                                     # [B, N, V]
         u_target = position_uniforms(batch.seeds, scored.positions + 1, Stream.TARGET)          # [B, N]

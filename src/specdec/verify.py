@@ -40,7 +40,7 @@ building the tree, token-identical to plain decoding when sampling too.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import torch
 from torch import Tensor
@@ -108,8 +108,8 @@ class Draft:
 
     @staticmethod
     def empty(batch: int, device: torch.device | str) -> "Draft":
-        """No drafts: a plain step."""
-        return Draft(torch.empty(batch, 0, dtype=torch.long, device=device))
+        """No drafts: a plain step (one shared instance per batch size and device: a Draft is never changed)."""
+        return _empty_draft(batch, torch.device(device))
 
     @cached_property
     def depth(self) -> Tensor:
@@ -164,6 +164,11 @@ class Draft:
         parents = torch.where(self.tokens != PAD, self.parents + 1, torch.full_like(self.parents, PAD))
         root = torch.full_like(pending[:, None], PAD)
         return TokenTree(torch.cat([pending[:, None], self.tokens], 1), torch.cat([root, parents], 1))
+
+
+@lru_cache(maxsize=64)
+def _empty_draft(batch: int, device: torch.device) -> Draft:
+    return Draft(torch.empty(batch, 0, dtype=torch.long, device=device))
 
 
 def check_draft(draft: object, batch: int, k: int, vocab: int) -> None:

@@ -87,6 +87,7 @@ def float32_prefill_pays(dtype: torch.dtype, device: torch.device) -> bool:
 LINEARS = ("wqkv", "wo", "w13", "w2")
 NO_NORM = torch.empty(0)                  # no q / k norm (Llama)
 NO_OUTPUT = torch.empty(0)                # a layer's input with nothing left to add (the first layer's)
+NO_TREE_SLOTS, NO_TREE_VISIBLE = torch.empty(0, dtype=torch.long), torch.empty(0)   # a forward without tree tails
 CAUSAL = torch.empty(0, 0, 0, dtype=torch.bool)  # a forward's tree mask for a causal chain (each row sees those before it)
 
 
@@ -374,12 +375,13 @@ class Transformer(nn.Module):
         B, T = positions.shape
         self.check_features(features)
         lengths = cache.lengths[rows]                                          # [B]
-        need = int(lengths.max()) + T
+        at = lengths.tolist()                                                  # each row's first scratch slot
+        need = max(at) + T
         cache.check_fits(need)
         kv_len = -(-need // KV_BLOCK) * KV_BLOCK                               # whole key blocks
         visible = self._mask(lengths, T, kv_len, tree_mask)
         nkv, nh = self.config.n_kv_heads, self.config.n_heads
-        slots, tvis = torch.empty(0, dtype=torch.long), torch.empty(0)
+        slots, tvis = NO_TREE_SLOTS, NO_TREE_VISIBLE
         use_native = T <= INVARIANT_MAX_T and native.available(x.device)
         tree = tree and not use_native                                         # the native kernel needs no tails
         if tree:
@@ -395,7 +397,7 @@ class Transformer(nn.Module):
                 vpos = tail[:, None, None] + torch.arange(tvis.shape[-1], device=x.device)
                 tvis = tvis & (positions[:, :, None] - vpos < self.config.sliding_window)
             local = AttentionMask(visible & window, nkv, nh, slots, tvis, native=use_native)
-        where = cache.slots_of(rows, T, kv_len)
+        where = ForwardSlots(cache, rows, T, kv_len, at)
         if use_native:                                                         # checked once, used by every layer
             nh, scale = self.config.n_heads, self.config.scale
             mask.attend = native.Attend(cos, sin, cache.k, cache.v, where, mask.mask[:, 0], nh, scale)
