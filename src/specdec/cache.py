@@ -89,8 +89,8 @@ class KVCache:
 
     def advance(self, rows: Tensor, num_keep: Tensor) -> None:
         """Keep the first num_keep [B] scratch rows of `rows` where they are (a chain's accepted prefix):
-        `commit` of an identity path, without looking at it."""
-        self.lengths[rows] += num_keep
+        `commit` of an identity path, without looking at it (`rows` distinct)."""
+        self.lengths.index_add_(0, rows, num_keep)
 
     def span(self, row: int, start: int, end: int) -> tuple[Tensor, Tensor]:
         """Copies of k, v [L, n_kv, end - start, hd] at committed slots start..end of `row`."""
@@ -143,7 +143,8 @@ class ForwardSlots:
         self._layer = R * n_kv * S * hd                                        # elements per layer
         self._first = ids[0] * n_kv * S * hd                                   # offset of the first row
         self._at = at[0] * hd
-        self.row_off = torch.tensor([r * n_kv * S * hd for r in ids], dtype=torch.int64, device=rows.device)   # [B] each row's offset in a layer
+        self.row_off = torch.tensor([r * n_kv * S * hd for r in ids], dtype=torch.int64,
+                                    device=rows.device)                     # [B] each row's offset in a layer
         self.at = torch.tensor(at, dtype=torch.int64)                         # [B] each row's first scratch slot
 
     def write(self, layer: int, k: Tensor, v: Tensor) -> None:

@@ -380,7 +380,7 @@ class Engine:
         B, K = draft.tokens.shape
         if draft.is_chain:
             nodes = torch.cat([pending[:, None], draft.tokens], 1) if K else pending[:, None]   # [B, K+1]
-            depth = torch.arange(K + 1, device=pending.device).expand(B, K + 1)
+            depth = torch.arange(K + 1, device=pending.device)                          # [K+1] every row's
             mask = None                                                                   # causal
         else:
             tree = draft.tree(pending)
@@ -389,7 +389,8 @@ class Engine:
         if draft.reuse is not None:                       # the proposer ran the target's first layers already
             hidden = self.target.forward_reusing(draft.reuse, positions, self.cache, batch.rows, self.features)
         else:
-            hidden = self.target(nodes.clamp(min=0) if K else nodes, positions, self.cache, batch.rows, mask, self.features)  # [B, N, H']
+            ids = nodes.clamp(min=0) if K else nodes                                     # PAD drafts score as 0
+            hidden = self.target(ids, positions, self.cache, batch.rows, mask, self.features)  # [B, N, H']
         return Scored(hidden, self.target.lm_head(hidden), positions)
 
     def _verify(self, batch: ActiveBatch, draft: Draft, pending: Tensor, scored: Scored) -> Verdict:
@@ -446,8 +447,9 @@ class Engine:
                 draft_s: float, target_s: float) -> None:
         """Each sequence's counters and the draft-length policy learn the step's outcome."""
         offered = draft.offered()                                                          # [B]
-        predicted = (draft.predicted & (offered > 0)).tolist()
-        for s, valid, n, pred in zip(seqs, offered.tolist(), num_new, predicted):
+        offered_n = offered.tolist()
+        predicted = [p and v > 0 for p, v in zip(draft.predicted.tolist(), offered_n)]
+        for s, valid, n, pred in zip(seqs, offered_n, num_new, predicted):
             s.counters.record_step(valid, n - 1, n, pred)
             s.counters.draft_seconds += draft_s
             s.counters.target_seconds += target_s

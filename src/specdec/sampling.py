@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
-from functools import cached_property
 
 import numpy as np
 import torch
@@ -95,6 +94,10 @@ class BatchSampling:
     temperature: Tensor   # [B] float32, 0 = greedy
     top_k: Tensor         # [B] long, 0 = off
     top_p: Tensor         # [B] float32
+    greedy: bool = field(init=False)   # every row decodes greedily
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "greedy", bool((self.temperature <= 0).all()))
 
     @staticmethod
     def of(params: list[SamplingParams], device: torch.device | str = "cpu") -> "BatchSampling":
@@ -103,11 +106,6 @@ class BatchSampling:
             torch.tensor([min(p.top_k, TOP_K_ALL) for p in params], dtype=torch.long, device=device),
             torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
         )
-
-    @cached_property
-    def greedy(self) -> bool:
-        """Whether every row decodes greedily."""
-        return bool((self.temperature <= 0).all())
 
     def select(self, idx: Tensor) -> "BatchSampling":
         return BatchSampling(self.temperature[idx], self.top_k[idx], self.top_p[idx])

@@ -227,10 +227,10 @@ class Verdict:
                                      # i - 1), PAD after; a chain's is its prefix
     target_tokens: Tensor            # [B, N] the target's own token after every scored row (drawn with that
                                      # position's uniform; greedy: its argmax), for Jacobi-style proposers
+    num_new: Tensor = field(init=False)   # [B] tokens committed this step: num_accepted + 1
 
-    @cached_property
-    def num_new(self) -> Tensor:     # [B] tokens committed this step
-        return self.num_accepted + 1
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "num_new", self.num_accepted + 1)
 
 
 def verify(draft: Draft, p: Tensor, u_target: Tensor, u_accept: Tensor) -> Verdict:

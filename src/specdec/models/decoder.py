@@ -364,7 +364,8 @@ class Transformer(nn.Module):
         bits never reach the output: the same q drafts and is verified against)."""
         if tree_mask is None:
             return self._forward(x, positions, cache, rows, CAUSAL, tree=False, prefill=False, features=features)
-        return self._forward(x, positions, cache, rows, tree_mask, tree=exact_tree and positions.shape[1] <= INVARIANT_MAX_T,
+        exact = exact_tree and positions.shape[1] <= INVARIANT_MAX_T
+        return self._forward(x, positions, cache, rows, tree_mask, tree=exact,
                              prefill=False, features=features)
 
     def _forward(self, x: Tensor, positions: Tensor, cache: KVCache, rows: Tensor, tree_mask: Tensor,
