@@ -3,9 +3,11 @@
 Runs each prompt of a benchmark suite (first turn, chat template, its token budget) twice through the engine:
 for one new token (the prompt's prefill and first token) and for its budget, greedy, batch 1; prints the summed
 seconds of both, the tokens/s of the whole (as `specdec bench` counts it: prefill included) and of the decoding
-alone (the difference). Useful to A/B a change of the decoding step where the suite's prefill would hide it:
+alone (the difference). Useful to A/B a change of the decoding step where the suite's prefill would hide it.
+With --llamacpp, llama.cpp's own decode loop (the bench's `llama.cpp-loop` peer: llama-cpp-python's low-level API,
+same ids, same threads) runs each prompt the same two ways right after ours, and its split is printed too:
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/suite_decode.py --threads 1
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/suite_decode.py --threads 1 [--llamacpp]
     OMP_NUM_THREADS=1 PYTHONPATH=/path/to/other/checkout/src .venv/bin/python benchmarks/suite_decode.py --threads 1
 """
 from __future__ import annotations
@@ -16,10 +18,12 @@ import time
 import specdec  # (applies $SPECDEC_ISA before torch computes)
 import torch
 
+from specdec.bench.peers import llamacpp_peers
 from specdec.bench.runner import turn_ids
 from specdec.bench.suites import SUITES, load_suite
 from specdec.engine import Request
 from specdec.machine import cpu_model
+from specdec.models.registry import resolve
 from specdec.sampling import SamplingParams
 
 
@@ -41,21 +45,33 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--suite", default="mini", choices=SUITES)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--llamacpp", action="store_true", help="time llama.cpp's decode loop the same way, interleaved")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     gen = specdec.load(a.model, method=a.method, dtype=a.dtype)
     prompts = [(turn_ids(gen.tokenizer, p.turns[:1], []), p.max_new_tokens) for p in load_suite(a.suite)]
-    timed(gen, prompts[0][0], 16)                                                  # warm-up
-    first = whole = 0.0
-    tokens = 0
+    runners = {f"specdec {a.method} ({gen.target.compute})": lambda ids, new: timed(gen, ids, new)}
+    if a.llamacpp:
+        loop = llamacpp_peers(resolve(a.model)[1], gen.tokenizer.eos_ids)[1]        # llama.cpp-loop
+
+        def llama(ids: list[int], new: int) -> tuple[float, int]:
+            g = loop.generate(ids, new, SamplingParams())
+            return g.seconds, len(g.tokens)
+        runners["llama.cpp-loop"] = llama
+    totals = {name: [0.0, 0.0, 0] for name in runners}                            # prefill s, whole s, tokens
+    for run in runners.values():
+        run(prompts[0][0], 16)                                                     # warm-up
     for ids, budget in prompts:
-        first += timed(gen, ids, 1)[0]
-        s, n = timed(gen, ids, budget)
-        whole, tokens = whole + s, tokens + n
-    print(f"{a.model} {a.method} ({gen.target.compute}), {a.threads} thread(s), {cpu_model()}, specdec from "
-          f"{specdec.__file__.removesuffix('/__init__.py')}")
-    print(f"{len(prompts)} prompts, {tokens} tokens in {whole:.2f} s = {tokens / whole:.1f} tokens/s; prefill and first "
-          f"token {first:.2f} s; decoding alone {(tokens - len(prompts)) / (whole - first):.1f} tokens/s")
+        for name, run in runners.items():
+            t = totals[name]
+            t[0] += run(ids, 1)[0]
+            s, n = run(ids, budget)
+            t[1], t[2] = t[1] + s, t[2] + n
+    print(f"{a.model}, {len(prompts)} prompts of the {a.suite} suite, {a.threads} thread(s), {cpu_model()}, specdec "
+          f"from {specdec.__file__.removesuffix('/__init__.py')}")
+    for name, (first, whole, tokens) in totals.items():
+        print(f"{name}: {tokens} tokens in {whole:.2f} s = {tokens / whole:.1f} tokens/s; prefill and first token "
+              f"{first:.2f} s; decoding alone {(tokens - len(prompts)) / (whole - first):.1f} tokens/s")
 
 
 if __name__ == "__main__":
