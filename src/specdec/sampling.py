@@ -132,9 +132,9 @@ def to_probs(logits: Tensor, s: BatchSampling) -> Tensor:
     """
     logits = logits.float()
     B, T, V = logits.shape
-    greedy = s.temperature <= 0                                                 # [B]
     if s.greedy:
         return torch.zeros_like(logits).scatter_(-1, argmax(logits)[..., None], 1.0)
+    greedy = s.temperature <= 0                                                 # [B]
     # below MIN_TEMPERATURE the quotient would overflow float32 (inf - inf = NaN in the softmax), above
     # MAX_TEMPERATURE the temperature itself (every logit 0: top-k would keep all); the clamps change no
     # distribution: logits that differ at all are e^(1e23) apart at the one, within 1e-29 of equal at the other
