@@ -88,9 +88,9 @@ def forward_both(model: Transformer, lengths: list[int], t: int, tree: bool = Fa
     out = []
     loop = model.loop
     for use_loop in (True, False):
-        model.loop = loop if use_loop else None
         cache = model.new_cache(B, 256)
-        model.prefill(prompt, torch.arange(prompt.shape[1]).expand(B, -1), cache, rows)
+        model.prefill(prompt, torch.arange(prompt.shape[1]).expand(B, -1), cache, rows)   # the same prefill
+        model.loop = loop if use_loop else None
         cache.lengths[rows] = torch.tensor(lengths)
         pos = cache.lengths[rows][:, None] + depth
         hidden = model.forward(tokens, pos, cache, rows, mask, features=features)
@@ -150,7 +150,46 @@ def test_the_loop_runs_and_is_used_by_decoding_forwards(monkeypatch):
     real = native.LayerLoop.__call__
     monkeypatch.setattr(native.LayerLoop, "__call__", lambda self, *a: calls.append(a[2:4]) or real(self, *a))
     forward_both(model, [20], 2, features=(1,))
-    assert calls == [(0, 2), (2, 3)]                                         # split at the feature tap
+    # both prefills run through the loop; the looped forward splits at the feature tap
+    assert calls == [(0, 3), (0, 2), (2, 3), (0, 3)]
+
+
+@needs_loop
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", ["llama", "gemma"])
+def test_a_prefill_through_the_loop_is_decoding_token_by_token(shape, dtype, monkeypatch):
+    """A prompt piece longer than the loop's rows is prefilled through the loop in forwards of its rows: every
+    position's output and the keys and values written are those of feeding the prompt one token at a time,
+    after what the row held; the cache's committed length is left to the caller."""
+    model = q4_model(shape, dtype, "mixed")
+    calls = []
+    real = native.LayerLoop.__call__
+    monkeypatch.setattr(native.LayerLoop, "__call__", lambda self, *a: calls.append(len(a[0])) or real(self, *a))
+    P, held = model.loop.max_rows + 9, 5
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, model.vocab_size, (1, held + P), generator=g)
+    rows = torch.tensor([0])
+    runs = []
+    for whole in (True, False):
+        cache = model.new_cache(1, 256)
+        model.prefill(prompt[:, :held], torch.arange(held)[None], cache, rows)
+        cache.lengths[0] = held
+        if whole:
+            out = model.prefill(prompt[:, held:], torch.arange(held, held + P)[None], cache, rows)      # [1, P, D]
+            assert int(cache.lengths[0]) == held
+            cache.lengths[0] = held + P
+        else:
+            outs = []
+            for t in range(held, held + P):
+                outs.append(model.forward(prompt[:, t:t + 1], torch.tensor([[t]]), cache, rows))
+                cache.lengths[0] += 1
+            out = torch.cat(outs, 1)
+        runs.append((out, cache.k[:, :, :, :held + P].clone(), cache.v[:, :, :, :held + P].clone()))
+    (a, ka, va), (b, kb, vb) = runs
+    assert torch.equal(a, b), f"max difference {(a.float() - b.float()).abs().max()}"
+    assert torch.equal(ka, kb) and torch.equal(va, vb)
+    rows_run = model.loop.max_rows
+    assert calls == [held, rows_run, P - rows_run, held] + [1] * P          # the loop ran every forward
 
 
 @needs_loop
@@ -158,9 +197,9 @@ def test_forwards_beyond_the_checked_row_limit_run_from_python(monkeypatch):
     model = q4_model("llama", torch.float32, "mixed")
     calls = []
     real = native.LayerLoop.__call__
-    monkeypatch.setattr(native.LayerLoop, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
+    monkeypatch.setattr(native.LayerLoop, "__call__", lambda self, *a: calls.append(len(a[0])) or real(self, *a))
     (a, _), (b, _) = forward_both(model, [10], model.loop.max_rows + 1)
-    assert not calls and torch.equal(a, b)
+    assert calls == [10, 10] and torch.equal(a, b)                           # the two prefills only
 
 
 @pytest.mark.skipif(not (native.available(CPU) and native._cxx()) or os.environ.get("SPECDEC_LOOP") == "0",

@@ -339,9 +339,30 @@ class Transformer(nn.Module):
         """Like forward over prompt pieces [G, P] (causal, after what the rows hold). Each position's bits
         depend only on the tokens up to it: not on G, nor on how a prompt is cut into pieces of up to
         INVARIANT_MAX_T tokens; they may differ in the last place from forward's, as a narrow model's
-        linears run on float32 copies here where that is faster (see float32_prefill_pays)."""
-        return self._forward(self.embed_tokens(tokens), positions, cache, rows, CAUSAL, tree=False, prefill=True,
-                             features=features)
+        linears run on float32 copies here where that is faster (see float32_prefill_pays).
+
+        Where the native layer loop runs the 4-bit mode's forwards, a piece goes through it as forwards of up to
+        `loop.max_rows` rows rather than through float32 products over the dequantized weights (faster: see
+        docs/benchmarks.md); its kernels give each row the bits of a forward of its own, so a prompt is prefilled
+        with exactly the bits that decoding it token by token would give."""
+        x = self.embed_tokens(tokens)                                           # [G, P, D]
+        G, P = tokens.shape
+        loop = self.loop
+        looped = loop is not None and native.available(x.device) and x.dtype == loop.dtype
+        step = min(INVARIANT_MAX_T, loop.max_rows // G) if looped else 0    # rows per forward through the loop
+        if step < 1 or P <= step:
+            return self._forward(x, positions, cache, rows, CAUSAL, tree=False, prefill=step < 1, features=features)
+        before = cache.lengths[rows].clone()                                    # [G] what the rows hold
+        outs = []
+        try:
+            for s in range(0, P, step):                                         # each sub-piece sees those before it
+                t = min(step, P - s)
+                outs.append(self._forward(x[:, s:s + t], positions[:, s:s + t], cache, rows, CAUSAL, tree=False,
+                                          prefill=False, features=features))
+                cache.advance(rows, torch.full((G,), t, dtype=torch.long, device=x.device))
+        finally:
+            cache.lengths[rows] = before                                        # the caller commits
+        return torch.cat(outs, 1)                                               # [G, P, H']
 
     def forward_reusing(self, reuse: "Reuse", positions: Tensor, cache: KVCache, rows: Tensor,
                         features: tuple[int, ...] = ()) -> Tensor:

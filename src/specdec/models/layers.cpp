@@ -113,6 +113,10 @@ at::Tensor fresh(at::IntArrayRef sizes, const at::TensorOptions &options) {
     return at::detail::empty_cpu(sizes, options);
 }
 
+// From this many rows a native linear computes its outputs over torch's threads whatever its shape's choice for one
+// row, and from QUANTIZE_SPLIT_ROWS it quantizes its inputs over them too (a prefill's forwards).
+const int64_t SPLIT_ROWS = 8, QUANTIZE_SPLIT_ROWS = 32;
+
 // A native kernel (4-bit or 8-bit codes), with `threads` over torch's threads (groups of 16 outputs split between
 // them), else on the calling thread (whichever its first start timed faster for the shape: `gguf_loader.split_or_not`):
 // x [M, K] quantized once, then out [M, N] (out_bf16: bfloat16, else float32). Returns 0, or -3 on a torch error.
@@ -127,8 +131,19 @@ int q4_threads(quantize_fn quantize, q4_fn q4, const void *x, int x_bf16, int64_
     int8_t *xq = (int8_t *)scratch.data();
     float *dx = scratch.data() + (M * K + 3) / 4, *sx = dx + M * nb;
     int32_t *xs8 = (int32_t *)(sx + M * nb);
-    quantize(x, x_bf16, M, K, xq, dx, sx, xs8);
-    const int64_t groups = N / 16, grain = threads ? 4 : groups;
+    // many rows (a prefill's) split over the threads whatever the shape's choice for few: rows and groups are
+    // independent, so the bits are the same
+    const bool split = threads || M >= SPLIT_ROWS;
+    if (M >= QUANTIZE_SPLIT_ROWS) {
+        const int64_t width = (x_bf16 ? 2 : 4) * K;                            // bytes of an input row
+        at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
+            quantize((const char *)x + m0 * width, x_bf16, m1 - m0, K, xq + m0 * K, dx + m0 * nb, sx + m0 * nb,
+                     xs8 + m0 * nb);
+        });
+    } else {
+        quantize(x, x_bf16, M, K, xq, dx, sx, xs8);
+    }
+    const int64_t groups = N / 16, grain = split ? 4 : groups;
     at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
         q4(xq, dx, sx, xs8, M, K, codes, scale, zero, N, out, out_bf16, g0, g1, isa);
     });
