@@ -241,8 +241,9 @@ class Transformer(nn.Module):
         """Equal-length prompts up to INVARIANT_MAX_T tokens share a prefill once the weights are
         packed: `attention` and oneDNN's packed linears give each row the bits of a forward of its own
         (measured up to 6000 rows; tests/test_model.py). Plain F.linear (MKL, cuBLAS) changes kernels
-        with the row count (fp32 MKL from 64 rows), so unpacked models, and the 4-bit mode's prefills,
-        prefill one prompt piece per forward."""
+        with the row count (fp32 MKL from 64 rows), so unpacked models, and the 4-bit mode's prefills (F.linear
+        where the layer loop is not built; its forwards of `loop.max_rows` rows leave no room for a second prompt's
+        piece), prefill one prompt piece per forward."""
         return INVARIANT_MAX_T if self.packed and not self.int4 else 0
 
     def new_cache(self, rows: int, slots: int, past_context: int = 0) -> KVCache:
@@ -311,8 +312,9 @@ class Transformer(nn.Module):
 
     def use_int4(self, kernels: dict[tuple[int, str], Kernel]) -> "Transformer":
         """Decode and verify through 4-bit kernels ((layer, linear name) -> kernel, e.g. `int4.Int4Linear`);
-        prefills of those layers run F.linear on the dequantized weights (faster for many rows, no packed
-        copy). The key `int4.HEAD` names an LM head candidate (timed against the dense head by `pack`).
+        prefills run through the native layer loop where it is built (`prefill`), else F.linear on the
+        dequantized weights (faster for many rows than torch's int4 kernel, no packed copy). The key `int4.HEAD`
+        names an LM head candidate (timed against the dense head by `pack`).
         Call before `pack`."""
         for (i, name), k in kernels.items():
             if i == HEAD[0]:                                                 # an LM head candidate
