@@ -267,6 +267,15 @@ def test_native_q4_linear_keeps_its_bits_over_torchs_threads():
     assert same_bits_on_one_and_two_threads(k, x)
     assert same_bits_on_one_and_two_threads(dataclasses.replace(k, threads=False), x)
     assert torch.equal(dataclasses.replace(k, threads=False)(x), k(x))
+    threads = torch.get_num_threads()
+    for seed, kernel in enumerate((k, dataclasses.replace(k, threads=False))):
+        many = torch.randn(40, 576, generator=torch.Generator().manual_seed(5 + seed))   # a prefill's rows: their
+        try:                                                                   # quantization and groups split over
+            torch.set_num_threads(2)                                           # the threads whatever the choice
+            split = kernel(many)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(split, torch.cat([kernel(row) for row in many.split(1)]))   # each row's own bits
 
 
 def test_a_layers_native_kernel_is_timed_on_one_thread_and_split_where_torch_has_several(monkeypatch):
