@@ -190,6 +190,7 @@ def test_a_prefill_through_the_loop_is_decoding_token_by_token(shape, dtype, mon
     assert torch.equal(ka, kb) and torch.equal(va, vb)
     rows_run = model.loop.max_rows
     assert calls == [held, rows_run, P - rows_run, held] + [1] * P          # the loop ran every forward
+    assert native.describe_loop(model).endswith(f"prompts too, {rows_run} tokens per forward)")   # as `info` says
 
 
 @needs_loop

@@ -357,8 +357,9 @@ def describe(device: torch.device) -> str:
 
 def describe_loop(model) -> str:
     """How `model`'s layers run, for `specdec info` and /health."""
-    if getattr(model, "loop", None) is not None:
-        return "native (layers.cpp: one call per forward)"
+    loop = getattr(model, "loop", None)
+    if loop is not None:
+        return f"native (layers.cpp: one call per forward; prompts too, {loop.max_rows} tokens per forward)"
     if _LOOP_TRIED and _LOOP_TRIED[0]:
         return f"Python ({_LOOP_TRIED[0]})"
     return "Python (the native loop takes models whose every layer is 4-bit)"
