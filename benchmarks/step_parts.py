@@ -17,6 +17,7 @@ from collections.abc import Callable
 import specdec  # (applies $SPECDEC_ISA before torch computes)
 import torch
 
+from profile_token import Timed
 from specdec import engine
 from specdec.machine import cpu_model
 from specdec.models import decoder
@@ -36,21 +37,6 @@ def timed(fn: Callable, label: str, seconds: dict[str, float]) -> Callable:
     return run
 
 
-class TimedLoop:
-    """The model's native layer loop, its calls timed."""
-
-    def __init__(self, loop, seconds: dict[str, float]) -> None:
-        self.loop, self.seconds = loop, seconds
-        self.max_rows, self.dtype = loop.max_rows, loop.dtype
-
-    def __call__(self, *args):
-        t = time.perf_counter()
-        try:
-            return self.loop(*args)
-        finally:
-            self.seconds["layer loop"] += time.perf_counter() - t
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -65,16 +51,18 @@ def main() -> None:
         setattr(engine.Engine, name, timed(getattr(engine.Engine, name), name, seconds))
     for name in MODEL:
         setattr(decoder.Transformer, name, timed(getattr(decoder.Transformer, name), name, seconds))
-    if gen.target.loop is not None:
-        gen.target.loop = TimedLoop(gen.target.loop, seconds)
+    loop = gen.target.loop = Timed(gen.target.loop) if gen.target.loop is not None else None
     prompt = "Write a very long story about a dragon and a knight, with many chapters."
     gen.generate(prompt, max_new_tokens=8)                                     # warm-up
     runs = []
     for n in (1, 1 + args.tokens):
         seconds.clear()
+        in_loop = loop.seconds if loop else 0.0
         t = time.perf_counter()
         res = gen.generate(prompt, max_new_tokens=n)
         runs.append((time.perf_counter() - t, dict(seconds), len(res.tokens)))
+        if loop:
+            runs[-1][1]["layer loop"] = loop.seconds - in_loop
     (w0, s0, n0), (w1, s1, n1) = runs
     steps = n1 - n0
     print(f"{args.model} {gen.target.dtype if gen.target.loop is None else 'q4'}, {args.threads} thread(s), "
