@@ -53,7 +53,8 @@ def labelled(fn: Callable, label: str) -> Callable:
 
 class StandIn:
     """A callable standing in for `fn` (a native layer loop, an LM head), with what the decoder reads of a layer
-    loop (its max_rows and dtype) where `fn` has it."""
+    loop (its max_rows and dtype, and its `normed` call: the last layers and the final norm) where `fn` has it;
+    both calls go through `_run`."""
 
     def __init__(self, fn: Callable) -> None:
         self.fn = fn
@@ -61,14 +62,23 @@ class StandIn:
             if hasattr(fn, name):
                 setattr(self, name, getattr(fn, name))
 
+    def __call__(self, *args):
+        return self._run(self.fn, *args)
+
+    def normed(self, *args):
+        return self._run(self.fn.normed, *args)
+
+    def _run(self, fn: Callable, *args):
+        raise NotImplementedError
+
 
 class LabelledLoop(StandIn):
     """A native layer loop whose calls are marked "layer loop" in the profile (the kernels it runs are not
     recorded by the profiler: they bypass the dispatcher)."""
 
-    def __call__(self, *args):
+    def _run(self, fn: Callable, *args):
         with record_function("layer loop"):
-            return self.fn(*args)
+            return fn(*args)
 
 
 class Run:
@@ -195,10 +205,10 @@ class Timed(StandIn):
 
     seconds = 0.0
 
-    def __call__(self, *args):
+    def _run(self, fn: Callable, *args):
         t = time.perf_counter()
         try:
-            return self.fn(*args)
+            return fn(*args)
         finally:
             self.seconds += time.perf_counter() - t
 

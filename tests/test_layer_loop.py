@@ -11,7 +11,7 @@ import torch
 
 from specdec.models import native
 from specdec.models.config import ModelConfig
-from specdec.models.decoder import LINEARS, Transformer, init_random
+from specdec.models.decoder import LINEARS, Transformer, init_random, truncated
 from specdec.models.int4 import GROUP, Blocks4, Int4Linear
 
 from helpers import needs_bf16
@@ -147,11 +147,13 @@ def test_attention_split_over_two_threads_keeps_the_bits(shape, dtype):
 def test_the_loop_runs_and_is_used_by_decoding_forwards(monkeypatch):
     model = q4_model("llama", torch.float32, "mixed")
     calls = []
-    real = native.LayerLoop.__call__
-    monkeypatch.setattr(native.LayerLoop, "__call__", lambda self, *a: calls.append(a[2:4]) or real(self, *a))
+    real = native.LayerLoop._run
+    monkeypatch.setattr(native.LayerLoop, "_run",
+                        lambda self, *a: calls.append((*a[2:4], a[6].numel() > 0)) or real(self, *a))
     forward_both(model, [20], 2, features=(1,))
-    # both prefills run through the loop; the looped forward splits at the feature tap
-    assert calls == [(0, 3), (0, 2), (2, 3), (0, 3)]
+    # both prefills run through the loop; the looped forward splits at the feature tap; the last layers' call
+    # makes the final norm too
+    assert calls == [(0, 3, True), (0, 2, False), (2, 3, True), (0, 3, True)]
 
 
 @needs_loop
@@ -163,8 +165,8 @@ def test_a_prefill_through_the_loop_is_decoding_token_by_token(shape, dtype, mon
     after what the row held; the cache's committed length is left to the caller."""
     model = q4_model(shape, dtype, "mixed")
     calls = []
-    real = native.LayerLoop.__call__
-    monkeypatch.setattr(native.LayerLoop, "__call__", lambda self, *a: calls.append(len(a[0])) or real(self, *a))
+    real = native.LayerLoop._run
+    monkeypatch.setattr(native.LayerLoop, "_run", lambda self, *a: calls.append(len(a[0])) or real(self, *a))
     P, held = model.loop.max_rows + 9, 5
     g = torch.Generator().manual_seed(7)
     prompt = torch.randint(0, model.vocab_size, (1, held + P), generator=g)
@@ -194,11 +196,31 @@ def test_a_prefill_through_the_loop_is_decoding_token_by_token(shape, dtype, mon
 
 
 @needs_loop
+def test_a_truncated_model_runs_its_own_layers_through_the_shared_loop(monkeypatch):
+    """An early-exit draft (`truncated`) shares the target's loop: its forwards run its own layers and its final
+    norm there (the bits of the Python loop), and the loop refuses layers it does not have."""
+    model = q4_model("llama", torch.float32, "mixed")
+    short = truncated(model, 2)
+    plans = []
+    real = native.LayerLoop._run
+    monkeypatch.setattr(native.LayerLoop, "_run",
+                        lambda self, *a: plans.append(a) or real(self, *a))
+    (a, ka), (b, kb) = forward_both(short, [9, 4], 3)
+    assert torch.equal(a, b) and torch.equal(ka, kb)
+    assert {(p[2], p[3]) for p in plans} == {(0, 2)}
+    x, o, _, _, attend, local, w = plans[-1]
+    with pytest.raises(ValueError, match=r"layers \[0, 3\) but a cache of 2"):
+        model.loop.normed(x, o, 0, 3, attend, local, w)                  # the truncated model's cache: 2 layers
+    with pytest.raises(ValueError, match=r"no layers \[-1, 2\)"):
+        model.loop.normed(x, o, -1, 2, attend, local, w)                 # refused by layers.cpp itself
+
+
+@needs_loop
 def test_forwards_beyond_the_checked_row_limit_run_from_python(monkeypatch):
     model = q4_model("llama", torch.float32, "mixed")
     calls = []
-    real = native.LayerLoop.__call__
-    monkeypatch.setattr(native.LayerLoop, "__call__", lambda self, *a: calls.append(len(a[0])) or real(self, *a))
+    real = native.LayerLoop._run
+    monkeypatch.setattr(native.LayerLoop, "_run", lambda self, *a: calls.append(len(a[0])) or real(self, *a))
     (a, _), (b, _) = forward_both(model, [10], model.loop.max_rows + 1)
     assert calls == [10, 10] and torch.equal(a, b)                           # the two prefills only
 

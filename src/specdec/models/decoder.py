@@ -431,28 +431,31 @@ class Transformer(nn.Module):
         x = x.reshape(B * T, D)                                                # [B*T, D] rows of the residual stream
         taken: dict[int, Tensor] = {}
         o = NO_OUTPUT                                                          # a layer's output, added by the next
-        loop = self.loop
+        normed = NO_OUTPUT                                                     # the final norm, where the loop made it
+        loop, L = self.loop, len(self.layers)
         if (loop is not None and use_native and not prefill and B * T <= loop.max_rows and x.dtype == loop.dtype
                 and x.is_contiguous()):                                        # the same kernels in one native call
             local_attend = local.attend if self.config.sliding_window > 0 else mask.attend
             start = first_layer
-            for stop in sorted({i + 1 for i in features if i >= first_layer} | {len(self.layers)}):
-                if stop > start:
+            for stop in sorted({i + 1 for i in features if i >= first_layer} | {L}):
+                if stop == L and stop > start:                               # the last layers and the final norm
+                    x, normed = loop.normed(x, o, start, L, mask.attend, local_attend, _float(self.norm))
+                    o = NO_OUTPUT                                              # x is x + o now
+                elif stop > start:
                     x, o = loop(x, o, start, stop, mask.attend, local_attend)
-                    if stop - 1 in features:
-                        taken[stop - 1] = x + o
+                if stop > start and stop - 1 in features:
+                    taken[stop - 1] = x + o if o.numel() else x
                 start = stop
-            first_layer = len(self.layers)
-        for i, layer in enumerate(self.layers):
-            if i < first_layer:                                                # done by the caller (forward_reusing)
-                continue
+            first_layer = L
+        for i in range(first_layer, L):                                        # below first_layer: done by the caller
+            layer = self.layers[i]                                             # (forward_reusing)
             if self.config.is_local(i):
                 x, o = layer(x, o, lcos, lsin, local, where, prefill)
             else:
                 x, o = layer(x, o, cos, sin, mask, where, prefill)
             if i in features:
                 taken[i] = x + o
-        out = self.final_norm(x, o).view(B, T, D)
+        out = (normed if normed.numel() else self.final_norm(x, o)).view(B, T, D)
         if not features:
             return out
         # layers a caller ran itself (forward_reusing) have no output here: zeros

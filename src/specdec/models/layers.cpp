@@ -335,13 +335,16 @@ int specdec_loop_norms(void *m, int64_t i, const float *attn, const float *ffn, 
 }
 
 // Layers [first, last) (first < last) over N rows: x [N, D] (the activations' dtype) the residual stream before o [N, D] (nullptr: nothing
-// to add) is added. Writes the last layer's (x, o) to x_out, o_out. Returns 0, -1 out of memory, -2 too many
-// query heads per kv head, -3 a torch error, -4 more rows than a linear's checked limit.
+// to add) is added. Writes the last layer's (x, o) to x_out, o_out; with final_w (the final norm's float32 [D]
+// weight), x + o to x_out and its norm to o_out instead (decoder.Transformer.final_norm's bits). Returns 0, -1 out
+// of memory, -2 too many query heads per kv head, -3 a torch error, -4 more rows than a linear's checked limit, -5
+// no such layers.
 int specdec_loop_run(void *mp, int64_t first, int64_t last, const void *x, const void *o, int64_t N,
-                     const specdec_plan *global, const specdec_plan *local, void *x_out, void *o_out) {
+                     const specdec_plan *global, const specdec_plan *local, const float *final_w, void *x_out,
+                     void *o_out) {
     const Loop &m = *(Loop *)mp;
     try {
-        if (first >= last) return -3;
+        if (first < 0 || first >= last || last > (int64_t)m.layers.size()) return -5;
         int64_t bytes = N * m.dim * (m.bf16 ? 2 : 4);
         at::Tensor xs = fresh({N, m.dim}, m.act), os;
         std::memcpy(xs.data_ptr(), x, bytes);
@@ -355,6 +358,11 @@ int specdec_loop_run(void *mp, int64_t first, int64_t last, const void *x, const
                 if (N > lin.max_rows) return -4;
             int rc = run_layer(m, (int)i, l.local ? *local : *global, xs, os);
             if (rc) return rc;
+        }
+        if (final_w) {
+            at::Tensor h;
+            if (int rc = add_norm(m, xs, os, final_w, h)) return rc;
+            os = h;
         }
         std::memcpy(x_out, xs.data_ptr(), bytes);
         std::memcpy(o_out, os.data_ptr(), bytes);

@@ -234,7 +234,7 @@ def _build_loop() -> str:
     lib.specdec_loop_norms.restype = ctypes.c_int
     lib.specdec_loop_norms.argtypes = [_PTR, _I64, *[_PTR] * 6, ctypes.c_int]
     lib.specdec_loop_run.restype = ctypes.c_int
-    lib.specdec_loop_run.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR]
+    lib.specdec_loop_run.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR]
     _LOOP.append(lib)
     return ""
 
@@ -288,7 +288,7 @@ class Attend:
                 or cos.shape[-1] != hd or cos.numel() != B * T * hd or visible.dtype != torch.bool):
             raise ValueError("native attention: unsupported layout")
         self._keep = (cos, ssin, k, v, where, visible)                      # the pointers below stay valid
-        self.rows, self.width = B * T, (n_heads + 2 * nkv) * hd
+        self.rows, self.width, self.layers = B * T, (n_heads + 2 * nkv) * hd, L
         self.out_width = n_heads * hd
         self._layer_bytes = R * nkv * Smax * hd * 4
         self._k, self._v = k.data_ptr(), v.data_ptr()
@@ -431,6 +431,9 @@ def q8_0_codes(data, shape: tuple[int, int]) -> dict[str, Tensor]:
     return {"q": torch.from_numpy(q), "d": torch.from_numpy(d)}
 
 
+NO_NORM = torch.empty(0)   # `LayerLoop._run` without the final norm
+
+
 class LayerLoop:
     """A decoder's layers run by one native call per forward (layers.cpp): the same kernels as the Python loop
     of `decoder.Block` in the same order, so the same bits, without the Python between them. For the q4 mode:
@@ -506,17 +509,33 @@ class LayerLoop:
                  local: Attend) -> tuple[Tensor, Tensor]:
         """Layers [first, last) on x [N, D] before o [N, D] (empty: nothing to add), attending through the
         forward's plans (`local` for sliding-window layers) -> that last layer's (x, o), as `decoder.Block`."""
+        return self._run(x, o, first, last, attend, local, NO_NORM)
+
+    def normed(self, x: Tensor, o: Tensor, first: int, last: int, attend: Attend, local: Attend,
+               w: Tensor) -> tuple[Tensor, Tensor]:
+        """Layers [first, last) as `__call__`, then the final norm with float32 weight w [D] in the same call
+        -> (the residual stream x + o [N, D], its norm [N, D]): `decoder.Transformer.final_norm`'s bits without
+        a second trip from Python (the first Python after a forward's weights went through the caches is slow)."""
+        if w.dtype != torch.float32 or not w.is_contiguous() or w.shape != x.shape[-1:]:
+            raise ValueError("native layer loop: unsupported final norm")
+        return self._run(x, o, first, last, attend, local, w)
+
+    def _run(self, x: Tensor, o: Tensor, first: int, last: int, attend: Attend, local: Attend,
+             w: Tensor) -> tuple[Tensor, Tensor]:
         if x.dtype != self.dtype or not x.is_contiguous() or (o.numel() and (o.dtype != x.dtype or not o.is_contiguous())):
             raise ValueError("native layer loop: unsupported layout")
+        if last > min(attend.layers, local.layers):
+            raise ValueError(f"native layer loop: layers [{first}, {last}) but a cache of {attend.layers}")
         x_out, o_out = torch.empty_like(x), torch.empty_like(x)
         g, l = attend.plan(), local.plan()
         rc = self._lib.specdec_loop_run(self._handle, first, last, x.data_ptr(), o.data_ptr() if o.numel() else None,
-                                        x.shape[0], ctypes.byref(g), ctypes.byref(l), x_out.data_ptr(),
-                                        o_out.data_ptr())
+                                        x.shape[0], ctypes.byref(g), ctypes.byref(l),
+                                        w.data_ptr() if w.numel() else None, x_out.data_ptr(), o_out.data_ptr())
         if rc:
             raise {-1: MemoryError("native layer loop: out of memory"),
                    -2: ValueError("native layer loop: too many query heads per kv head"),
-                   -4: ValueError("native layer loop: more rows than a linear's checked limit")}.get(
+                   -4: ValueError("native layer loop: more rows than a linear's checked limit"),
+                   -5: ValueError(f"native layer loop: no layers [{first}, {last})")}.get(
                 rc, RuntimeError(f"native layer loop: torch error (code {rc})"))
         return x_out, o_out
 
