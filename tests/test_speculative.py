@@ -276,6 +276,13 @@ def test_greedy_verification_from_logits_is_sampling_the_one_hot_for_any_uniform
         assert torch.equal(fast.path, slow.path) and torch.equal(fast.target_tokens, slow.target_tokens)
     assert torch.equal(sample(to_probs(logits, greedy), torch.full((6, 5), 0.999)), y)
     assert int(fast.num_accepted.sum()) > 0
+    fields = ("num_accepted", "tokens", "path", "target_tokens", "num_new")
+    for k in (0, 2):                                                        # nothing drafted (plain decoding), 2
+        fast = verify_greedy(drafts[:, :k], logits[:, :k + 1])
+        slow = verify_point_masses(drafts[:, :k], to_probs(logits[:, :k + 1], greedy), torch.rand(6, k + 1))
+        for name in fields:
+            a, b = getattr(fast, name), getattr(slow, name)
+            assert torch.equal(a, b) and a.dtype == b.dtype == torch.long, name
 
 
 def test_one_generator_used_from_several_threads_takes_turns():
