@@ -110,6 +110,41 @@ def test_a_token_gets_the_bits_of_its_own_keys_whatever_shares_the_call():
             assert torch.equal(alone[0], full[r]), (b, t)
 
 
+@needs_native
+@pytest.mark.parametrize("nh, nkv, hd, qk_norm", [(9, 3, 64, False), (4, 1, 256, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_causal_chain_without_a_mask_is_the_chain_with_its_mask(nh, nkv, hd, qk_norm, dtype):
+    """`Attend.causal` (the whole rope tables, the positions, no mask) gives the bits of `Attend` with the rope
+    rows and the causal mask built in Python: outputs and the keys and values written, ragged rows, any positions
+    (they need not follow the slots); a position outside the tables is refused."""
+    from specdec.models.decoder import CAUSAL, Transformer, rope_tables, signed_sin
+
+    B, T, S = 2, 4, 384
+    lengths = [300, 170]
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(B * T, (nh + 2 * nkv) * hd, generator=g).to(dtype)
+    wq, wk = (1 + 0.1 * torch.randn(hd, generator=g) for _ in range(2)) if qk_norm else (torch.empty(0),) * 2
+    cos, sin = rope_tables(hd, 10000.0, 512)
+    ssin = signed_sin(sin)
+    positions = torch.tensor([[300, 301, 302, 303], [40, 41, 42, 43]])        # row 1: positions below its slots
+    outs = []
+    for causal in (False, True):
+        f = _Forward([1, 3], lengths, T, S, nkv, hd, seed=9)
+        if causal:
+            attend = native.Attend.causal(cos, ssin, positions, f.cache.k, f.cache.v, f.slots, nh, 0.125)
+        else:
+            visible = Transformer._mask(torch.tensor(lengths), T, S, CAUSAL)[:, 0].contiguous()
+            attend = native.Attend(cos[positions][:, None], ssin[positions][:, None], f.cache.k, f.cache.v, f.slots,
+                                   visible, nh, 0.125)
+        outs.append((attend(qkv, wq, wk, 1e-6, 1, dtype), f.cache.k.clone(), f.cache.v.clone()))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    f = _Forward([1, 3], lengths, T, S, nkv, hd, seed=9)
+    with pytest.raises(ValueError, match="outside the rope tables"):
+        native.Attend.causal(cos, ssin, positions + 500, f.cache.k, f.cache.v, f.slots, nh, 0.125)(
+            qkv, wq, wk, 1e-6, 1, dtype)
+
+
 @pytest.mark.parametrize("shape, n", [("smollm2", 140), ("gemma3", 300)])
 def test_torch_attention_keeps_rows_invariant_without_the_native_kernel(monkeypatch, shape, n):
     """Where no compiler builds the kernel, forwards attend through torch ops: still row-invariant,

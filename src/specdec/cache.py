@@ -25,6 +25,7 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
         self.slots = slots
+        self.row_offsets: dict[tuple[int, ...], Tensor] = {}   # `ForwardSlots.row_off` per rows, made once
 
     @property
     def rows(self) -> int:
@@ -64,7 +65,8 @@ class KVCache:
 
     def slots_of(self, rows: Tensor, t: int, kv_len: int) -> "ForwardSlots":
         """Where a forward of `t` tokens per row of `rows` [B] writes and reads, for every layer."""
-        return ForwardSlots(self, rows, t, kv_len, self.lengths[rows].tolist())
+        lengths = self.lengths[rows]
+        return ForwardSlots(self, rows, t, kv_len, lengths, lengths.tolist())
 
     def commit(self, rows: Tensor, keep: Tensor, num_keep: Tensor) -> None:
         """Keep scratch rows `keep` [B, T] (the first num_keep[b] of them; later entries, PAD among them,
@@ -130,8 +132,9 @@ class ForwardSlots:
     and a forward makes two writes and two reads per layer, so the fast forms matter when decoding.
     """
 
-    def __init__(self, cache: KVCache, rows: Tensor, t: int, kv_len: int, at: list[int]) -> None:
-        """at: the committed length of each row of `rows` [B] (where its scratch slots start)."""
+    def __init__(self, cache: KVCache, rows: Tensor, t: int, kv_len: int, lengths: Tensor, at: list[int]) -> None:
+        """lengths [B] int64: the committed length of each row of `rows` [B] (where its scratch slots start);
+        at: the same as Python ints."""
         self.cache, self.rows, self.t, self.kv_len = cache, rows, t, kv_len
         ids = rows.tolist()
         self.contiguous = ids == list(range(ids[0], ids[0] + len(ids)))
@@ -143,9 +146,14 @@ class ForwardSlots:
         self._layer = R * n_kv * S * hd                                        # elements per layer
         self._first = ids[0] * n_kv * S * hd                                   # offset of the first row
         self._at = at[0] * hd
-        self.row_off = torch.tensor([r * n_kv * S * hd for r in ids], dtype=torch.int64,
-                                    device=rows.device)                     # [B] each row's offset in a layer
-        self.at = torch.tensor(at, dtype=torch.int64)                         # [B] each row's first scratch slot
+        key = tuple(ids)
+        if key not in cache.row_offsets:                                      # decoding asks for the same rows
+            if len(cache.row_offsets) >= 64:
+                cache.row_offsets.clear()
+            cache.row_offsets[key] = torch.tensor([r * n_kv * S * hd for r in ids], dtype=torch.int64,
+                                                  device=rows.device)
+        self.row_off = cache.row_offsets[key]                                 # [B] each row's offset in a layer
+        self.at = lengths if lengths.is_contiguous() else lengths.contiguous()   # [B] each row's first scratch slot
 
     def write(self, layer: int, k: Tensor, v: Tensor) -> None:
         """Write k, v [B, n_kv, t, hd] at the scratch slots of this forward's rows."""

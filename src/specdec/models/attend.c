@@ -143,11 +143,12 @@ static void attend_group(const float *qs, int64_t g, const float *kr, const floa
 /*
  * A layer's attention from its fused q, k, v projection, for the B*T tokens of a forward:
  * qkv    [B*T, (nh + 2 nkv) * hd] bfloat16 (qkv_bf16) or float32, rows qkv_stride elements apart
- * cos, ssin [B*T, hd] float32 (the tokens' rope rows; ssin = [-sin first half | sin second half])
+ * cos, ssin [B*T, hd] float32 (the tokens' rope rows; ssin = [-sin first half | sin second half]); with pos
+ *        (not NULL: [B*T] int64 positions), the whole tables [pos_limit, hd] instead, token r's rows at pos[r]
  * q_norm, k_norm [hd] float32 RMSNorm weights applied per head before rope, or NULL (eps for both)
  * kc, vc the layer's cache [R, nkv, Smax, hd] float32: token t of row b writes its key and value at
  *        kc + row_off[b] + j * head_stride + (at[b] + t) * hd, and attends over slots s < S of that row
- *        where mask [B, T, S] (bytes) is nonzero
+ *        where mask [B, T, S] (bytes) is nonzero; mask NULL: a causal chain, slots s <= at[b] + t
  * out    [B*T, nh * hd] bfloat16 (out_bf16) or float32
  * In two steps, so a caller can split the second over threads (`layers.cpp`): specdec_attend_rope, then
  * specdec_attend_heads over any partition of the B*T*nh (token, query head) pairs; each pair gets the same
@@ -159,19 +160,24 @@ typedef struct {
     float *kc, *vc; const int64_t *row_off, *at; int64_t head_stride;
     const uint8_t *mask; int64_t S, B, T, nh, nkv, hd; float scale;
     void *out; int out_bf16;
+    const int64_t *pos; int64_t pos_limit;
 } attend_call;
 
 /* 1. queries (normed, roped) into rows [B*T, nh, hd] float32; keys roped and values copied into the cache.
- * Returns 0, -1 if memory ran out, -2 if nh / nkv > 64. */
+ * Returns 0, -1 if memory ran out, -2 if nh / nkv > 64, -3 if a position is outside the rope tables. */
 int specdec_attend_rope(const attend_call *a, float *rows) {
     const int64_t hd = a->hd, half = hd / 2, nh = a->nh, nkv = a->nkv, width = nh + 2 * nkv;
     if (nh / nkv > 64) return -2;
+    if (a->pos)
+        for (int64_t r = 0; r < a->B * a->T; r++)
+            if (a->pos[r] < 0 || a->pos[r] >= a->pos_limit) return -3;
     float *head = malloc(sizeof(float) * (size_t)hd);
     if (!head) return -1;
     for (int64_t b = 0; b < a->B; b++) {
         for (int64_t t = 0; t < a->T; t++) {
             int64_t r = b * a->T + t;
-            const float *c = a->cos + r * hd, *sn = a->ssin + r * hd;
+            const int64_t at = a->pos ? a->pos[r] : r;                       /* the token's rope rows */
+            const float *c = a->cos + at * hd, *sn = a->ssin + at * hd;
             for (int64_t j = 0; j < width; j++) {
                 for (int64_t d = 0; d < hd; d++) {
                     int64_t e = r * a->qkv_stride + j * hd + d;
@@ -216,9 +222,14 @@ int specdec_attend_heads(const attend_call *a, const float *rows, int64_t w0, in
     }
     for (int64_t r = w0 / nh; r * nh < w1; r++) {
         int64_t b = r / a->T, n = 0;
-        const uint8_t *m = a->mask + r * a->S;
-        for (int64_t s = 0; s < a->S; s++)
-            if (m[s]) slots[n++] = s;
+        if (a->mask) {
+            const uint8_t *m = a->mask + r * a->S;
+            for (int64_t s = 0; s < a->S; s++)
+                if (m[s]) slots[n++] = s;
+        } else {                                                        /* causal: up to the token's own slot */
+            for (int64_t s = 0, end = a->at[b] + r % a->T; s <= end && s < a->S; s++)
+                slots[n++] = s;
+        }
         for (int64_t j = 0; j < a->nkv; j++) {
             int64_t h0 = r * nh + j * g, h1 = h0 + g;                   /* this group's pairs, within the range */
             h0 = h0 < w0 ? w0 : h0;
@@ -236,14 +247,15 @@ int specdec_attend_heads(const attend_call *a, const float *rows, int64_t w0, in
     return 0;
 }
 
-/* Both steps on the calling thread (`native.Attend`). Returns 0, -1 if memory ran out, -2 if nh / nkv > 64. */
+/* Both steps on the calling thread (`native.Attend`). Returns 0, -1 if memory ran out, -2 if nh / nkv > 64, -3 if
+ * a position is outside the rope tables. */
 int specdec_qkv_attend(const void *qkv, int qkv_bf16, int64_t qkv_stride, const float *cos, const float *ssin,
                        const float *q_norm, const float *k_norm, float eps, float *kc, float *vc,
                        const int64_t *row_off, const int64_t *at, int64_t head_stride,
                        const uint8_t *mask, int64_t S, int64_t B, int64_t T, int64_t nh, int64_t nkv,
-                       int64_t hd, float scale, void *out, int out_bf16) {
+                       int64_t hd, float scale, void *out, int out_bf16, const int64_t *pos, int64_t pos_limit) {
     const attend_call a = {qkv, qkv_bf16, qkv_stride, cos, ssin, q_norm, k_norm, eps, kc, vc, row_off, at,
-                           head_stride, mask, S, B, T, nh, nkv, hd, scale, out, out_bf16};
+                           head_stride, mask, S, B, T, nh, nkv, hd, scale, out, out_bf16, pos, pos_limit};
     float *rows = malloc(sizeof(float) * (size_t)(B * T * nh * hd));          /* roped queries */
     if (!rows) return -1;
     int rc = specdec_attend_rope(&a, rows);

@@ -86,6 +86,8 @@ def float32_prefill_pays(dtype: torch.dtype, device: torch.device) -> bool:
 
 LINEARS = ("wqkv", "wo", "w13", "w2")
 NO_NORM = torch.empty(0)                  # no q / k norm (Llama)
+NO_VISIBLE = torch.empty(0, dtype=torch.bool)  # a causal chain's mask where the native kernel needs none
+NO_ROPE = torch.empty(0)                  # its rope rows there (the kernel reads the tables at the positions)
 NO_OUTPUT = torch.empty(0)                # a layer's input with nothing left to add (the first layer's)
 NO_TREE_SLOTS, NO_TREE_VISIBLE = torch.empty(0, dtype=torch.long), torch.empty(0)   # a forward without tree tails
 CAUSAL = torch.empty(0, 0, 0, dtype=torch.bool)  # a forward's tree mask for a causal chain (each row sees those before it)
@@ -403,16 +405,22 @@ class Transformer(nn.Module):
         need = max(at) + T
         cache.check_fits(need)
         kv_len = -(-need // KV_BLOCK) * KV_BLOCK                               # whole key blocks
-        visible = self._mask(lengths, T, kv_len, tree_mask)
+        use_native = T <= INVARIANT_MAX_T and native.available(x.device)
+        # a causal chain through the native kernel needs neither a mask nor rope rows: it reads the positions
+        chain = (use_native and tree_mask is CAUSAL and self.config.sliding_window == 0
+                 and self.cos.dtype == torch.float32)
+        visible = NO_VISIBLE if chain else self._mask(lengths, T, kv_len, tree_mask)
         nkv, nh = self.config.n_kv_heads, self.config.n_heads
         slots, tvis = NO_TREE_SLOTS, NO_TREE_VISIBLE
-        use_native = T <= INVARIANT_MAX_T and native.available(x.device)
         tree = tree and not use_native                                         # the native kernel needs no tails
         if tree:
             slots, tvis, tail = self._tree_tails(lengths, positions, tree_mask, cache.slots)
             visible = visible & (torch.arange(kv_len, device=x.device) < tail[:, None])[:, None, None]
         mask = AttentionMask(visible, nkv, nh, slots, tvis, native=use_native)
-        cos, sin = _float(self.cos[positions])[:, None], _float(self.sin_signed[positions])[:, None]  # [B, 1, T, hd]
+        if chain:
+            cos = sin = NO_ROPE
+        else:
+            cos, sin = _float(self.cos[positions])[:, None], _float(self.sin_signed[positions])[:, None]  # [B, 1, T, hd]
         if self.config.sliding_window > 0:
             lcos, lsin = _float(self.lcos[positions])[:, None], _float(self.lsin_signed[positions])[:, None]
             kpos = self._key_positions(lengths, positions, kv_len)
@@ -421,10 +429,12 @@ class Transformer(nn.Module):
                 vpos = tail[:, None, None] + torch.arange(tvis.shape[-1], device=x.device)
                 tvis = tvis & (positions[:, :, None] - vpos < self.config.sliding_window)
             local = AttentionMask(visible & window, nkv, nh, slots, tvis, native=use_native)
-        where = ForwardSlots(cache, rows, T, kv_len, at)
+        where = ForwardSlots(cache, rows, T, kv_len, lengths, at)
         if use_native:                                                         # checked once, used by every layer
             nh, scale = self.config.n_heads, self.config.scale
-            mask.attend = native.Attend(cos, sin, cache.k, cache.v, where, mask.mask[:, 0], nh, scale)
+            mask.attend = (native.Attend.causal(self.cos, self.sin_signed, _dense(positions), cache.k, cache.v, where,
+                                                nh, scale) if chain else
+                           native.Attend(cos, sin, cache.k, cache.v, where, mask.mask[:, 0], nh, scale))
             if self.config.sliding_window > 0:
                 local.attend = native.Attend(lcos, lsin, cache.k, cache.v, where, local.mask[:, 0], nh, scale)
         D = x.shape[-1]

@@ -37,6 +37,7 @@ extern "C" struct attend_call {
     float *kc, *vc; const int64_t *row_off, *at; int64_t head_stride;
     const uint8_t *mask; int64_t S, B, T, nh, nkv, hd; float scale;
     void *out; int out_bf16;
+    const int64_t *pos; int64_t pos_limit;
 };
 typedef int (*rope_fn)(const attend_call *a, float *rows);
 typedef int (*heads_fn)(const attend_call *a, const float *rows, int64_t w0, int64_t w1);
@@ -50,14 +51,16 @@ typedef int (*q4_fn)(const int8_t *xq, const float *dx, const float *sx, const i
 
 // One forward's attention plan (what `native.Attend` checks once per forward), as a C struct.
 extern "C" struct specdec_plan {
-    const float *cos, *ssin;        // [B*T, hd] float32
+    const float *cos, *ssin;        // [B*T, hd] float32, or with pos the whole tables [pos_limit, hd]
     char *k, *v;                    // layer 0's cache [R, nkv, Smax, hd] float32; layer i at + i * layer_bytes
     int64_t layer_bytes;
     const int64_t *row_off, *at;    // per sequence: the cache row's offset (floats), its first scratch slot
     int64_t head_stride;            // Smax * hd
-    const uint8_t *mask;            // [B, T, S]
+    const uint8_t *mask;            // [B, T, S], or nullptr: a causal chain (attend.c)
     int64_t S, B, T, nh, nkv, hd;
     float scale;
+    const int64_t *pos;             // [B*T] the tokens' positions in the rope tables, or nullptr
+    int64_t pos_limit;
 };
 
 namespace {
@@ -210,8 +213,9 @@ int run_layer(const Loop &m, int i, const specdec_plan &p, at::Tensor &x, at::Te
     int64_t off = i * p.layer_bytes;
     const attend_call c = {qkv.data_ptr(), m.bf16, qkv.stride(0), p.cos, p.ssin, l.norm[Q_NORM], l.norm[K_NORM],
                            (float)m.eps, (float *)(p.k + off), (float *)(p.v + off), p.row_off, p.at, p.head_stride,
-                           p.mask, p.S, p.B, p.T, p.nh, p.nkv, p.hd, p.scale, a.data_ptr(), m.bf16};
-    if ((rc = m.rope(&c, (float *)rows.data_ptr()))) return rc == -1 ? -1 : -2;
+                           p.mask, p.S, p.B, p.T, p.nh, p.nkv, p.hd, p.scale, a.data_ptr(), m.bf16, p.pos,
+                           p.pos_limit};
+    if ((rc = m.rope(&c, (float *)rows.data_ptr()))) return rc == -1 ? -1 : rc == -3 ? -6 : -2;
     std::atomic<int> failed{0};
     at::parallel_for(0, N * p.nh, std::max<int64_t>(1, ATTEND_GRAIN / std::max<int64_t>(1, p.S * p.hd)),
                      [&](int64_t w0, int64_t w1) {
@@ -338,7 +342,7 @@ int specdec_loop_norms(void *m, int64_t i, const float *attn, const float *ffn, 
 // to add) is added. Writes the last layer's (x, o) to x_out, o_out; with final_w (the final norm's float32 [D]
 // weight), x + o to x_out and its norm to o_out instead (decoder.Transformer.final_norm's bits). Returns 0, -1 out
 // of memory, -2 too many query heads per kv head, -3 a torch error, -4 more rows than a linear's checked limit, -5
-// no such layers.
+// no such layers, -6 a position outside the rope tables.
 int specdec_loop_run(void *mp, int64_t first, int64_t last, const void *x, const void *o, int64_t N,
                      const specdec_plan *global, const specdec_plan *local, const float *final_w, void *x_out,
                      void *o_out) {

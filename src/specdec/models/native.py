@@ -157,7 +157,8 @@ def _build() -> str:
     fn = lib.specdec_qkv_attend
     fn.restype = ctypes.c_int
     fn.argtypes = [_PTR, ctypes.c_int, _I64, _PTR, _PTR, _PTR, _PTR, ctypes.c_float, _PTR, _PTR,
-                   _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR, ctypes.c_int]
+                   _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR, ctypes.c_int,
+                   _PTR, _I64]
     fn = lib.specdec_add_rms_norm
     fn.restype = ctypes.c_int
     fn.argtypes = [_PTR, _PTR, ctypes.c_int, _I64, _I64, _PTR, ctypes.c_float, _PTR, _PTR]
@@ -252,7 +253,8 @@ class _Plan(ctypes.Structure):
     """`specdec_plan` of layers.cpp: one forward's attention arguments shared by every layer."""
     _fields_ = [("cos", _PTR), ("ssin", _PTR), ("k", _PTR), ("v", _PTR), ("layer_bytes", _I64), ("row_off", _PTR),
                 ("at", _PTR), ("head_stride", _I64), ("mask", _PTR), ("S", _I64), ("B", _I64), ("T", _I64),
-                ("nh", _I64), ("nkv", _I64), ("hd", _I64), ("scale", ctypes.c_float)]
+                ("nh", _I64), ("nkv", _I64), ("hd", _I64), ("scale", ctypes.c_float), ("pos", _PTR),
+                ("pos_limit", _I64)]
 
 
 def source_stamp() -> str:
@@ -272,35 +274,57 @@ def available(device: torch.device) -> bool:
 
 
 class Attend:
-    """One forward's native attention: what every layer shares (the rope tables cos, ssin [B, 1, T, hd] (see
+    """One forward's native attention: what every layer shares (the rope rows cos, ssin [B, 1, T, hd] (see
     `decoder.rope`), the cache k, v [L, R, nkv, Smax, hd], `where`'s scratch slots, the mask `visible`
-    [B, T, S]) checked once per forward; each call runs one layer (`qkv_attend`)."""
+    [B, T, S]) checked once per forward; each call runs one layer (`qkv_attend`). `Attend.causal` is the same
+    for a causal chain, from the whole rope tables and the tokens' positions, with no mask to build."""
 
     def __init__(self, cos: Tensor, ssin: Tensor, k: Tensor, v: Tensor, where: "ForwardSlots", visible: Tensor,
                  n_heads: int, scale: float) -> None:
         B, T, S = visible.shape
-        L, R, nkv, Smax, hd = k.shape
-        if where.t != T or where.rows.numel() != B or where.kv_len != S:
-            raise ValueError("native attention: the tokens, slots and mask disagree")
+        hd = k.shape[-1]
         if (not (cos.is_contiguous() and ssin.is_contiguous() and visible.is_contiguous())
-                or not (k.is_contiguous() and v.is_contiguous()) or k.dtype != torch.float32 or hd % 8
                 or cos.dtype != torch.float32 or ssin.dtype != torch.float32 or cos.shape != ssin.shape
                 or cos.shape[-1] != hd or cos.numel() != B * T * hd or visible.dtype != torch.bool):
             raise ValueError("native attention: unsupported layout")
-        self._keep = (cos, ssin, k, v, where, visible)                      # the pointers below stay valid
+        self._setup(B, T, S, k, v, where, n_heads, scale, (cos.data_ptr(), ssin.data_ptr()), visible.data_ptr(),
+                    (None, 0), (cos, ssin, visible))
+
+    @classmethod
+    def causal(cls, cos: Tensor, ssin: Tensor, positions: Tensor, k: Tensor, v: Tensor, where: "ForwardSlots",
+               n_heads: int, scale: float) -> "Attend":
+        """A causal chain: the tables cos, ssin [P, hd] float32 whole, positions [B, T] int64 the tokens' rows in
+        them (one outside fails the call: a ValueError); token t of row b sees its row's slots up to at + t."""
+        B, T = positions.shape
+        if (not (cos.is_contiguous() and ssin.is_contiguous() and positions.is_contiguous())
+                or cos.dtype != torch.float32 or ssin.dtype != torch.float32 or cos.shape != ssin.shape
+                or cos.dim() != 2 or cos.shape[1] != k.shape[-1] or positions.dtype != torch.int64):
+            raise ValueError("native attention: unsupported layout")
+        attend = cls.__new__(cls)
+        attend._setup(B, T, where.kv_len, k, v, where, n_heads, scale, (cos.data_ptr(), ssin.data_ptr()), None,
+                      (positions.data_ptr(), cos.shape[0]), (cos, ssin, positions))
+        return attend
+
+    def _setup(self, B: int, T: int, S: int, k: Tensor, v: Tensor, where: "ForwardSlots", n_heads: int, scale: float,
+               head: tuple[int, int], mask: int | None, pos: tuple[int | None, int], keep: tuple) -> None:
+        L, R, nkv, Smax, hd = k.shape
+        if where.t != T or where.rows.numel() != B or where.kv_len != S:
+            raise ValueError("native attention: the tokens, slots and mask disagree")
+        if not (k.is_contiguous() and v.is_contiguous()) or k.dtype != torch.float32 or hd % 8:
+            raise ValueError("native attention: unsupported layout")
+        self._keep = (k, v, where, *keep)                                    # the pointers below stay valid
         self.rows, self.width, self.layers = B * T, (n_heads + 2 * nkv) * hd, L
         self.out_width = n_heads * hd
         self._layer_bytes = R * nkv * Smax * hd * 4
         self._k, self._v = k.data_ptr(), v.data_ptr()
-        self._head = (cos.data_ptr(), ssin.data_ptr())
-        self._tail = (where.row_off.data_ptr(), where.at.data_ptr(), Smax * hd, visible.data_ptr(), S, B, T,
-                      n_heads, nkv, hd, scale)
+        self._head, self._pos = head, pos
+        self._tail = (where.row_off.data_ptr(), where.at.data_ptr(), Smax * hd, mask, S, B, T, n_heads, nkv, hd, scale)
         self._plan: list[_Plan] = []                                          # `plan`, once asked for
 
     def plan(self) -> _Plan:
         """These arguments as the C struct `LayerLoop` takes (made once per forward, whatever calls ask)."""
         if not self._plan:
-            self._plan.append(_Plan(*self._head, self._k, self._v, self._layer_bytes, *self._tail))
+            self._plan.append(_Plan(*self._head, self._k, self._v, self._layer_bytes, *self._tail, *self._pos))
         return self._plan[0]
 
     def __call__(self, qkv: Tensor, q_norm: Tensor, k_norm: Tensor, eps: float, layer: int,
@@ -317,9 +341,12 @@ class Attend:
         rc = _LIB[0].specdec_qkv_attend(qkv.data_ptr(), qkv.dtype == torch.bfloat16, qkv.stride(0), *self._head,
                                         q_norm.data_ptr() if q_norm.numel() else None,
                                         k_norm.data_ptr() if k_norm.numel() else None, eps, self._k + off,
-                                        self._v + off, *self._tail, out.data_ptr(), out_dtype == torch.bfloat16)
+                                        self._v + off, *self._tail, out.data_ptr(), out_dtype == torch.bfloat16,
+                                        *self._pos)
         if rc:
-            raise MemoryError("native attention: out of memory") if rc == -1 else ValueError("native attention: too many query heads per kv head")
+            raise {-1: MemoryError("native attention: out of memory"),
+                   -3: ValueError("native attention: a position outside the rope tables")}.get(
+                rc, ValueError("native attention: too many query heads per kv head"))
         return out
 
 
@@ -535,7 +562,8 @@ class LayerLoop:
             raise {-1: MemoryError("native layer loop: out of memory"),
                    -2: ValueError("native layer loop: too many query heads per kv head"),
                    -4: ValueError("native layer loop: more rows than a linear's checked limit"),
-                   -5: ValueError(f"native layer loop: no layers [{first}, {last})")}.get(
+                   -5: ValueError(f"native layer loop: no layers [{first}, {last})"),
+                   -6: ValueError("native layer loop: a position outside the rope tables")}.get(
                 rc, RuntimeError(f"native layer loop: torch error (code {rc})"))
         return x_out, o_out
 
