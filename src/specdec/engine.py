@@ -378,14 +378,15 @@ class Engine:
         """One target forward over each row's pending token and its drafts: a chain causally, a tree under
         its ancestor mask, every node at the position of its depth."""
         B, K = draft.tokens.shape
-        if draft.is_chain:
+        lengths = self.cache.lengths[batch.rows][:, None]                                # [B, 1]
+        if draft.is_chain:                                # causal; a plain step (K = 0) needs no depths
             nodes = torch.cat([pending[:, None], draft.tokens], 1) if K else pending[:, None]   # [B, K+1]
-            depth = torch.arange(K + 1, device=pending.device)                          # [K+1] every row's
-            mask = None                                                                   # causal
+            positions = lengths + torch.arange(K + 1, device=pending.device) if K else lengths  # [B, K+1]
+            mask = None
         else:
             tree = draft.tree(pending)
-            nodes, depth, mask = tree.tokens, tree.depth(), tree.mask()                  # [B, N], [B, N], [B, N, N]
-        positions = self.cache.lengths[batch.rows][:, None] + depth                      # [B, N]
+            nodes, mask = tree.tokens, tree.mask()                                       # [B, N], [B, N, N]
+            positions = lengths + tree.depth()                                           # [B, N]
         if draft.reuse is not None:                       # the proposer ran the target's first layers already
             hidden = self.target.forward_reusing(draft.reuse, positions, self.cache, batch.rows, self.features)
         else:
