@@ -51,6 +51,9 @@ def labelled(fn: Callable, label: str) -> Callable:
     return run
 
 
+STEP_PROMPT = "Write a very long story about a dragon and a knight, with many chapters."   # engine steps' prompt
+
+
 class StandIn:
     """A callable standing in for `fn` (a native layer loop, an LM head), with what the decoder reads of a layer
     loop (its max_rows and dtype, and its `normed` call: the last layers and the final norm) where `fn` has it;
@@ -221,7 +224,7 @@ def engine_step(model: str, dtype: str, tokens: int, python_layers: bool) -> tup
     target = gen.target
     if python_layers:
         target.loop = None
-    prompt = "Write a very long story about a dragon and a knight, with many chapters."
+    prompt = STEP_PROMPT
     gen.generate(prompt, max_new_tokens=8)                                     # warm-up
     loop = target.loop = Timed(target.loop) if target.loop is not None else None
     head = target.lm_head = Timed(target.lm_head)

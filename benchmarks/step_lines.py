@@ -23,6 +23,7 @@ import time
 import specdec  # (applies $SPECDEC_ISA before torch computes)
 import torch
 
+from profile_token import STEP_PROMPT
 from specdec.machine import cpu_model
 
 METHODS = ("engine.Engine._speculate", "engine.Engine._score", "engine.Engine._commit", "engine.Engine._record",
@@ -69,7 +70,7 @@ def main() -> None:
     for spec in args.methods.split(","):
         module, cls, name = spec.rsplit(".", 2)
         stamped(getattr(importlib.import_module(f"specdec.{module}"), cls), name)
-    prompt = "Write a very long story about a dragon and a knight, with many chapters."
+    prompt = STEP_PROMPT
     gen.generate(prompt, max_new_tokens=8)                                     # warm-up
     SECONDS.clear()
     gen.generate(prompt, max_new_tokens=args.tokens + 1)

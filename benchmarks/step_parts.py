@@ -17,7 +17,7 @@ from collections.abc import Callable
 import specdec  # (applies $SPECDEC_ISA before torch computes)
 import torch
 
-from profile_token import Timed
+from profile_token import STEP_PROMPT, Timed
 from specdec import engine
 from specdec.machine import cpu_model
 from specdec.models import decoder
@@ -52,7 +52,7 @@ def main() -> None:
     for name in MODEL:
         setattr(decoder.Transformer, name, timed(getattr(decoder.Transformer, name), name, seconds))
     loop = gen.target.loop = Timed(gen.target.loop) if gen.target.loop is not None else None
-    prompt = "Write a very long story about a dragon and a knight, with many chapters."
+    prompt = STEP_PROMPT
     gen.generate(prompt, max_new_tokens=8)                                     # warm-up
     runs = []
     for n in (1, 1 + args.tokens):

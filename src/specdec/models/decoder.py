@@ -448,12 +448,14 @@ class Transformer(nn.Module):
             local_attend = local.attend if self.config.sliding_window > 0 else mask.attend
             start = first_layer
             for stop in sorted({i + 1 for i in features if i >= first_layer} | {L}):
-                if stop == L and stop > start:                               # the last layers and the final norm
+                if stop == start:                                              # the caller ran every layer
+                    break
+                if stop == L:                                                  # the last layers and the final norm
                     x, normed = loop.normed(x, o, start, L, mask.attend, local_attend, _float(self.norm))
                     o = NO_OUTPUT                                              # x is x + o now
-                elif stop > start:
+                else:
                     x, o = loop(x, o, start, stop, mask.attend, local_attend)
-                if stop > start and stop - 1 in features:
+                if stop - 1 in features:
                     taken[stop - 1] = x + o if o.numel() else x
                 start = stop
             first_layer = L
