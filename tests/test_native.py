@@ -363,3 +363,65 @@ def test_8_bit_codes_with_a_scale_per_16_inputs_have_the_same_bits_everywhere():
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="one per 32 or 16"):
         native.q8_rows_layout(q, d[:, :5])
+
+
+@pytest.mark.skipif(not native.loop_available(), reason="the native layer loop is not built here")
+@pytest.mark.parametrize("kind", ["q8", "q4"])
+def test_a_kernels_argmax_from_its_own_call_is_the_argmax_of_its_outputs(kind):
+    """`with_top` (an LM head's greedy tokens, found in the kernel's call): the plain call's outputs and each row's
+    first largest index, a NaN counting as the largest, as `sampling.argmax` gives it, on one and two threads: random
+    rows, a best output repeated at lower and higher indices (ties), NaN scales, and rows of equal outputs."""
+    from specdec.sampling import argmax
+
+    g = torch.Generator().manual_seed(11)
+    N, K = 3072, 64                                                            # split over threads where there are two
+    x = torch.randn(5, K, generator=g)
+    if kind == "q8":
+        def make(q, d):
+            return native.Q8Rows.of_layout(native.q8_rows_layout(q, d))
+        q, d = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g), torch.rand(N, K // 32, generator=g) / 50
+    else:
+        def make(q, d):
+            return native.Q4Linear.of(native.q4_layout(q, d, torch.zeros_like(d)))
+        q, d = torch.randint(0, 16, (N, K), dtype=torch.uint8, generator=g), torch.rand(N, K // 32, generator=g) / 50
+    best = int(argmax(make(q, d)(x[:1]))[0])
+    tied_q, tied_d = q.clone(), d.clone()
+    for at in (5, best + 1, N - 1):                                            # the best row again, before and after
+        tied_q[at], tied_d[at] = q[best], d[best]
+    nan_d = d.clone()
+    nan_d[[2000, 700], 1] = float("nan")
+    zero = torch.zeros_like(q) if kind == "q8" else torch.full_like(q, 8)     # every weight 0
+    cases = {"random": (q, d), "ties": (tied_q, tied_d), "nan": (q, nan_d), "equal": (zero, d)}
+    threads = torch.get_num_threads()
+    for name, (cq, cd) in cases.items():
+        k = make(cq, cd)
+        assert k.fuses_top
+        for m in (1, 2, 5):
+            for n in sorted({1, min(2, threads)}):
+                try:
+                    torch.set_num_threads(n)
+                    out, top = k.with_top(x[:m])
+                finally:
+                    torch.set_num_threads(threads)
+                torch.testing.assert_close(out, k(x[:m]), rtol=0, atol=0, equal_nan=True, msg=f"{name} {m} {n}")
+                assert top.dtype == torch.int64 and torch.equal(top, argmax(out)), (name, m, n, top, argmax(out))
+        if name == "ties":
+            assert int(top[0]) == 5
+        elif name == "nan":
+            assert top.tolist() == [700] * 5
+        elif name == "equal":
+            assert top.tolist() == [0] * 5
+
+
+def test_linear_top_without_a_fused_kernel_is_the_linear_and_its_argmax():
+    """`kernels.linear_top` where the kernel does not find the argmax itself (or there is no kernel): the linear's
+    float32 outputs and `sampling.argmax` of them, in the input's leading shape."""
+    from specdec.models.kernels import DenseLinear, linear, linear_top
+    from specdec.sampling import argmax
+
+    g = torch.Generator().manual_seed(2)
+    w, x = torch.randn(40, 8, generator=g), torch.randn(2, 3, 8, generator=g)
+    for packed in ({}, {"head": DenseLinear(w)}):
+        out, top = linear_top(x, w, packed, "head")
+        assert torch.equal(out, linear(x, w, packed, "head")) and out.shape == (2, 3, 40)
+        assert torch.equal(top, argmax(out)) and top.shape == (2, 3)

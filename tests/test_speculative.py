@@ -13,7 +13,7 @@ from specdec.proposers.draft_model import DraftModelProposer
 from specdec.proposers.ngram import NgramProposer
 from specdec.reference import exact_distribution, reference_greedy
 from specdec.sampling import BatchSampling, SamplingParams
-from specdec.verify import Draft, verify, verify_greedy
+from specdec.verify import Draft, follow, verify, verify_greedy
 
 from helpers import N, PROMPTS, V, check_joint, close_draft, exact_joint, sample_engine, tiny_generator, tiny_model
 
@@ -179,11 +179,11 @@ def test_catches_bonus_from_wrong_position(monkeypatch):
     def buggy(draft, p, u_target, u_accept):
         return verify(draft, shifted(p), u_target, u_accept)
 
-    def buggy_greedy(tokens, logits):                                # the greedy fast path, equally wrong
-        return verify_greedy(tokens, shifted(logits))
+    def buggy_greedy(tokens, top):                                   # the greedy fast path, equally wrong
+        return follow(tokens, shifted(top[..., None].float())[..., 0].long())
 
     monkeypatch.setattr(engine_mod, "verify", buggy)
-    monkeypatch.setattr(engine_mod, "verify_greedy", buggy_greedy)
+    monkeypatch.setattr(engine_mod, "follow", buggy_greedy)
     model = tiny_model(seed=7)
     truth = {tuple(PROMPTS[1]): reference_greedy(model, PROMPTS[1], 40)}
     gen = tiny_generator(model, ScriptedProposer(truth, "oracle", 97), "fixed", 4)

@@ -35,7 +35,7 @@ from .proposers.base import ActiveBatch, Proposer
 from .sampling import BatchSampling, SamplingParams, Stream, position_uniforms, sample, seed_tensor, to_probs
 from .text_output import TextOutput
 from .tree import MAX_TREE_BUDGET
-from .verify import Draft, Verdict, check_draft, verify, verify_greedy, verify_tree
+from .verify import Draft, Verdict, check_draft, follow, verify, verify_tree
 
 
 PROMPT_HEAD_ROWS = 64        # prompt rows scored per LM-head call where a request asks for its prompt's logprobs
@@ -98,6 +98,8 @@ class Scored:
     hidden: Tensor                    # [B, N, H] the target's features of the scored rows
     logits: Tensor                    # [B, N, V] float32: what each row gives its next position
     positions: Tensor                 # [B, N] each row's position
+    greedy: bool                      # the step verifies a chain of point masses greedily (`Engine._greedy`)
+    top: Tensor                       # [B, N] int64 each row's argmax where greedy (from the head's call), else [B, 0]
 
 
 class Engine:
@@ -392,7 +394,15 @@ class Engine:
         else:
             ids = nodes.clamp(min=0) if K else nodes                                     # PAD drafts score as 0
             hidden = self.target(ids, positions, self.cache, batch.rows, mask, self.features)  # [B, N, H']
-        return Scored(hidden, self.target.lm_head(hidden), positions)
+        if self._greedy(batch, draft):
+            logits, top = self.target.lm_head_top(hidden)                                # [B, N, V], [B, N]
+            return Scored(hidden, logits, positions, True, top)
+        return Scored(hidden, self.target.lm_head(hidden), positions, False, positions.new_empty(B, 0))
+
+    @staticmethod
+    def _greedy(batch: ActiveBatch, draft: Draft) -> bool:
+        """Whether the target's argmax decides the whole step: greedy rows verifying a chain of point masses."""
+        return draft.is_chain and batch.sampling.greedy and (draft.probs is None or not bool(draft.sampled.any()))
 
     def _verify(self, batch: ActiveBatch, draft: Draft, pending: Tensor, scored: Scored) -> Verdict:
         """What the target keeps of the drafts (verify.py).
@@ -404,8 +414,8 @@ class Engine:
         rejection, so nothing this step commits or reports (tokens, accepted counts) depended on them,
         and they are as fresh next step as if never computed. Sampled drafts are drawn afresh at every
         step (sampling.step_seeds), so the same holds for the draws behind them."""
-        if draft.is_chain and batch.sampling.greedy and (draft.probs is None or not bool(draft.sampled.any())):
-            return verify_greedy(draft.tokens, scored.logits)      # no distribution nor uniform needed
+        if scored.greedy:
+            return follow(draft.tokens, scored.top)                # the target's argmax: no distribution nor uniform
         probs = to_probs(scored.logits, batch.sampling)                                     # [B, N, V]
         u_target = position_uniforms(batch.seeds, scored.positions + 1, Stream.TARGET)          # [B, N]
         if not draft.is_chain:

@@ -253,16 +253,16 @@ def verify(draft: Draft, p: Tensor, u_target: Tensor, u_accept: Tensor) -> Verdi
 def verify_point_masses(x: Tensor, p: Tensor, u_target: Tensor) -> Verdict:
     """x [B, K] drafts (PAD = none); p [B, K+1, V]; u_target [B, K+1]: follow the drafts while they are
     the target's own samples."""
-    return _follow(x, sample(p, u_target))
+    return follow(x, sample(p, u_target))
 
 
 def verify_greedy(x: Tensor, logits: Tensor) -> Verdict:
     """verify_point_masses for rows that all decode greedily, from their logits [B, K+1, V]: the target's token
     is the argmax (the first index on ties), which is what sampling its one-hot gives for any uniform."""
-    return _follow(x, argmax(logits))
+    return follow(x, argmax(logits))
 
 
-def _follow(x: Tensor, y: Tensor) -> Verdict:
+def follow(x: Tensor, y: Tensor) -> Verdict:
     """Drafts x [B, K] followed while they equal the target's tokens y [B, K+1]."""
     K = x.shape[1]
     if K == 0:                                                                  # plain decoding: y is the new token

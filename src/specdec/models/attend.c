@@ -971,3 +971,47 @@ int specdec_rows_linear(int kind, const void *x, int x_bf16, int64_t M, int64_t 
     free(xq); free(dx); free(sx); free(xs8);
     return rc;
 }
+
+/* The first index of the largest of each row of x [M, N] float32, a NaN counting as the largest (numpy's argmax,
+ * `sampling.argmax`): top [M]. The maximum first (with any NaN noted), then the first element equal to it (or the
+ * first NaN): exact comparisons only, so the same index at every instruction level. */
+void specdec_row_top(const float *x, int64_t M, int64_t N, int64_t *top) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *r = x + m * N;
+        float best = r[0];
+        int nan = best != best;
+        int64_t i = 1;
+#ifdef __AVX2__
+        if (N >= 16) {
+            __m256 acc = _mm256_loadu_ps(r), odd = _mm256_setzero_ps();
+            for (i = 8; i + 8 <= N; i += 8) {
+                const __m256 v = _mm256_loadu_ps(r + i);
+                odd = _mm256_or_ps(odd, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+                acc = _mm256_max_ps(v, acc);             /* a NaN v keeps acc; NaNs are found by `odd` */
+            }
+            float lanes[LANES];
+            _mm256_storeu_ps(lanes, acc);
+            nan = _mm256_movemask_ps(_mm256_or_ps(odd, _mm256_cmp_ps(acc, acc, _CMP_UNORD_Q))) != 0;
+            for (int l = 0; l < LANES; l++) best = lanes[l] > best ? lanes[l] : best;
+        }
+#endif
+        for (; i < N; i++) {
+            nan |= r[i] != r[i];
+            best = r[i] > best ? r[i] : best;
+        }
+        int64_t at = 0;
+#ifdef __AVX2__
+        const __m256 b = _mm256_set1_ps(best);
+        for (; at + 8 <= N; at += 8) {                   /* the block of 8 holding the first match */
+            const __m256 v = _mm256_loadu_ps(r + at);
+            if (_mm256_movemask_ps(nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q) : _mm256_cmp_ps(v, b, _CMP_EQ_OQ))) break;
+        }
+#endif
+        if (nan) {
+            while (r[at] == r[at]) at++;
+        } else {
+            while (r[at] != best) at++;
+        }
+        top[m] = at;
+    }
+}

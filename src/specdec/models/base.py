@@ -62,3 +62,8 @@ class CausalLM(Protocol):
     def lm_head(self, hidden: Tensor) -> Tensor:
         """hidden [..., H] -> float32 logits [..., V]."""
         ...
+
+    def lm_head_top(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """hidden [..., H] -> (lm_head(hidden), its argmax [...] int64: the first index of the largest, a NaN
+        counting as the largest, as `sampling.argmax`)."""
+        ...

@@ -18,7 +18,7 @@ from .attention import INVARIANT_MAX_T, KV_BLOCK, AttentionMask, attention
 from .config import ModelConfig
 from . import native
 from .int4 import HEAD
-from .kernels import DenseLinear, Kernel, fastest, linear, pack, packed_linear_available
+from .kernels import DenseLinear, Kernel, fastest, linear, linear_top, pack, packed_linear_available
 
 if TYPE_CHECKING:
     from ..verify import Reuse
@@ -268,6 +268,14 @@ class Transformer(nn.Module):
         if hidden.shape[-1] != self.config.dim:
             hidden = hidden[..., :self.config.dim]
         return _float(linear(hidden, w, self.packed, "lm_head"))
+
+    def lm_head_top(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """hidden [..., H] -> (float32 logits [..., V], their argmax [...] int64): the greedy tokens from the head's
+        own call where its kernel finds them (`kernels.linear_top`)."""
+        w = self.output if self.output.numel() else self.embed
+        if hidden.shape[-1] != self.config.dim:
+            hidden = hidden[..., :self.config.dim]
+        return linear_top(hidden, w, self.packed, "lm_head")
 
     def final_norm(self, x: Tensor, o: Tensor = NO_OUTPUT) -> Tensor:
         """The final RMSNorm of the residual stream x [N, D] after the last layer's output o [N, D] (empty: nothing

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from ..cache import KVCache
 from ..errors import SpecdecError
+from ..sampling import argmax
 from .decoder import Transformer, materialize, linear
 from .eagle import fitting, read_weights, target_fingerprint, write_weights
 
@@ -87,6 +88,11 @@ class DistilledDraft(nn.Module):
         sub = self.sub_logits(hidden)
         out = torch.full((*sub.shape[:-1], self.vocab_size), float("-inf"), device=sub.device)
         return out.index_copy_(-1, self.vocab_ids, sub)
+
+    def lm_head_top(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """(lm_head(hidden), its argmax [...] int64)."""
+        logits = self.lm_head(hidden)
+        return logits, argmax(logits)
 
     def prepare(self, dtype: torch.dtype) -> "DistilledDraft":
         """Inference set-up: the target's dtype, prepacked linears on CPU."""

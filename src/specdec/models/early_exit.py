@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from ..cache import KVCache
 from ..errors import SpecdecError
+from ..sampling import argmax
 from .decoder import Transformer, truncated
 from .eagle import fitting, read_weights, target_fingerprint, write_weights
 from .kernels import linear, pack, packed_linear_available
@@ -86,6 +87,11 @@ class EarlyExitDraft(nn.Module):
         sub = self.sub_logits(hidden, self.w_sub)
         out = torch.full((*sub.shape[:-1], self.vocab_size), float("-inf"), device=sub.device)
         return out.index_copy_(-1, self.vocab_ids, sub)
+
+    def lm_head_top(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """(lm_head(hidden), its argmax [...] int64)."""
+        logits = self.lm_head(hidden)
+        return logits, argmax(logits)
 
     def lm_rows(self) -> Tensor:
         t = self.target[0]

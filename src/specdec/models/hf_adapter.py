@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from ..cache import KVCache
 from ..errors import SpecdecError
+from ..sampling import argmax
 from ..verify import Reuse
 
 _FULL = "full_attention"
@@ -129,6 +130,11 @@ class HFCausalLM(nn.Module):
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+    def lm_head_top(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """(lm_head(hidden), its argmax [...] int64)."""
+        logits = self.lm_head(hidden)
+        return logits, argmax(logits)
 
     @torch.no_grad()
     def prefill(self, tokens: Tensor, positions: Tensor, cache: HFCache, rows: Tensor,

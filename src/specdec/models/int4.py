@@ -201,6 +201,7 @@ class Int4Linear:
 
     dtype = torch.bfloat16  # of its inputs and outputs
     pair = False          # rows are bit-identical for any row count, a lone one included (checked)
+    fuses_top = False
 
     @property
     def label(self) -> str:

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..sampling import argmax
+
 
 PACK_ROWS = 8             # oneDNN's row hint when prepacking: 1 makes a lone row take a gemv path
 CHECK_COUNTS = (2, 3, 5, 8, 17, 33)  # row counts tried at every offset of CHECK_OFFSETS (the others once each)
@@ -102,6 +104,7 @@ class PackedLinear:
 
     pair = True           # a lone row is computed as two copies of it (see the module docstring)
     label = "oneDNN prepacked"
+    fuses_top = False
 
     def __call__(self, x: Tensor) -> Tensor:
         """x [M, in] -> [M, out]"""
@@ -301,6 +304,7 @@ class DenseLinear:
     check = RowCheck(many_rows=False, lone_row=False)   # not row-invariant: never batched across prompts
     pair = True
     label = "F.linear"
+    fuses_top = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -312,13 +316,18 @@ class DenseLinear:
 
 class Kernel(Protocol):
     """A linear layer's kernel: x [M, in] in `dtype` -> [M, out]; `pair`: compute a lone row as two; `label`:
-    what it is, for `specdec info`."""
+    what it is, for `specdec info`; `fuses_top`: `with_top` gives each row's argmax from the kernel's own call."""
     dtype: torch.dtype
     check: RowCheck
     pair: bool
     label: str
+    fuses_top: bool
 
     def __call__(self, x: Tensor) -> Tensor: ...
+
+    def with_top(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [M, in] -> ([M, out] float32, each row's argmax [M] int64); only where `fuses_top`."""
+        ...
 
 
 def linear(x: Tensor, w: Tensor, packed: dict[str, Kernel], name: str) -> Tensor:
@@ -346,3 +355,17 @@ def linear(x: Tensor, w: Tensor, packed: dict[str, Kernel], name: str) -> Tensor
     if out.dtype != x.dtype:
         out = out.to(x.dtype)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], -1)
+
+
+def linear_top(x: Tensor, w: Tensor, packed: dict[str, Kernel], name: str) -> tuple[Tensor, Tensor]:
+    """(`linear`(x, w, packed, name) as float32, its argmax over the last dimension): x [..., in] -> [..., out],
+    [...] int64, the first index of the largest (a NaN counting as the largest, as `sampling.argmax`). A kernel that
+    `fuses_top` finds the argmax in its own call, while the outputs are still in the caches (an LM head's greedy
+    tokens: after a forward has streamed the weights, every further call finds its code and data cold)."""
+    p = packed.get(name)
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])                # [M, in]
+    if p is not None and p.fuses_top and not p.pair and (not p.check.many_rows or len(rows) <= p.check.max_rows):
+        out, top = p.with_top(rows if rows.dtype == p.dtype else rows.to(p.dtype))
+        return (out, top) if x.dim() == 2 else (out.view(*x.shape[:-1], -1), top.view(x.shape[:-1]))
+    out = linear(x, w, packed, name).float()
+    return out, argmax(out)

@@ -48,6 +48,7 @@ typedef int (*quantize_fn)(const void *x, int x_bf16, int64_t M, int64_t K, int8
 typedef int (*q4_fn)(const int8_t *xq, const float *dx, const float *sx, const int32_t *xs8, int64_t M, int64_t K,
                      const uint8_t *codes, const float *scale, const float *zero, int64_t N, void *out, int out_bf16,
                      int64_t g0, int64_t g1, int isa);
+typedef void (*top_fn)(const float *x, int64_t M, int64_t N, int64_t *top);
 
 // One forward's attention plan (what `native.Attend` checks once per forward), as a C struct.
 extern "C" struct specdec_plan {
@@ -122,10 +123,12 @@ const int64_t SPLIT_ROWS = 8, QUANTIZE_SPLIT_ROWS = 32;
 
 // A native kernel (4-bit or 8-bit codes), with `threads` over torch's threads (groups of 16 outputs split between
 // them), else on the calling thread (whichever its first start timed faster for the shape: `gguf_loader.split_or_not`):
-// x [M, K] quantized once, then out [M, N] (out_bf16: bfloat16, else float32). Returns 0, or -3 on a torch error.
+// x [M, K] quantized once, then out [M, N] (out_bf16: bfloat16, else float32) and, with `top` (float32 out only),
+// each row's first largest output's index (attend.c's specdec_row_top) into top_out [M]: an LM head's greedy tokens
+// while its logits are still in the caches. Returns 0, or -3 on a torch error.
 int q4_threads(quantize_fn quantize, q4_fn q4, const void *x, int x_bf16, int64_t M, int64_t K,
                const uint8_t *codes, const float *scale, const float *zero, int64_t N, void *out, int out_bf16,
-               int isa, int threads) {
+               int isa, int threads, top_fn top = nullptr, int64_t *top_out = nullptr) {
     const int64_t nb = K / 32;
     // the quantized rows in this thread's scratch (no tensor: a call costs no allocation once it has grown)
     thread_local std::vector<float> scratch;
@@ -150,6 +153,7 @@ int q4_threads(quantize_fn quantize, q4_fn q4, const void *x, int x_bf16, int64_
     at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
         q4(xq, dx, sx, xs8, M, K, codes, scale, zero, N, out, out_bf16, g0, g1, isa);
     });
+    if (top && top_out && !out_bf16) top((const float *)out, M, N, top_out);
     return 0;
 }
 
@@ -255,12 +259,14 @@ int set_linear(void *m, int64_t i, int which, int kind, int64_t n_out, int64_t n
 
 extern "C" {
 
-// One native linear over torch's threads (`native.Q4Linear` and `native.Q8Rows` call it where the loop is built).
+// One native linear over torch's threads (`native.Q4Linear` and `native.Q8Rows` call it where the loop is built),
+// with each row's argmax where `top` and top_out are given (see q4_threads).
 int specdec_q4_threads(quantize_fn quantize, q4_fn q4, const void *x, int x_bf16, int64_t M, int64_t K,
                        const uint8_t *codes, const float *scale, const float *zero, int64_t N, void *out,
-                       int out_bf16, int isa, int threads) {
+                       int out_bf16, int isa, int threads, top_fn top, int64_t *top_out) {
     try {
-        return q4_threads(quantize, q4, x, x_bf16, M, K, codes, scale, zero, N, out, out_bf16, isa, threads);
+        return q4_threads(quantize, q4, x, x_bf16, M, K, codes, scale, zero, N, out, out_bf16, isa, threads, top,
+                          top_out);
     } catch (...) {
         return -3;
     }

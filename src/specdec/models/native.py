@@ -226,7 +226,7 @@ def _build_loop() -> str:
     lib.specdec_loop_linear.argtypes = [_PTR, _I64, ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64]
     lib.specdec_q4_threads.restype = ctypes.c_int
     lib.specdec_q4_threads.argtypes = [_PTR, _PTR, _PTR, ctypes.c_int, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR,
-                                       ctypes.c_int, ctypes.c_int, ctypes.c_int]
+                                       ctypes.c_int, ctypes.c_int, ctypes.c_int, _PTR, _PTR]
     lib.specdec_loop_rows.restype = ctypes.c_int
     lib.specdec_loop_rows.argtypes = [_PTR, _I64, ctypes.c_int, _PTR, ctypes.c_int, _PTR, _PTR, _PTR, _I64, _I64,
                                       ctypes.c_int, _I64]
@@ -407,6 +407,7 @@ class Q8Head:
 
     dtype = torch.bfloat16  # of its inputs (float32 outputs)
     pair = False
+    fuses_top = False
 
     @property
     def label(self) -> str:
@@ -612,23 +613,27 @@ PARALLEL_CODE_BYTES = 750_000
 
 
 def _rows_linear(kind: int, x: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, isa: int, threads: bool,
-                 what: str) -> Tensor:
+                 what: str, top: bool = False) -> tuple[Tensor, Tensor]:
     """x [M, K] (bfloat16 or float32, checked by the caller) -> float32 [M, N] through attend.c's row kernel `kind`
     (ROWS_Q4, ROWS_Q8, ROWS_Q8H): with `threads` over torch's threads where the layer loop is built, as it runs
-    them, else on one thread (the same bits either way)."""
+    them, else on one thread (the same bits either way); and with `top` (only where the layer loop is built) each
+    row's argmax [M] int64 from the same call (attend.c's specdec_row_top), else an empty [0]."""
     x = x.contiguous()
     M, K, N = x.shape[0], codes.shape[1] * 32, codes.shape[0] * Q4_GROUP
     out = torch.empty(M, N, dtype=torch.float32)
+    best = torch.empty(M if top else 0, dtype=torch.int64)
     args = (x.data_ptr(), x.dtype == torch.bfloat16, M, K, codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), N,
             out.data_ptr(), 0, isa)
     if loop_available():
         rc = _LOOP[0].specdec_q4_threads(_entry("specdec_q8_quantize"), _entry(_ROWS_ENTRY[kind]), *args,
-                                         int(threads))
+                                         int(threads), _entry("specdec_row_top") if top else 0, best.data_ptr())
+    elif top:
+        raise RuntimeError(f"{what}: no fused argmax without the native layer loop")
     else:
         rc = _LIB[0].specdec_rows_linear(kind, *args)
     if rc:
         raise MemoryError(f"{what}: out of memory") if rc == -1 else RuntimeError(f"{what}: error {rc}")
-    return out
+    return out, best
 
 
 def q8_rows_layout(q: Tensor, d: Tensor) -> dict[str, Tensor]:
@@ -676,12 +681,24 @@ class Q8Rows:
         """attend.c's kernel: ROWS_Q8 (a scale per 32 inputs), ROWS_Q8H (per 16)"""
         return ROWS_Q8 if self.d.shape[-1] == Q4_GROUP else ROWS_Q8H
 
-    def __call__(self, x: Tensor) -> Tensor:
-        """x [M, K] bfloat16 or float32 -> [M, N] float32"""
+    def _check(self, x: Tensor) -> None:
         K = self.shape[1]
         if x.dtype not in DTYPES or x.dim() != 2 or x.shape[1] != K:
             raise ValueError(f"8-bit linear: expected [M, {K}] bfloat16 or float32, got {x.dtype} {list(x.shape)}")
-        return _rows_linear(self.kind, x, self.codes, self.d, self.d, self.isa, self.threads, "8-bit linear")
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """x [M, K] bfloat16 or float32 -> [M, N] float32"""
+        self._check(x)
+        return _rows_linear(self.kind, x, self.codes, self.d, self.d, self.isa, self.threads, "8-bit linear")[0]
+
+    @property
+    def fuses_top(self) -> bool:
+        return loop_available()
+
+    def with_top(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [M, K] -> (this linear's [M, N] float32, each row's argmax [M] int64) from one native call (`fuses_top`)."""
+        self._check(x)
+        return _rows_linear(self.kind, x, self.codes, self.d, self.d, self.isa, self.threads, "8-bit linear", True)
 
     @staticmethod
     def of(q: Tensor, d: Tensor) -> "Q8Rows":
@@ -725,12 +742,24 @@ class Q4Linear:
         """(out, in)"""
         return self.codes.shape[0] * Q4_GROUP, self.codes.shape[1] * 32
 
-    def __call__(self, x: Tensor) -> Tensor:
-        """x [M, K] float32 (or bfloat16) -> [M, N] float32"""
+    def _check(self, x: Tensor) -> None:
         K = self.shape[1]
         if x.dtype not in DTYPES or x.dim() != 2 or x.shape[1] != K:
             raise ValueError(f"Q4 linear: expected [M, {K}] float32 or bfloat16, got {x.dtype} {list(x.shape)}")
-        return _rows_linear(ROWS_Q4, x, self.codes, self.scale, self.zero, self.isa, self.threads, "Q4 linear")
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """x [M, K] float32 (or bfloat16) -> [M, N] float32"""
+        self._check(x)
+        return _rows_linear(ROWS_Q4, x, self.codes, self.scale, self.zero, self.isa, self.threads, "Q4 linear")[0]
+
+    @property
+    def fuses_top(self) -> bool:
+        return loop_available()
+
+    def with_top(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [M, K] -> (this linear's [M, N] float32, each row's argmax [M] int64) from one native call (`fuses_top`)."""
+        self._check(x)
+        return _rows_linear(ROWS_Q4, x, self.codes, self.scale, self.zero, self.isa, self.threads, "Q4 linear", True)
 
     @staticmethod
     def of(layout: dict[str, Tensor]) -> "Q4Linear":
