@@ -127,10 +127,16 @@ def book_path() -> Path:
     """Where this machine's check results are kept: one file per CPU, torch build, ISA limit and thread count
     (what decides which kernel runs), under $SPECDEC_CACHE/kernel-checks."""
     from ..machine import probe
-    from .registry import cache_dir
 
     m = probe()
     stamp = f"{m.cpu}|{torch.__version__}|{m.torch_capability}|{m.isa_limit}|{torch.get_num_threads()}|{CHECK_VERSION}"
+    return _book_file(stamp, os.environ.get("SPECDEC_CACHE", ""))
+
+
+@functools.cache                     # a start asks about 360 times (every kernel's check and choice)
+def _book_file(stamp: str, cache_setting: str) -> Path:
+    from .registry import cache_dir
+
     return cache_dir() / "kernel-checks" / f"{hashlib.sha256(stamp.encode()).hexdigest()[:16]}.json"
 
 

@@ -8,10 +8,12 @@ as variables, its `tojson`, `strftime_now` and `{% generation %}`), without impo
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import re
 import secrets
+from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from .registry import cache_dir, file_digest, file_mode, file_sha256, sweep_stal
 END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|endoftext|>")
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")                 # a byte-fallback token's spelling
+HEX_DIGITS = "0123456789ABCDEFabcdef"
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -71,14 +74,15 @@ class Tokenizer:
         """backend: a `tokenizers.Tokenizer`; chat_template: jinja source ("" if none); special: the
         special tokens by role (bos_token, eos_token, ...)."""
         self.backend, self.special = backend, special
-        vocab = backend.get_vocab(with_added_tokens=True)
-        ids = {vocab[special["eos_token"]]} if special.get("eos_token") in vocab else set()
-        ids |= {vocab[t] for t in END_OF_TURN if t in vocab}
-        self.eos_ids = frozenset(ids)
-        self.bos_id = vocab.get(special.get("bos_token", ""), -1)    # -1: the model has none
-        # byte-fallback tokens (`<0xE3>`): the decoder spells a run of them as one UTF-8 string, so their text
-        # may change with the tokens after them (detokenize.py holds it back until the run ends)
-        self.byte_ids = frozenset(i for t, i in vocab.items() if BYTE_TOKEN.fullmatch(t))
+        # looked up one by one: the whole vocabulary as a dict took 40-100 ms of every start
+        def ids_of(texts: Iterable[str]) -> set[int]:
+            return {i for i in map(backend.token_to_id, texts) if i is not None}
+
+        self.eos_ids = frozenset(ids_of([special.get("eos_token", ""), *END_OF_TURN]))
+        self.bos_id = min(ids_of([special.get("bos_token", "")]), default=-1)   # -1: the model has none
+        # byte-fallback tokens (`<0xE3>`, any case): the decoder spells a run of them as one UTF-8 string, so their
+        # text may change with the tokens after them (detokenize.py holds it back until the run ends)
+        self.byte_ids = frozenset(ids_of(f"<0x{a}{b}>" for a, b in itertools.product(HEX_DIGITS, repeat=2)))
         self._control = sorted((t.content for t in backend.get_added_tokens_decoder().values() if t.special and t.content),
                                key=len, reverse=True)                           # control tokens' texts, longest first
         self._literal = None                       # a copy that encodes control tokens' texts as plain text
