@@ -424,3 +424,30 @@ def test_serve_shares_a_draft_of_the_same_tokenizer_and_names_one_of_another(mon
         assert drafts_for_server(a, SimpleNamespace(**{**vars(gen), "method": "suffix"})) == {"draft": want}
     head = SimpleNamespace(draft_model="head.safetensors")
     assert drafts_for_server(head, SimpleNamespace(**{**vars(gen), "method": "eagle3"})) == {"eagle3": "head.safetensors"}
+
+
+ENTRY = """
+import atexit, sys, threading, time
+import specdec.cli as cli
+path, threaded = sys.argv[1], sys.argv[2] == "1"
+def fake_main():
+    sys.stdout.write("x" * 1_000_000)                     # left in the buffer: the exit must flush it
+    atexit.register(lambda: open(path, "w").write("handlers ran"))
+    if threaded:                                          # a thread still running: Python's own exit waits for it
+        threading.Thread(target=lambda: (time.sleep(0.5), sys.stderr.write("thread done"))).start()
+    return 3
+cli.main = fake_main
+cli.entry()
+"""
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_the_console_script_exits_with_the_code_output_and_handlers_of_a_full_exit(tmp_path, threaded):
+    """`entry` skips the interpreter's teardown, not what an exit owes: the buffered output, the exit handlers, the
+    command's exit code; a thread still running is waited for as Python's own exit would."""
+    marker = tmp_path / "marker"
+    out = subprocess.run([sys.executable, "-c", ENTRY, str(marker), str(int(threaded))], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 3 and out.stdout == "x" * 1_000_000
+    assert marker.read_text() == "handlers ran"
+    assert ("thread done" in out.stderr) == threaded

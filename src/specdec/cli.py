@@ -461,5 +461,26 @@ def main(argv: list[str] | None = None) -> int:
         return 141
 
 
+def entry() -> None:
+    """The `specdec` console script: `main`, then, once no other thread is left, the exit handlers and a flush of
+    the output, and the process ends without the interpreter's teardown (freeing a loaded model's modules, tensors
+    and libraries one by one took 0.7-0.8 s of a one-token `specdec generate` on an AMD EPYC Zen 3)."""
+    import atexit
+    import threading
+
+    rc = main()
+    if threading.active_count() > 1:               # a thread still running ends as Python ends it
+        sys.exit(rc)
+    atexit._run_exitfuncs()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except BrokenPipeError:                        # the reader left before the last of the output
+        rc = rc or 141
+    except (OSError, ValueError):
+        pass
+    os._exit(rc)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
