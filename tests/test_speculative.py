@@ -260,7 +260,7 @@ def test_greedy_verification_from_logits_is_sampling_the_one_hot_for_any_uniform
     """The greedy fast path (argmax of the logits) keeps what sampling the greedy one-hot keeps, ties included
     (the first index), whatever the uniforms."""
     from specdec.sampling import sample, to_probs
-    from specdec.verify import PAD, verify_greedy, verify_point_masses
+    from specdec.verify import PAD, verify_point_masses
 
     g = torch.Generator().manual_seed(3)
     logits = torch.randint(0, 4, (6, 5, 11), generator=g).float()          # many ties
