@@ -264,18 +264,18 @@ class Transformer(nn.Module):
 
     def lm_head(self, hidden: Tensor) -> Tensor:
         """hidden [..., H] (or a forward's wider output with `features`) -> float32 logits [..., V]."""
-        w = self.output if self.output.numel() else self.embed
-        if hidden.shape[-1] != self.config.dim:
-            hidden = hidden[..., :self.config.dim]
-        return _float(linear(hidden, w, self.packed, "lm_head"))
+        return _float(linear(*self._head_inputs(hidden), self.packed, "lm_head"))
 
     def lm_head_top(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
         """hidden [..., H] -> (float32 logits [..., V], their argmax [...] int64): the greedy tokens from the head's
         own call where its kernel finds them (`kernels.linear_top`)."""
-        w = self.output if self.output.numel() else self.embed
+        return linear_top(*self._head_inputs(hidden), self.packed, "lm_head")
+
+    def _head_inputs(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """(the final state [..., H] of `hidden`, a forward's output maybe wider with `features`; the head's weight)"""
         if hidden.shape[-1] != self.config.dim:
             hidden = hidden[..., :self.config.dim]
-        return linear_top(hidden, w, self.packed, "lm_head")
+        return hidden, self.output if self.output.numel() else self.embed
 
     def final_norm(self, x: Tensor, o: Tensor = NO_OUTPUT) -> Tensor:
         """The final RMSNorm of the residual stream x [N, D] after the last layer's output o [N, D] (empty: nothing

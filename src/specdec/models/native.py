@@ -612,6 +612,9 @@ _ROWS_ENTRY = {ROWS_Q4: "specdec_q4_q8_matmul", ROWS_Q8: "specdec_q8r_q8_matmul"
 PARALLEL_CODE_BYTES = 750_000
 
 
+NO_TOP = torch.empty(0, dtype=torch.int64)   # `_rows_linear` without the argmax
+
+
 def _rows_linear(kind: int, x: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, isa: int, threads: bool,
                  what: str, top: bool = False) -> tuple[Tensor, Tensor]:
     """x [M, K] (bfloat16 or float32, checked by the caller) -> float32 [M, N] through attend.c's row kernel `kind`
@@ -621,12 +624,13 @@ def _rows_linear(kind: int, x: Tensor, codes: Tensor, scale: Tensor, zero: Tenso
     x = x.contiguous()
     M, K, N = x.shape[0], codes.shape[1] * 32, codes.shape[0] * Q4_GROUP
     out = torch.empty(M, N, dtype=torch.float32)
-    best = torch.empty(M if top else 0, dtype=torch.int64)
+    best = torch.empty(M, dtype=torch.int64) if top else NO_TOP
     args = (x.data_ptr(), x.dtype == torch.bfloat16, M, K, codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), N,
             out.data_ptr(), 0, isa)
     if loop_available():
         rc = _LOOP[0].specdec_q4_threads(_entry("specdec_q8_quantize"), _entry(_ROWS_ENTRY[kind]), *args,
-                                         int(threads), _entry("specdec_row_top") if top else 0, best.data_ptr())
+                                         int(threads), _entry("specdec_row_top") if top else 0,
+                                         best.data_ptr() if top else 0)
     elif top:
         raise RuntimeError(f"{what}: no fused argmax without the native layer loop")
     else:
