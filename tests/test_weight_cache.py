@@ -1,6 +1,10 @@
 """The packed-weight cache: a model read from it computes exactly what a freshly converted one does."""
 from __future__ import annotations
 
+import json
+import time
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -227,6 +231,64 @@ def test_an_entry_with_damaged_bytes_inside_is_converted_again(tmp_path):
         f.seek(where.stat().st_size - 4000)
         f.write(bytes(1000))
     assert weight_cache.read(where) is None
+
+
+def _tiny_entry(where):
+    from helpers import tiny_config
+
+    from specdec.models.gguf_loader import Weights
+
+    w = Weights(tiny_config(), {"embed": torch.randn(97, 32), "norm": torch.ones(32)}, {}, {}, {}, {})
+    weight_cache.write(where, w)
+    return w
+
+
+def test_a_checked_entry_is_not_read_again_until_its_file_changes(tmp_path, monkeypatch):
+    """The checksum is read once per version of the file and boot: a settled entry read again trusts the
+    remembered verdict; rewritten in place (new times), or after a reboot, it is read and checked again."""
+    where = tmp_path / "m-0123-float32-dense.safetensors"
+    _tiny_entry(where)
+    reads: list[Path] = []
+    real = weight_cache.file_checksum
+    monkeypatch.setattr(weight_cache, "file_checksum", lambda p: reads.append(p) or real(p))
+    monkeypatch.setattr(weight_cache, "SETTLED_SECONDS", 0.0)
+    assert weight_cache.read(where) is not None and len(reads) == 1
+    assert weight_cache.read(where) is not None and len(reads) == 1                  # remembered
+    monkeypatch.setattr(weight_cache, "boot_id", lambda: "another-boot")
+    assert weight_cache.read(where) is not None and len(reads) == 2                  # a reboot: read again
+    time.sleep(0.05)                                                                  # past the clock's tick
+    with where.open("r+b") as f:                                                      # zeroed bytes, same size
+        f.seek(where.stat().st_size - 4000)
+        f.write(bytes(1000))
+    assert weight_cache.read(where) is None and len(reads) == 3
+
+
+def test_a_fresh_entry_is_not_remembered_as_checked(tmp_path, monkeypatch):
+    """A file changed less than SETTLED_SECONDS ago is checked but not remembered: a change in the same tick of
+    the clock would keep its times."""
+    where = tmp_path / "m-0123-float32-dense.safetensors"
+    _tiny_entry(where)
+    assert weight_cache.read(where) is not None
+    assert not (tmp_path / "verified.json").exists()
+    with where.open("r+b") as f:
+        f.seek(where.stat().st_size - 4000)
+        f.write(bytes(1000))
+    assert weight_cache.read(where) is None
+
+
+def test_a_foreign_verdict_book_is_ignored(tmp_path, monkeypatch):
+    where = tmp_path / "m-0123-float32-dense.safetensors"
+    _tiny_entry(where)
+    (tmp_path / "verified.json").write_text('{"x": 3}')
+    monkeypatch.setattr(weight_cache, "SETTLED_SECONDS", 0.0)
+    assert weight_cache.read(where) is not None
+    from safetensors import safe_open
+
+    from specdec.models.registry import file_stamp
+
+    with safe_open(str(where), "pt") as f:
+        want = f.metadata()["checksum"]
+    assert json.loads((tmp_path / "verified.json").read_text()) == {file_stamp(where): f"{weight_cache.boot_id()}:{want}"}
 
 
 @pytest.mark.parametrize("chunk", [8, 24, weight_cache.CHUNK])

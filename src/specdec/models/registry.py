@@ -183,7 +183,7 @@ def file_sha256(path: Path) -> str:
         known = {}                                   # not a book this code wrote: computed again
     if stamp not in known:
         digest = file_digest(path)
-        live = {k: v for k, v in known.items() if _still_there(k)}   # entries of deleted or rewritten files go
+        live = {k: v for k, v in known.items() if still_there(k)}   # entries of deleted or rewritten files go
         live[stamp] = digest
         try:
             write_atomic(book, json.dumps(live, indent=1).encode())
@@ -193,7 +193,7 @@ def file_sha256(path: Path) -> str:
     return known[stamp]
 
 
-def _still_there(stamp: str) -> bool:
+def still_there(stamp: str) -> bool:
     """Whether the file a `file_stamp` was taken of is still there, unchanged."""
     path = stamp.rsplit(":", 4)[0]
     try:

@@ -4,8 +4,8 @@ An entry holds what `gguf_loader.read_gguf` makes of a file for one compute form
 the dequantized weights and the 4-bit and 8-bit kernels' packed codes and scales. It is keyed by the file's
 SHA-256, the weights' dtype, the 4-bit form, the torch version and torch's CPU kernel family (the
 int4 packing is the kernel's own layout). Entries are written whole and renamed into place, so a
-killed writer leaves nothing half-read; an unreadable or damaged entry (a checksum of its tensors, checked at
-every read) is converted again. The file hash is remembered per `registry.file_stamp` (path, size, times,
+killed writer leaves nothing half-read; an unreadable or damaged entry (a checksum of its tensors) is converted
+again. The checksum is read once per version of an entry's file and boot of the machine, then remembered (`verified`). The file hash is remembered per `registry.file_stamp` (path, size, times,
 inode), so a start reads only the entry; files with the same bytes (copies, links) share one entry.
 Delete `$SPECDEC_CACHE/weights` (default `~/.cache/specdec/weights`) to reclaim the space.
 """
@@ -19,15 +19,17 @@ import re
 import signal
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from ..errors import SpecdecError
 from .config import ModelConfig
 from .int4 import Int4Linear
-from .registry import cache_dir, file_sha256, remove_lock, write_atomic
+from .registry import cache_dir, file_sha256, file_stamp, remove_lock, still_there, write_atomic
 
 FORMAT = 8               # 2: the 4-bit kernels' `copies` (an 8-bit LM head as two 4-bit halves); 3: the Q8_0 head;
                          # 4: the native 4-bit layout; 5: layers of 8-bit codes, Q4_0 as 4-bit; 6: Q6_K as 8-bit codes;
@@ -127,6 +129,45 @@ def file_checksum(where: Path) -> str:
     return f"{total:016x}"
 
 
+SETTLED_SECONDS = 2.0           # a file changed this long ago cannot share its times with a change to come
+
+
+def boot_id() -> str:
+    """This boot of the machine, or '' where the system does not tell it."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def verified(where: Path, want: str) -> bool:
+    """Whether the entry at `where` holds the bytes of checksum `want` (its metadata's). The file is read and
+    summed (`file_checksum`, 0.15-0.2 s for a 750 MB entry) once per version of the file (`registry.file_stamp`:
+    size, modification and change times, inode) and boot, then remembered in `verified.json` beside it: a
+    rewrite or an edit in place gives the file new times, a crash that left zeroed blocks a new boot. Only a file
+    settled for SETTLED_SECONDS is remembered, so a change right after the check cannot keep its times."""
+    boot, st = boot_id(), where.stat()
+    stamp, book = file_stamp(where), where.parent / "verified.json"
+    try:
+        known = json.loads(book.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if not isinstance(known, dict) or not all(isinstance(v, str) for v in known.values()):
+        known = {}                                   # not a book this code wrote: every entry is read again
+    if boot and known.get(stamp) == f"{boot}:{want}":
+        return True
+    if file_checksum(where) != want:
+        return False
+    if boot and time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > SETTLED_SECONDS * 1e9:
+        live = {k: v for k, v in known.items() if v.startswith(f"{boot}:") and still_there(k)}
+        live[stamp] = f"{boot}:{want}"
+        try:
+            write_atomic(book, json.dumps(live, indent=1).encode())
+        except SpecdecError:                         # a read-only cache: read again next time, nothing lost
+            pass
+    return True
+
+
 def superseded(where: Path) -> list[Path]:
     """Entries of the same file, torch and kernel family that an older cache format wrote, in any form (dtype,
     q4 or dense): no start reads them again. (Other torch versions' entries stay: another environment may share
@@ -182,7 +223,7 @@ def read(where: Path):
             raise KeyboardInterrupt from None
         return None
     try:
-        damaged = meta.get("checksum") != file_checksum(where)
+        damaged = not verified(where, meta["checksum"])
     except (OSError, ValueError, KeyError, TypeError):
         damaged = True
     if damaged:
