@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..cache import KVCache
 from .decoder import Transformer, truncated
 from .kernels import RowCheck
 
@@ -54,16 +55,24 @@ def _linear_verdicts(model: Transformer) -> dict[str, str]:
     return {name: c.verdict for name, c in out.items()}
 
 
-def _scores(one: Transformer, model: Transformer, prompts: Tensor, cont: Tensor, rows: list[int],
+def _prefilled(one: Transformer, prompts: Tensor) -> KVCache:
+    """A cache holding prompt i in row i, each prefilled in its own forwards, like the engine's."""
+    dev = one.device
+    cache = one.new_cache(len(prompts), CONTEXT + SCORED + 8)
+    for i in range(len(prompts)):
+        r, pos = torch.tensor([i], device=dev), torch.arange(CONTEXT, device=dev)[None]
+        one.prefill(prompts[i:i + 1], pos, cache, r)
+        cache.commit(r, pos, torch.tensor([CONTEXT], device=dev))
+    return cache
+
+
+def _scores(one: Transformer, model: Transformer, cache: KVCache, cont: Tensor, rows: list[int],
             chunks: list[int]) -> Tensor:
-    """Logits [len(rows), SCORED, V] of `cont` after `prompts`, scored in `chunks` per forward."""
+    """Logits [len(rows), SCORED, V] of `cont` after the prompts in `cache` (rolled back to them first), scored in
+    `chunks` per forward."""
     dev = model.device
-    cache = one.new_cache(2, CONTEXT + SCORED + 8)
     r = torch.tensor(rows, device=dev)
-    for j, i in enumerate(rows):                            # prefill one prompt per forward, like the engine
-        pos = torch.arange(CONTEXT, device=dev)[None]
-        one.prefill(prompts[i:i + 1], pos, cache, r[j:j + 1])
-        cache.commit(r[j:j + 1], pos, torch.tensor([CONTEXT], device=dev))
+    cache.truncate(r, torch.full((len(rows),), CONTEXT, device=dev))
     out, at = [], 0
     for c in chunks:
         pos = torch.full((len(rows), 1), CONTEXT, device=dev) + torch.arange(at, at + c, device=dev)
@@ -81,9 +90,10 @@ def self_check(model: Transformer) -> SelfCheck:
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, model.vocab_size, (2, CONTEXT), generator=g).to(model.device)
     cont = torch.randint(0, model.vocab_size, (2, SCORED), generator=g).to(model.device)
-    alone = _scores(one, model, prompts, cont, [0], [1] * SCORED)
-    ok = (torch.equal(_scores(one, model, prompts, cont, [0], [4, 5]), alone)
-          and torch.equal(_scores(one, model, prompts, cont, [0], [SCORED]), alone)
-          and torch.equal(_scores(one, model, prompts, cont, [1, 0], [1, 3, 5])[1:], alone))
+    cache = _prefilled(one, prompts)
+    alone = _scores(one, model, cache, cont, [0], [1] * SCORED)
+    ok = (torch.equal(_scores(one, model, cache, cont, [0], [4, 5]), alone)
+          and torch.equal(_scores(one, model, cache, cont, [0], [SCORED]), alone)
+          and torch.equal(_scores(one, model, cache, cont, [1, 0], [1, 3, 5])[1:], alone))
     name = getattr(model, "compute", str(model.dtype).removeprefix("torch."))     # q4, bfloat16, float32
     return SelfCheck(name, _linear_verdicts(model), ok, time.perf_counter() - t0)
