@@ -171,26 +171,42 @@ def file_stamp(path: Path) -> str:
 
 def file_sha256(path: Path) -> str:
     """The SHA-256 of a file, computed once per `file_stamp` and remembered (in $SPECDEC_CACHE/weights)."""
-    import json
-
     stamp = file_stamp(path)
     book = cache_dir() / "weights" / "hashes.json"
+    known = read_book(book)
+    if stamp not in known:
+        digest = file_digest(path)
+        remember(book, known, stamp, digest)
+        return digest
+    return known[stamp]
+
+
+def read_book(book: Path) -> dict[str, str]:
+    """A book of what is known per `file_stamp` (a JSON object of strings); empty when missing or not one this code
+    wrote (everything in it is then computed again)."""
+    import json
+
     try:
         known = json.loads(book.read_text())
     except (OSError, ValueError):
-        known = {}
+        return {}
     if not isinstance(known, dict) or not all(isinstance(v, str) for v in known.values()):
-        known = {}                                   # not a book this code wrote: computed again
-    if stamp not in known:
-        digest = file_digest(path)
-        live = {k: v for k, v in known.items() if still_there(k)}   # entries of deleted or rewritten files go
-        live[stamp] = digest
-        try:
-            write_atomic(book, json.dumps(live, indent=1).encode())
-        except SpecdecError:                         # a read-only cache: hashed again next time, nothing lost
-            pass
-        return digest
-    return known[stamp]
+        return {}
+    return known
+
+
+def remember(book: Path, known: dict[str, str], stamp: str, value: str,
+             keep: Callable[[str], bool] = lambda v: True) -> None:
+    """Write `book` with `stamp` -> `value` and those of `known` whose files are still there, unchanged, and whose
+    values `keep` accepts. A read-only cache writes nothing: the value is computed again next time."""
+    import json
+
+    live = {k: v for k, v in known.items() if keep(v) and still_there(k)}
+    live[stamp] = value
+    try:
+        write_atomic(book, json.dumps(live, indent=1).encode())
+    except SpecdecError:
+        pass
 
 
 def still_there(stamp: str) -> bool:

@@ -26,10 +26,9 @@ from pathlib import Path
 
 import torch
 
-from ..errors import SpecdecError
 from .config import ModelConfig
 from .int4 import Int4Linear
-from .registry import cache_dir, file_sha256, file_stamp, remove_lock, still_there, write_atomic
+from .registry import cache_dir, file_sha256, file_stamp, read_book, remember, remove_lock, write_atomic
 
 FORMAT = 8               # 2: the 4-bit kernels' `copies` (an 8-bit LM head as two 4-bit halves); 3: the Q8_0 head;
                          # 4: the native 4-bit layout; 5: layers of 8-bit codes, Q4_0 as 4-bit; 6: Q6_K as 8-bit codes;
@@ -148,23 +147,13 @@ def verified(where: Path, want: str) -> bool:
     settled for SETTLED_SECONDS is remembered, so a change right after the check cannot keep its times."""
     boot, st = boot_id(), where.stat()
     stamp, book = file_stamp(where), where.parent / "verified.json"
-    try:
-        known = json.loads(book.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if not isinstance(known, dict) or not all(isinstance(v, str) for v in known.values()):
-        known = {}                                   # not a book this code wrote: every entry is read again
+    known = read_book(book)
     if boot and known.get(stamp) == f"{boot}:{want}":
         return True
     if file_checksum(where) != want:
         return False
     if boot and time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > SETTLED_SECONDS * 1e9:
-        live = {k: v for k, v in known.items() if v.startswith(f"{boot}:") and still_there(k)}
-        live[stamp] = f"{boot}:{want}"
-        try:
-            write_atomic(book, json.dumps(live, indent=1).encode())
-        except SpecdecError:                         # a read-only cache: read again next time, nothing lost
-            pass
+        remember(book, known, stamp, f"{boot}:{want}", keep=lambda v: v.startswith(f"{boot}:"))
     return True
 
 
