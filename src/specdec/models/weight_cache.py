@@ -5,8 +5,9 @@ the dequantized weights and the 4-bit and 8-bit kernels' packed codes and scales
 SHA-256, the weights' dtype, the 4-bit form, the torch version and torch's CPU kernel family (the
 int4 packing is the kernel's own layout). Entries are written whole and renamed into place, so a
 killed writer leaves nothing half-read; an unreadable or damaged entry (a checksum of its tensors) is converted
-again. The checksum is read once per version of an entry's file and boot of the machine, then remembered (`verified`). The file hash is remembered per `registry.file_stamp` (path, size, times,
-inode), so a start reads only the entry; files with the same bytes (copies, links) share one entry.
+again. The checksum is read once per version of an entry's file and boot of the machine, then remembered
+(`verified`). The file hash is remembered per `registry.file_stamp` (path, size, times, inode), so a start reads
+only the entry; files with the same bytes (copies, links) share one entry.
 Delete `$SPECDEC_CACHE/weights` (default `~/.cache/specdec/weights`) to reclaim the space.
 """
 from __future__ import annotations
