@@ -49,9 +49,9 @@ def rope_tables(head_dim: int, base: float, max_len: int, scale: float = 1.0,
     inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=cpu) / head_dim))   # [hd/2]
     if freq_factors:
         inv = inv / torch.tensor(freq_factors, dtype=torch.float64, device=cpu)
-    ang = (torch.arange(max_len, dtype=torch.float64, device=cpu) * scale)[:, None] * inv[None, :]
-    ang = torch.cat([ang, ang], dim=-1)
-    return ang.cos().float(), ang.sin().float()
+    ang = (torch.arange(max_len, dtype=torch.float64, device=cpu) * scale)[:, None] * inv[None, :]   # [max_len, hd/2]
+    cos, sin = ang.cos().float(), ang.sin().float()                      # each angle once, then both halves
+    return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
