@@ -365,6 +365,22 @@ def test_8_bit_codes_with_a_scale_per_16_inputs_have_the_same_bits_everywhere():
         native.q8_rows_layout(q, d[:, :5])
 
 
+@pytest.mark.parametrize("start", [0, 1, 4])
+def test_the_8_bit_row_layout_moves_each_code_where_the_kernel_reads_it(start):
+    """`q8_rows_layout` moves codes 4 at a time (32-bit words): the same bytes as the layout spelt code by code,
+    for codes at any offset of their storage (a view of the weights' file need not start on a word) or strided."""
+    g = torch.Generator().manual_seed(3)
+    N, K = 64, 96
+    buf = torch.randint(-128, 128, (N * K + 8,), dtype=torch.int8, generator=g)
+    q = buf[start:start + N * K].view(N, K)
+    d = torch.rand(N, K // 32, generator=g)
+    want = q.reshape(N // 16, 16, K // 32, 8, 4).permute(0, 2, 3, 1, 4).reshape(N // 16, K // 32, 512)
+    for codes in (q, q.t().contiguous().t()):                                 # contiguous, then strided
+        got = native.q8_rows_layout(codes, d)
+        assert torch.equal(got["codes"], want) and got["codes"].is_contiguous()
+        assert got["codes"].shape == (N // 16, K // 32, 512) and got["codes"].dtype == torch.int8
+
+
 @pytest.mark.skipif(not native.loop_available(), reason="the native layer loop is not built here")
 @pytest.mark.parametrize("kind", ["q8", "q4"])
 def test_a_kernels_argmax_from_its_own_call_is_the_argmax_of_its_outputs(kind):

@@ -650,9 +650,14 @@ def q8_rows_layout(q: Tensor, d: Tensor) -> dict[str, Tensor]:
     nb, halves = K // 32, d.shape[1] // (K // 32)
     if halves not in (1, 2) or d.shape != (N, nb * halves):
         raise ValueError(f"8-bit row layout: scales {list(d.shape)} for [{N}, {K}]: one per 32 or 16 inputs")
-    codes = q.reshape(N // Q4_GROUP, Q4_GROUP, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(N // Q4_GROUP, nb, 512)
+    words = q.contiguous()
+    if words.storage_offset() % 4:
+        words = words.clone()                          # 32-bit words need an aligned start
+    # a block's codes move 4 at a time: [N/16, 16, nb, 8] words of 4 codes -> [N/16, nb, 8, 16] -> [N/16, nb, 512] int8
+    codes = words.view(torch.int32).reshape(N // Q4_GROUP, Q4_GROUP, nb, 8).permute(0, 2, 3, 1)
+    codes = codes.contiguous().view(torch.int8).reshape(N // Q4_GROUP, nb, 512)
     d = d.reshape(N // Q4_GROUP, Q4_GROUP, nb, halves).permute(0, 2, 3, 1).reshape(N // Q4_GROUP, nb, halves * Q4_GROUP)
-    return {"codes": codes.contiguous(), "d": d.contiguous()}
+    return {"codes": codes, "d": d.contiguous()}
 
 
 @dataclass(frozen=True)
