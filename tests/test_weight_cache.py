@@ -263,6 +263,22 @@ def test_a_checked_entry_is_not_read_again_until_its_file_changes(tmp_path, monk
     assert weight_cache.read(where) is None and len(reads) == 3
 
 
+def test_an_entry_is_written_from_its_tensors_with_the_umask_mode(tmp_path, monkeypatch):
+    """safetensors writes the entry's file itself (no copy of its bytes in memory); the file still gets the mode a
+    plain write would (the umask's, not the temporary file's 0600), and nothing else is left beside it."""
+    import os
+
+    old = os.umask(0o022)
+    try:
+        w = _tiny_entry(tmp_path / "m-0123-float32-dense.safetensors")
+    finally:
+        os.umask(old)
+    where = tmp_path / "m-0123-float32-dense.safetensors"
+    assert where.stat().st_mode & 0o777 == 0o644 and [p.name for p in tmp_path.iterdir()] == [where.name]
+    back = weight_cache.read(where)
+    assert back is not None and torch.equal(back.state["embed"], w.state["embed"])
+
+
 def test_a_fresh_entry_is_not_remembered_as_checked(tmp_path, monkeypatch):
     """A file changed less than SETTLED_SECONDS ago is checked but not remembered: a change in the same tick of
     the clock would keep its times."""

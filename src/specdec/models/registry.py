@@ -109,6 +109,17 @@ def remove_lock(lock: Path) -> None:
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Write `data` to `path` through a temporary file renamed into place: readers never see half of it."""
+    def write(fd: int, tmp: str) -> None:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+
+    write_atomic_by(path, write)
+
+
+def write_atomic_by(path: Path, write: Callable[[int, str], None]) -> None:
+    """`write(fd, tmp)` fills a temporary file beside `path` (its open descriptor, which `write` closes, and its
+    path), which is then renamed to `path`: readers never see half of it, and a writer that can write a file
+    itself (safetensors' `save_file`) needs no copy of its bytes in memory."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         sweep_stale(path.parent)
@@ -116,9 +127,8 @@ def write_atomic(path: Path, data: bytes) -> None:
     except OSError as e:
         raise SpecdecError(f"cannot write {path} (the cache: $SPECDEC_CACHE): {e.strerror or e}") from None
     try:
-        os.fchmod(fd, file_mode())
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        write(fd, tmp)
+        os.chmod(tmp, file_mode())                    # after the write: a writer may have made the file anew
         os.replace(tmp, path)
     except OSError as e:
         Path(tmp).unlink(missing_ok=True)

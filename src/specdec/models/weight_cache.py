@@ -29,7 +29,7 @@ import torch
 
 from .config import ModelConfig
 from .int4 import Int4Linear
-from .registry import cache_dir, file_sha256, file_stamp, read_book, remember, remove_lock, write_atomic
+from .registry import cache_dir, file_sha256, file_stamp, read_book, remember, remove_lock, write_atomic_by
 
 FORMAT = 8               # 2: the 4-bit kernels' `copies` (an 8-bit LM head as two 4-bit halves); 3: the Q8_0 head;
                          # 4: the native 4-bit layout; 5: layers of 8-bit codes, Q4_0 as 4-bit; 6: Q6_K as 8-bit codes;
@@ -61,7 +61,9 @@ _SWEPT: set[Path] = set()
 
 def write(where: Path, weights) -> None:
     """Store `weights` (a `gguf_loader.Weights`) at `where`."""
-    from safetensors.torch import save
+    import os
+
+    from safetensors.torch import save_file
 
     tensors = {f"state.{k}": v.contiguous() for k, v in weights.state.items()}
     for (i, name), k in weights.int4.items():
@@ -75,7 +77,12 @@ def write(where: Path, weights) -> None:
             for part, v in layout.items():
                 tensors[f"{prefix}.{i}.{name}.{part}"] = v
     meta = {"format": str(FORMAT), "config": json.dumps(dataclasses.asdict(weights.config)), "checksum": checksum(tensors)}
-    write_atomic(where, save(tensors, metadata=meta))
+
+    def fill(fd: int, tmp: str) -> None:             # straight from the tensors: no copy of the entry in memory
+        os.close(fd)
+        save_file(tensors, tmp, metadata=meta)
+
+    write_atomic_by(where, fill)
 
 
 def checksum(tensors: dict[str, torch.Tensor]) -> str:
