@@ -146,6 +146,23 @@ def test_self_check_catches_a_kernel_that_is_not_row_invariant(monkeypatch):
     assert not bad.passed and not bad.scores_invariant and "FAILED" in bad.summary()
 
 
+@pytest.mark.parametrize("depends_on", ["rows", "sequences"])
+def test_self_check_catches_an_lm_head_that_is_not_row_invariant(monkeypatch, depends_on):
+    """The self-check scores the first layer's hidden states and then the LM head's rows apart: a head whose
+    rows change with their count (or only with the number of sequences) fails it."""
+    from helpers import tiny_model
+
+    from specdec.models.decoder import Transformer
+
+    model = tiny_model(seed=3).pack()
+    assert self_check(model).passed
+    true_head = Transformer.lm_head
+    count = (lambda h: h.shape[0] * h.shape[1]) if depends_on == "rows" else (lambda h: h.shape[0])
+    monkeypatch.setattr(Transformer, "lm_head", lambda self, h: true_head(self, h) * (1 + 1e-6 * count(h)))
+    bad = self_check(model)
+    assert not bad.passed and not bad.scores_invariant
+
+
 def test_auto_picks_q4_then_native_bf16_then_float32(monkeypatch):
     import specdec.machine as machine
 

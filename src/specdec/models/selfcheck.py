@@ -66,34 +66,44 @@ def _prefilled(one: Transformer, prompts: Tensor) -> KVCache:
     return cache
 
 
-def _scores(one: Transformer, model: Transformer, cache: KVCache, cont: Tensor, rows: list[int],
-            chunks: list[int]) -> Tensor:
-    """Logits [len(rows), SCORED, V] of `cont` after the prompts in `cache` (rolled back to them first), scored in
-    `chunks` per forward."""
-    dev = model.device
+def _hidden(one: Transformer, cache: KVCache, cont: Tensor, rows: list[int], chunks: list[int]) -> Tensor:
+    """Hidden states [len(rows), SCORED, H] of `cont` after the prompts in `cache` (rolled back to them first),
+    scored in `chunks` per forward."""
+    dev = one.device
     r = torch.tensor(rows, device=dev)
     cache.truncate(r, torch.full((len(rows),), CONTEXT, device=dev))
     out, at = [], 0
     for c in chunks:
         pos = torch.full((len(rows), 1), CONTEXT, device=dev) + torch.arange(at, at + c, device=dev)
-        out.append(model.lm_head(one(cont[rows, at:at + c], pos, cache, r)))
+        out.append(one(cont[rows, at:at + c], pos, cache, r))
         cache.commit(r, torch.arange(c, device=dev).expand(len(rows), c), torch.full((len(rows),), c, device=dev))
         at += c
     return torch.cat(out, 1)
 
 
+def _head_invariant(model: Transformer, h: Tensor) -> bool:
+    """Whether the LM head gives each of the SCORED rows of h [1, SCORED, H] the same logits alone, in chunks of
+    3 and 5 and as a batch of two sequences as all of them in one call."""
+    whole = model.lm_head(h)                                                       # [1, SCORED, V]
+    parts = [model.lm_head(h[:, a:b]) for a, b in ((0, 1), (1, 4), (4, SCORED))]   # 1, 3 and 5 rows
+    pair = model.lm_head(h[0, :2, None])                                           # [2, 1, V]: two sequences
+    return torch.equal(torch.cat(parts, 1), whole) and torch.equal(pair[:, 0], whole[0, :2])
+
+
 @torch.inference_mode()
 def self_check(model: Transformer) -> SelfCheck:
-    """Check, bit for bit on this machine, that scores do not depend on the rows per forward."""
+    """Check, bit for bit on this machine, that scores do not depend on the rows per forward: the first layer's
+    hidden states scored one token at a time, in chunks and beside another sequence, then the LM head's rows."""
     t0 = time.perf_counter()
     one = truncated(model, 1)
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, model.vocab_size, (2, CONTEXT), generator=g).to(model.device)
     cont = torch.randint(0, model.vocab_size, (2, SCORED), generator=g).to(model.device)
     cache = _prefilled(one, prompts)
-    alone = _scores(one, model, cache, cont, [0], [1] * SCORED)
-    ok = (torch.equal(_scores(one, model, cache, cont, [0], [4, 5]), alone)
-          and torch.equal(_scores(one, model, cache, cont, [0], [SCORED]), alone)
-          and torch.equal(_scores(one, model, cache, cont, [1, 0], [1, 3, 5])[1:], alone))
+    alone = _hidden(one, cache, cont, [0], [1] * SCORED)
+    ok = (torch.equal(_hidden(one, cache, cont, [0], [4, 5]), alone)
+          and torch.equal(_hidden(one, cache, cont, [0], [SCORED]), alone)
+          and torch.equal(_hidden(one, cache, cont, [1, 0], [1, 3, 5])[1:], alone)
+          and _head_invariant(model, alone))
     name = getattr(model, "compute", str(model.dtype).removeprefix("torch."))     # q4, bfloat16, float32
     return SelfCheck(name, _linear_verdicts(model), ok, time.perf_counter() - t0)
