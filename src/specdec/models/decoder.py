@@ -40,14 +40,11 @@ def _dense(x: Tensor) -> Tensor:
     return x if x.is_contiguous() else x.contiguous()
 
 
-@functools.lru_cache(maxsize=8)
 def rope_tables(head_dim: int, base: float, max_len: int, scale: float = 1.0,
                 freq_factors: tuple[float, ...] = ()) -> tuple[Tensor, Tensor]:
     """cos, sin [max_len, head_dim] in float32 on the CPU (NeoX layout: the two halves share angles); angle
     pos * scale * base^(-2i/head_dim) / freq_factors[i] (linear scaling, Llama 3.x frequency factors).
-    Always computed on the CPU: under a meta-device context, building them took seconds. Made once per set of
-    arguments and shared (read-only buffers): a model's truncated copy (the self-check, early-exit drafts) and its
-    drafts' cores ask for the same tables again (gemma3-270m's four [32768, 256] took 0.5 s)."""
+    Always computed on the CPU: under a meta-device context, building them took seconds."""
     cpu = torch.device("cpu")
     inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=cpu) / head_dim))   # [hd/2]
     if freq_factors:
@@ -55,6 +52,17 @@ def rope_tables(head_dim: int, base: float, max_len: int, scale: float = 1.0,
     ang = (torch.arange(max_len, dtype=torch.float64, device=cpu) * scale)[:, None] * inv[None, :]   # [max_len, hd/2]
     cos, sin = ang.cos().float(), ang.sin().float()                      # each angle once, then both halves
     return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+
+
+@functools.lru_cache(maxsize=8)
+def decoder_tables(head_dim: int, base: float, max_len: int, scale: float = 1.0,
+                   freq_factors: tuple[float, ...] = ()) -> tuple[Tensor, Tensor]:
+    """A decoder's rope buffers, cos and `signed_sin(sin)` [max_len, head_dim] (see `rope_tables`), made once per
+    set of arguments and shared (read-only): a model's truncated copy (the self-check, early-exit drafts) and its
+    drafts' cores ask for the same tables again (gemma3-270m's four [32768, 256] took 0.5 s). The cache holds
+    only what the models keep."""
+    cos, sin = rope_tables(head_dim, base, max_len, scale, freq_factors)
+    return cos, signed_sin(sin)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -212,13 +220,14 @@ class Transformer(nn.Module):
         self.int4 = False                                   # decoding runs 4-bit kernels (see use_int4)
         self.head_kernels: dict[str, Kernel] = {}           # LM head candidates besides the dense one (see pack)
         self.loop: native.LayerLoop | None = None           # the layers as one native call (q4; see pack)
-        cos, sin = rope_tables(cfg.head_dim, cfg.rope_base, cfg.max_seq_len, cfg.rope_scale, cfg.rope_freq_factors)
+        cos, ssin = decoder_tables(cfg.head_dim, cfg.rope_base, cfg.max_seq_len, cfg.rope_scale,
+                                   cfg.rope_freq_factors)
         self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin_signed", signed_sin(sin), persistent=False)  # see `rope`
+        self.register_buffer("sin_signed", ssin, persistent=False)                 # see `rope`
         if cfg.sliding_window > 0:
-            lcos, lsin = rope_tables(cfg.head_dim, cfg.rope_local_base, cfg.max_seq_len)
+            lcos, lssin = decoder_tables(cfg.head_dim, cfg.rope_local_base, cfg.max_seq_len)
             self.register_buffer("lcos", lcos, persistent=False)
-            self.register_buffer("lsin_signed", signed_sin(lsin), persistent=False)
+            self.register_buffer("lsin_signed", lssin, persistent=False)
 
     @property
     def dtype(self) -> torch.dtype:
