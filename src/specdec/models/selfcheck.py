@@ -3,7 +3,8 @@ is a token's score independent of how many rows share its forward?
 
 Runs in tens of milliseconds on the model's own first layer and LM head: a context that crosses
 a key block, then the same continuation scored one token per forward, in chunks (as drafts are
-verified) and next to another sequence (a batch), compared bit for bit. Together with the
+verified) and next to another sequence (a batch): the layer's hidden states compared bit for bit, then
+the head's logits of those rows alone, in chunks and in a batch. Together with the
 per-shape checks of every packed linear (`kernels.check_rows`), it tells whether greedy
 speculation will reproduce plain decoding here.
 """
