@@ -451,3 +451,15 @@ def test_the_console_script_exits_with_the_code_output_and_handlers_of_a_full_ex
     assert out.returncode == 3 and out.stdout == "x" * 1_000_000
     assert marker.read_text() == "handlers ran"
     assert ("thread done" in out.stderr) == threaded
+
+
+def test_what_a_command_loaded_is_held_only_where_the_process_ends_without_teardown(monkeypatch):
+    """`generate` and `info` hand their model to `keep_until_exit`: held (not freed when the command returns) only
+    under the console script, which ends the process without freeing it; `main` called from Python holds nothing."""
+    import specdec.cli as cli
+
+    loaded = object()
+    monkeypatch.setattr(cli, "_KEPT", [])
+    assert cli.keep_until_exit(loaded) is loaded and cli._KEPT == []
+    monkeypatch.setattr(cli, "_ends_without_teardown", True)
+    assert cli.keep_until_exit(loaded) is loaded and cli._KEPT == [loaded]

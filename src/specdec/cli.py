@@ -133,6 +133,19 @@ def add_dtype_arg(p: argparse.ArgumentParser) -> None:
                         "float32; `specdec info` shows the choice and the self-check of exactness")
 
 
+_ends_without_teardown = False       # set by `entry`: the process ends without freeing what is left
+_KEPT: list[object] = []
+
+
+def keep_until_exit(loaded: object) -> object:
+    """`loaded` (a model or generator a command loaded), held until the process ends where the console script ends
+    it without the interpreter's teardown (`entry`): freed when the command returned, gemma3-270m's tensors, maps and
+    modules took 0.3-0.4 s of a one-token `specdec generate`. `main` called from Python holds nothing."""
+    if _ends_without_teardown:
+        _KEPT.append(loaded)
+    return loaded
+
+
 def cmd_info(a: argparse.Namespace) -> int:
     """The machine, the kernels and dtype `auto` chooses, and the self-check of exactness."""
     import specdec  # noqa: F401  (applies $SPECDEC_ISA before torch computes)
@@ -147,7 +160,7 @@ def cmd_info(a: argparse.Namespace) -> int:
     set_threads(a)
     m = probe()
     t0 = time.perf_counter()
-    target, _, name = load_model(a.model, a.dtype, a.device)
+    target, _, name = keep_until_exit(load_model(a.model, a.dtype, a.device))
     load_s = time.perf_counter() - t0
     cache = cache_dir()
     cache_mb = tree_bytes(cache) / 2**20
@@ -240,6 +253,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     gen = specdec.load(a.model, method=a.method, dtype=a.dtype, device=a.device, draft_model=a.draft_model,
                        num_draft_tokens=a.num_draft_tokens, draft_policy=a.draft_policy, tree=a.tree,
                        sample_drafts=a.sample_drafts)
+    keep_until_exit(gen)
     chat = gen.tokenizer.has_chat_template if a.chat is None else a.chat
     kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
               seed=a.seed, stop=tuple(a.stop), chat=chat, truncate=a.truncate, prediction=prediction)
@@ -464,10 +478,13 @@ def main(argv: list[str] | None = None) -> int:
 def entry() -> None:
     """The `specdec` console script: `main`, then, once no other thread is left, the exit handlers and a flush of
     the output, and the process ends without the interpreter's teardown (freeing a loaded model's modules, tensors
-    and libraries one by one took 0.7-0.8 s of a one-token `specdec generate` on an AMD EPYC Zen 3)."""
+    and libraries one by one took 0.7-0.8 s of a one-token `specdec generate` on an AMD EPYC Zen 3); what a command
+    loaded is not freed when it returns either (`keep_until_exit`)."""
     import atexit
     import threading
 
+    global _ends_without_teardown
+    _ends_without_teardown = True
     rc = main()
     if threading.active_count() > 1:               # a thread still running ends as Python ends it
         sys.exit(rc)
