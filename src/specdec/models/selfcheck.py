@@ -76,7 +76,7 @@ def _hidden(one: Transformer, cache: KVCache, cont: Tensor, rows: list[int], chu
     out, at = [], 0
     for c in chunks:
         pos = torch.full((len(rows), 1), CONTEXT, device=dev) + torch.arange(at, at + c, device=dev)
-        out.append(one(cont[rows, at:at + c], pos, cache, r))
+        out.append(one(cont[rows, at:at + c], pos, cache, r).clone())     # kept past the next forward
         cache.commit(r, torch.arange(c, device=dev).expand(len(rows), c), torch.full((len(rows),), c, device=dev))
         at += c
     return torch.cat(out, 1)
