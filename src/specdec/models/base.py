@@ -67,3 +67,15 @@ class CausalLM(Protocol):
         """hidden [..., H] -> (lm_head(hidden), its argmax [...] int64: the first index of the largest, a NaN
         counting as the largest, as `sampling.argmax`)."""
         ...
+
+
+class UnfusedArgmax:
+    """`lm_head_top` as `lm_head` and then `sampling.argmax`: for models whose head finds no argmax in its own call
+    (the transformers adapter, the early-exit and distilled drafts)."""
+
+    def lm_head_top(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """hidden [..., H] -> (lm_head(hidden), its argmax [...] int64)."""
+        from ..sampling import argmax
+
+        logits = self.lm_head(hidden)
+        return logits, argmax(logits)

@@ -17,12 +17,12 @@ from torch import Tensor, nn
 
 from ..cache import KVCache
 from ..errors import SpecdecError
-from ..sampling import argmax
+from .base import UnfusedArgmax
 from .decoder import Transformer, materialize, linear
 from .eagle import fitting, read_weights, target_fingerprint, write_weights
 
 
-class DistilledDraft(nn.Module):
+class DistilledDraft(nn.Module, UnfusedArgmax):
     def __init__(self, target: Transformer, vocab_ids: Tensor, layers: list[int]) -> None:
         super().__init__()
         cfg = replace(target.config, n_layers=len(layers), name=f"{target.config.name}-draft{len(layers)}")
@@ -88,11 +88,6 @@ class DistilledDraft(nn.Module):
         sub = self.sub_logits(hidden)
         out = torch.full((*sub.shape[:-1], self.vocab_size), float("-inf"), device=sub.device)
         return out.index_copy_(-1, self.vocab_ids, sub)
-
-    def lm_head_top(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
-        """(lm_head(hidden), its argmax [...] int64)."""
-        logits = self.lm_head(hidden)
-        return logits, argmax(logits)
 
     def prepare(self, dtype: torch.dtype) -> "DistilledDraft":
         """Inference set-up: the target's dtype, prepacked linears on CPU."""

@@ -15,13 +15,13 @@ from torch import Tensor, nn
 
 from ..cache import KVCache
 from ..errors import SpecdecError
-from ..sampling import argmax
+from .base import UnfusedArgmax
 from .decoder import Transformer, truncated
 from .eagle import fitting, read_weights, target_fingerprint, write_weights
 from .kernels import linear, pack, packed_linear_available
 
 
-class EarlyExitDraft(nn.Module):
+class EarlyExitDraft(nn.Module, UnfusedArgmax):
     def __init__(self, target: Transformer, n_layers: int, vocab_ids: Tensor) -> None:
         super().__init__()
         if not 1 <= n_layers < target.config.n_layers:
@@ -87,11 +87,6 @@ class EarlyExitDraft(nn.Module):
         sub = self.sub_logits(hidden, self.w_sub)
         out = torch.full((*sub.shape[:-1], self.vocab_size), float("-inf"), device=sub.device)
         return out.index_copy_(-1, self.vocab_ids, sub)
-
-    def lm_head_top(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
-        """(lm_head(hidden), its argmax [...] int64)."""
-        logits = self.lm_head(hidden)
-        return logits, argmax(logits)
 
     def lm_rows(self) -> Tensor:
         t = self.target[0]

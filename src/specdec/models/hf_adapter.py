@@ -25,8 +25,8 @@ from torch import Tensor, nn
 
 from ..cache import KVCache
 from ..errors import SpecdecError
-from ..sampling import argmax
 from ..verify import Reuse
+from .base import UnfusedArgmax
 
 _FULL = "full_attention"
 _SLIDING = "sliding_attention"
@@ -48,7 +48,7 @@ def _text_config(config):
     return get(decoder=True) if get is not None else config
 
 
-class HFCausalLM(nn.Module):
+class HFCausalLM(nn.Module, UnfusedArgmax):
     """Wraps a `transformers` causal LM; see the module docstring."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -130,11 +130,6 @@ class HFCausalLM(nn.Module):
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
-
-    def lm_head_top(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
-        """(lm_head(hidden), its argmax [...] int64)."""
-        logits = self.lm_head(hidden)
-        return logits, argmax(logits)
 
     @torch.no_grad()
     def prefill(self, tokens: Tensor, positions: Tensor, cache: HFCache, rows: Tensor,
