@@ -214,7 +214,7 @@ def test_cli_samples_with_top_p_and_top_k_and_says_so(fake_cli, tmp_path, monkey
 
 def test_cli_exit_status_follows_equality(fake_cli, tmp_path):
     args = ["bench", "--methods", "ngram,draft", "--draft-model", "self:1", "--num-draft-tokens", "2",
-            "--no-progress", "--dtype", "float32", "--out"]
+            "--no-progress", "--dtype", "float32", "--peers", "", "--out"]
     assert main(args + [str(tmp_path / "good")]) == 0
     good = json.loads((tmp_path / "good" / "results.json").read_text())
     assert good["ok"] and good["config"]["methods"] == ["none", "ngram", "draft"]
