@@ -312,6 +312,27 @@ def test_position_uniforms_are_a_fixed_function_of_seed_stream_and_position():
     assert seed_tensor([2 ** 64 + 5, 5, -1, 2 ** 64 - 1]).tolist() == [5, 5, -1, -1]    # seeds modulo 2**64
 
 
+def test_position_uniforms_of_a_few_positions_have_the_bits_of_the_vectorised_hash(monkeypatch):
+    """A step's few uniforms are hashed in Python integers, many in numpy's uint64: the same bits, extremes of
+    seeds and positions included, whatever the shape."""
+    import specdec.sampling as sampling
+
+    g = torch.Generator().manual_seed(4)
+    extremes = torch.tensor([0, 1, 2 ** 31, 2 ** 53 + 1, 2 ** 63 - 1])
+    for B, n in ((1, 1), (3, 5), (2, 0), (0, 3), (4, 16), (8, 8)):
+        seeds = torch.randint(-2 ** 63, 2 ** 63 - 1, (B,), generator=g)
+        seeds[:min(B, 2)] = torch.tensor([-1, 2 ** 63 - 1])[:min(B, 2)]
+        pos = torch.randint(0, 10 ** 6, (B, n), generator=g)
+        pos.view(-1)[:min(B * n, 5)] = extremes[:min(B * n, 5)]
+        for stream in Stream:
+            few = position_uniforms(seeds, pos, stream)
+            monkeypatch.setattr(sampling, "FEW_UNIFORMS", -1)
+            many = position_uniforms(seeds, pos, stream)
+            monkeypatch.undo()
+            assert few.dtype == many.dtype == torch.float64 and few.shape == many.shape == (B, n)
+            assert torch.equal(few, many), (B, n, stream)
+
+
 def test_position_uniforms_do_not_depend_on_what_else_is_asked():
     """A (seed, position) pair gets its uniform whatever the other rows, columns and call order."""
     seeds = seed_tensor([3, 99, 3])

@@ -95,9 +95,25 @@ class BatchSampling:
     top_k: Tensor         # [B] long, 0 = off
     top_p: Tensor         # [B] float32
     greedy: bool = field(init=False)   # every row decodes greedily
+    # what to_probs asks of every step, worked out once per batch (each small ATen call costs tens of microseconds
+    # right after a forward has streamed the weights through the caches)
+    divisor: Tensor = field(init=False)       # [B] float32: the temperature as divided by (1 for greedy rows)
+    greedy_rows: Tensor = field(init=False)   # [B] bool
+    any_greedy: bool = field(init=False)      # some row decodes greedily
+    any_top_k: bool = field(init=False)       # some row has a top-k
+    any_nucleus: bool = field(init=False)     # some row has top-p < 1
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "greedy", bool((self.temperature <= 0).all()))
+        greedy = self.temperature <= 0                                          # [B]
+        # below MIN_TEMPERATURE the quotient would overflow float32 (inf - inf = NaN in the softmax), above
+        # MAX_TEMPERATURE the temperature itself (every logit 0: top-k would keep all); the clamps change no
+        # distribution: logits that differ at all are e^(1e23) apart at the one, within 1e-29 of equal at the other
+        divisor = torch.where(greedy, torch.ones_like(self.temperature),
+                              self.temperature.clamp(min=MIN_TEMPERATURE, max=MAX_TEMPERATURE))
+        for name, value in (("greedy", bool(greedy.all())), ("divisor", divisor), ("greedy_rows", greedy),
+                            ("any_greedy", bool(greedy.any())), ("any_top_k", bool((self.top_k > 0).any())),
+                            ("any_nucleus", bool((self.top_p < 1).any()))):
+            object.__setattr__(self, name, value)
 
     @staticmethod
     def of(params: list[SamplingParams], device: torch.device | str = "cpu") -> "BatchSampling":
@@ -134,24 +150,18 @@ def to_probs(logits: Tensor, s: BatchSampling) -> Tensor:
     B, T, V = logits.shape
     if s.greedy:
         return torch.zeros_like(logits).scatter_(-1, argmax(logits)[..., None], 1.0)
-    greedy = s.temperature <= 0                                                 # [B]
-    # below MIN_TEMPERATURE the quotient would overflow float32 (inf - inf = NaN in the softmax), above
-    # MAX_TEMPERATURE the temperature itself (every logit 0: top-k would keep all); the clamps change no
-    # distribution: logits that differ at all are e^(1e23) apart at the one, within 1e-29 of equal at the other
-    temp = torch.where(greedy, torch.ones_like(s.temperature),
-                       s.temperature.clamp(min=MIN_TEMPERATURE, max=MAX_TEMPERATURE))
-    x = logits / temp[:, None, None]
-    cuts = (s.top_k > 0) & (s.top_k < V)                                        # [B] rows whose top-k drops tokens
-    if bool(cuts.any()):                  # (a top-k of V or more keeps every token: such rows are not searched)
-        k = torch.where(cuts, s.top_k, torch.ones_like(s.top_k))                # [B]
-        kth = torch.topk(x, int(k[cuts].max()), dim=-1).values                 # [B, T, kmax] descending
-        thresh = kth.gather(-1, (k - 1)[:, None, None].expand(B, T, 1))         # [B, T, 1]
-        thresh = thresh.masked_fill(~cuts[:, None, None], float("-inf"))
-        x = x.masked_fill(x < thresh, float("-inf"))
+    x = logits / s.divisor[:, None, None]                                       # (BatchSampling: the clamps)
+    if s.any_top_k:
+        cuts = (s.top_k > 0) & (s.top_k < V)                                    # [B] rows whose top-k drops tokens
+        if bool(cuts.any()):              # (a top-k of V or more keeps every token: such rows are not searched)
+            k = torch.where(cuts, s.top_k, torch.ones_like(s.top_k))            # [B]
+            kth = torch.topk(x, int(k[cuts].max()), dim=-1).values             # [B, T, kmax] descending
+            thresh = kth.gather(-1, (k - 1)[:, None, None].expand(B, T, 1))     # [B, T, 1]
+            thresh = thresh.masked_fill(~cuts[:, None, None], float("-inf"))
+            x = x.masked_fill(x < thresh, float("-inf"))
     probs = torch.softmax(x, dim=-1)
-    nucleus = s.top_p < 1                                                       # [B] rows with top-p
-    if bool(nucleus.any()):                                                     # other rows untouched
-        at = nucleus.nonzero()[:, 0]                                            # [n]
+    if s.any_nucleus:                                                           # other rows untouched
+        at = (s.top_p < 1).nonzero()[:, 0]                                      # [n] rows with top-p
         every = len(at) == B                                                    # the usual case: no copies
         top_p = s.top_p[at, None].expand(len(at), T).reshape(-1)                # [n*T]
         cut = top_p_cut((probs if every else probs[at]).reshape(-1, V), top_p).view(len(at), T, V)
@@ -159,9 +169,9 @@ def to_probs(logits: Tensor, s: BatchSampling) -> Tensor:
             probs = cut
         else:
             probs[at] = cut
-    if bool(greedy.any()):
+    if s.any_greedy:
         onehot = torch.zeros_like(probs).scatter_(-1, argmax(logits)[..., None], 1.0)
-        probs = torch.where(greedy[:, None, None], onehot, probs)
+        probs = torch.where(s.greedy_rows[:, None, None], onehot, probs)
     return probs
 
 
@@ -277,10 +287,31 @@ def position_uniforms(seeds: Tensor, positions: Tensor, stream: Stream) -> Tenso
     and device, whatever else is computed: a sequence's draws depend on nothing but its seed and the positions
     asked for, not on its batch, the draft length or the order of calls.
     """
+    if positions.numel() <= FEW_UNIFORMS:
+        return _few_uniforms(seeds.tolist(), positions.tolist(), stream).view(positions.shape).to(positions.device)
     keys = _mix(_mix(_as_uint64(seeds)) ^ np.uint64(_STREAM_SALT[stream]))       # [B]
     bits = _splitmix(keys[:, None], _as_uint64(positions))                        # [B, n]
     u = (bits >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
     return torch.from_numpy(u).to(positions.device)
+
+
+FEW_UNIFORMS = 64   # up to this many, position_uniforms hashes in Python integers (a step's few: ~10 us, not ~150)
+
+
+def _mix_int(z: int) -> int:
+    """_mix on one Python integer in [0, 2**64)."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def _few_uniforms(seeds: list[int], positions: list[list[int]], stream: Stream) -> Tensor:
+    """position_uniforms over Python integers, flattened [B * n]: the same bits (arithmetic modulo 2**64 is numpy's
+    uint64)."""
+    salt = _STREAM_SALT[stream]
+    keys = [_mix_int(_mix_int(s & _MASK) ^ salt) for s in seeds]                       # [B]
+    return torch.tensor([(_mix_int((k + ((p + 1) & _MASK) * _GAMMA) & _MASK) >> 11) * 2.0 ** -53
+                         for k, row in zip(keys, positions) for p in row], dtype=torch.float64)
 
 
 def seed_tensor(seeds: list[int], device: torch.device | str = "cpu") -> Tensor:
