@@ -33,7 +33,7 @@ def trained(policy: Auto, alpha: float, cost, batches=(1, 8), steps: int = 40) -
                 while n < k and rng.random() < alpha:
                     n += 1
                 accepted.append(n)
-            policy.observe(b, k, torch.full((b,), k), torch.tensor(accepted), 1e-5 * k, cost(b * (k + 1)))
+            policy.observe(b, k, torch.full((b,), k), torch.tensor(accepted), 1e-5 * k, cost(b * (k + 1)), asked=k)
     return policy
 
 
@@ -56,13 +56,13 @@ def test_cost_aware_prior_before_any_measurement_probes_with_one_draft():
     p = Auto(4, 8)
     assert p.choose(1, 1000) == 1
     assert p.target_cost(40) > p.target_cost(8) > 0
-    p.observe(1, 1, one, one, 0.5, 0.02)            # the first drafting step: one-off costs (a draft's catch-up)
+    p.observe(1, 1, one, one, 0.5, 0.02, asked=1)   # the first drafting step: one-off costs (a draft's catch-up)
     assert p.choose(1, 1000) == 2                         # ... are not the cost of drafting: probe again
-    p.observe(1, 2, 2 * one, 2 * one, 2e-5, 0.02)   # cheap drafts, accepted
+    p.observe(1, 2, 2 * one, 2 * one, 2e-5, 0.02, asked=2)  # cheap drafts, accepted
     assert p.choose(1, 1000) > 2
     q = Auto(4, 8)
-    q.observe(1, 1, one, 0 * one, 0.5, 0.02)
-    q.observe(1, 2, 2 * one, 0 * one, 0.1, 0.02)    # a draft costs 2.5 target forwards
+    q.observe(1, 1, one, 0 * one, 0.5, 0.02, asked=1)
+    q.observe(1, 2, 2 * one, 0 * one, 0.1, 0.02, asked=2)  # a draft costs 2.5 target forwards
     assert q.choose(1, 1000) == 0
 
 
@@ -73,9 +73,9 @@ def test_a_fixed_drafting_cost_is_told_from_a_per_token_one():
     one = torch.ones(1, dtype=torch.long)
     for k in (1, 2):
         assert p.choose(1, 1000) == k
-        p.observe(1, k, k * one, k * one, 0.030 + 0.001 * k, 0.050)
+        p.observe(1, k, k * one, k * one, 0.030 + 0.001 * k, 0.050, asked=k)
     assert p.draft_cost(4) == pytest.approx(0.064)
-    p.observe(1, 3, 3 * one, 3 * one, 0.033, 0.050)
+    p.observe(1, 3, 3 * one, 3 * one, 0.033, 0.050, asked=3)
     assert p.draft_cost(6) == pytest.approx(0.036)
     assert p.choose(1, 1000) >= 4
 
@@ -85,11 +85,11 @@ def test_while_plain_steps_win_it_still_probes_now_and_then():
     one = torch.ones(1, dtype=torch.long)
     for k in (1, 2):
         assert p.choose(1, 1000) == k
-        p.observe(1, k, k * one, 0 * one, 0.2, 0.05)                     # costly drafts, all rejected
+        p.observe(1, k, k * one, 0 * one, 0.2, 0.05, asked=k)                     # costly drafts, all rejected
     ks = []
     for _ in range(7 * Auto.REPROBE + 3):
         ks.append(p.choose(1, 1000))
-        p.observe(1, ks[-1], ks[-1] * one, 0 * one, 0.3 if ks[-1] else 0.0, 0.05)
+        p.observe(1, ks[-1], ks[-1] * one, 0 * one, 0.3 if ks[-1] else 0.0, 0.05, asked=ks[-1])
     probes = [i for i, k in enumerate(ks) if k]                              # after 32, 64, 128 plain steps
     assert probes == [Auto.REPROBE, 3 * Auto.REPROBE + 1, 7 * Auto.REPROBE + 2]
     assert p.draft_cost(2) == pytest.approx(0.2)     # a probe after plain steps (0.3 s, with the catch-up)
@@ -97,8 +97,8 @@ def test_while_plain_steps_win_it_still_probes_now_and_then():
     late = Auto(k=4, k_max=8)                                                # the same, near the end of the output
     for k in (1, 2):
         late.choose(1, 1000)
-        late.observe(1, k, k * one, 0 * one, 0.2, 0.05)
-    assert not any(late.choose(1, Auto.REPROBE - 1) or late.observe(1, 0, 0 * one, 0 * one, 0.0, 0.05)
+        late.observe(1, k, k * one, 0 * one, 0.2, 0.05, asked=k)
+    assert not any(late.choose(1, Auto.REPROBE - 1) or late.observe(1, 0, 0 * one, 0 * one, 0.0, 0.05, asked=0)
                    for _ in range(3 * Auto.REPROBE))                         # no re-probe that could not pay
 
 
@@ -112,7 +112,7 @@ class Alternating:
         self.i += 1
         return self.ks[self.i % len(self.ks)]
 
-    def observe(self, batch, k, valid, accepted, draft_s, target_s) -> None:
+    def observe(self, batch, k, valid, accepted, draft_s, target_s, *, asked) -> None:
         pass
 
 
@@ -156,15 +156,15 @@ def test_what_low_acceptance_taught_ages():
     p = Auto(4, 8)
     for _ in range(200):                                                     # a long run of rejected drafts
         p.choose(1, 1000)
-        p.observe(1, 2, 2 * one, 0 * one, 0.02, 0.053)
+        p.observe(1, 2, 2 * one, 0 * one, 0.02, 0.053, asked=2)
     for _ in range(2000):                                                    # then the policy's own choice
         k = p.choose(1, 1000)
-        p.observe(1, k, k * one, 0 * one, 0.01 * k, 0.05 + 0.001 * k)
+        p.observe(1, k, k * one, 0 * one, 0.01 * k, 0.05 + 0.001 * k, asked=k)
     assert p.choose(1, 1000) == 0
     ks = []
     for _ in range(1000):                                                    # now every draft is accepted
         ks.append(p.choose(1, 1000))
-        p.observe(1, ks[-1], ks[-1] * one, ks[-1] * one, 0.01 * ks[-1], 0.05 + 0.001 * ks[-1])
+        p.observe(1, ks[-1], ks[-1] * one, ks[-1] * one, 0.01 * ks[-1], 0.05 + 0.001 * ks[-1], asked=ks[-1])
     assert sum(k > 0 for k in ks[-100:]) == 100 and ks[-1] >= 2               # drafting again
 
 
@@ -174,11 +174,34 @@ def test_the_probes_back_off_stops_doubling():
     costly = Auto(4, 8)
     for _ in range(40 * Auto.REPROBE_MAX):                                   # drafts cost 4 forwards: never pay
         k = costly.choose(1, 100_000)
-        costly.observe(1, k, k * one, 0 * one, 0.2 if k else 0.0, 0.05)
+        costly.observe(1, k, k * one, 0 * one, 0.2 if k else 0.0, 0.05, asked=k)
     gaps, last = [], 0
     for i in range(8 * Auto.REPROBE_MAX):
         if costly.choose(1, 100_000):
             gaps.append(i - last)
             last = i
-        costly.observe(1, costly.k, costly.k * one, 0 * one, 0.2 if costly.k else 0.0, 0.05)
+        costly.observe(1, costly.k, costly.k * one, 0 * one, 0.2 if costly.k else 0.0, 0.05, asked=costly.k)
     assert len(gaps) >= 7 and max(gaps) <= Auto.REPROBE_MAX + 1
+
+
+@pytest.mark.parametrize("decline_cost, drafting", [(0.007, False), (0.00005, True)])
+def test_a_proposer_that_often_drafts_nothing_is_asked_only_where_asking_pays(decline_cost, drafting):
+    """A proposer that drafts nothing in 70% of the steps that ask it (an EAGLE chain below its confidence cut,
+    prompt lookup without a match) and is accepted at 0.7 where it drafts (a plain step 14 ms, a drafting step
+    19 ms and 3 ms of drafting): asking pays where drafting nothing costs nothing, and does not where each
+    decline costs half a plain step (declines counted as plain steps had kept it asking)."""
+    one, none = torch.ones(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    rng = random.Random(3)
+    p, asked = Auto(4, 8), []
+    for _ in range(600):
+        k = p.choose(1, 1000)
+        asked.append(k > 0)
+        if k == 0:
+            p.observe(1, 0, none, none, 0.0, 0.014, asked=0)
+        elif rng.random() < 0.7:                                             # declined: nothing drafted
+            p.observe(1, 0, none, none, decline_cost, 0.014, asked=k)
+        else:
+            n = next((i for i in range(k) if rng.random() >= 0.7), k)       # accepted drafts
+            p.observe(1, k, k * one, n * one, 0.003 * k, 0.014 + 0.005 * k, asked=k)
+    share = sum(asked[-300:]) / 300
+    assert share > 0.9 if drafting else share < 0.1

@@ -405,7 +405,7 @@ class _EveryThirdStep:
         self.asked.append((k, []))
         return k
 
-    def observe(self, batch, k, valid, accepted, draft_s, target_s) -> None:
+    def observe(self, batch, k, valid, accepted, draft_s, target_s, *, asked) -> None:
         pass
 
 

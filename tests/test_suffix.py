@@ -138,7 +138,7 @@ class NeverDraft:
     def choose(self, batch: int, remaining: int) -> int:
         return 0
 
-    def observe(self, batch, k, valid, accepted, draft_s, target_s) -> None:
+    def observe(self, batch, k, valid, accepted, draft_s, target_s, *, asked) -> None:
         pass
 
 

@@ -32,8 +32,10 @@ class DraftPolicy(Protocol):
         write `remaining` tokens (0: a plain step)."""
         ...
 
-    def observe(self, batch: int, k: int, valid: Tensor, accepted: Tensor, draft_s: float, target_s: float) -> None:
-        """The step's outcome: valid [B] drafts offered, accepted [B], seconds drafting and verifying."""
+    def observe(self, batch: int, k: int, valid: Tensor, accepted: Tensor, draft_s: float, target_s: float, *,
+                asked: int) -> None:
+        """The step's outcome: k drafts per sequence scored, valid [B] drafts offered, accepted [B], seconds drafting
+        and verifying; `asked`: the drafts the step asked its proposer for (more than k where it drafted fewer)."""
         ...
 
 
@@ -44,7 +46,8 @@ class Fixed:
     def choose(self, batch: int, remaining: int) -> int:
         return self.k
 
-    def observe(self, batch: int, k: int, valid: Tensor, accepted: Tensor, draft_s: float, target_s: float) -> None:
+    def observe(self, batch: int, k: int, valid: Tensor, accepted: Tensor, draft_s: float, target_s: float, *,
+                asked: int) -> None:
         pass
 
 
@@ -55,7 +58,8 @@ class Heuristic:
     def choose(self, batch: int, remaining: int) -> int:
         return self.k
 
-    def observe(self, batch: int, k: int, valid: Tensor, accepted: Tensor, draft_s: float, target_s: float) -> None:
+    def observe(self, batch: int, k: int, valid: Tensor, accepted: Tensor, draft_s: float, target_s: float, *,
+                asked: int) -> None:
         if k == 0:
             return
         self.k = min(self.k_max, k + 2) if bool((accepted >= k).all()) else max(1, k - 1)
@@ -94,6 +98,12 @@ class Auto:
     taken either, for it includes the catch-up over the plain steps. No re-probe where fewer than REPROBE
     tokens are left to write: drafting found then could not pay for the probe.
 
+    Declines: a proposer may draft nothing although asked (an EAGLE chain whose first draft falls below its
+    confidence cut, prompt lookup without a match), after paying for it (the head's catch-up and step). The share
+    of asking steps that drafted nothing (decayed counts, prior 0) and what such a step's proposing cost weigh
+    every k > 0: E[tokens] and E[seconds] mix a declined step's one token and cost with a drafting step's. A decline
+    teaches no acceptance (nothing was offered) and is not a plain step.
+
     Ageing: a policy outlives requests (a server's engine serves one after another), and acceptance is the
     requests' own (a repetitive edit, a free-form answer at temperature 1). Every plain step moves the
     acceptance estimates a little back toward the prior (PLAIN_DECAY), so what low acceptance taught under
@@ -118,6 +128,9 @@ class Auto:
         self.draft_steps = 0                        # drafting steps observed
         self.plain_run = 0                          # plain steps since the last drafting step
         self.reprobe = self.REPROBE                 # plain steps before the next probe (doubles per probe)
+        self.asks = self.PRIOR_COUNT                # steps that asked for drafts (decayed; the prior's weight) ...
+        self.declines = 0.0                         # ... and those among them that got none
+        self.c_decline = 0.0                        # seconds proposing in a declined step (0 until measured)
 
     def target_cost(self, rows: int) -> float:
         """Predicted seconds of a target forward over `rows` token rows (relative units before any data)."""
@@ -136,8 +149,17 @@ class Auto:
         return expect
 
     def _best(self, batch: int, draft_cost: Callable[[int], float]) -> int:
-        rates = [batch * self.expected_tokens(k) / (draft_cost(k) + self.target_cost(batch * (k + 1)))
-                 for k in range(self.k_max + 1)]
+        d = self.declines / self.asks                                        # P(an asking step drafts nothing)
+        plain = self.target_cost(batch)
+        declined = self.c_decline + plain
+
+        def rate(k: int) -> float:
+            if k == 0:
+                return batch / plain
+            drafted = draft_cost(k) + self.target_cost(batch * (k + 1))
+            return batch * ((1 - d) * self.expected_tokens(k) + d) / ((1 - d) * drafted + d * declined)
+
+        rates = [rate(k) for k in range(self.k_max + 1)]
         return max(range(self.k_max + 1), key=lambda k: (rates[k], -k))
 
     def choose(self, batch: int, remaining: int) -> int:
@@ -153,16 +175,28 @@ class Auto:
             self.reprobe = min(2 * self.reprobe, self.REPROBE_MAX)   # back off while probes find nothing
         return self.k
 
-    def observe(self, batch: int, k: int, valid: Tensor, accepted: Tensor, draft_s: float, target_s: float) -> None:
+    def observe(self, batch: int, k: int, valid: Tensor, accepted: Tensor, draft_s: float, target_s: float, *,
+                asked: int) -> None:
         rows = batch * (k + 1)
         old = self.c_target.get(rows)
         self.c_target[rows] = target_s if old is None else 0.8 * old + 0.2 * target_s
+        if k == 0 and asked > 0:                     # declined: proposing cost, nothing offered
+            self.asks = self.asks * self.decay + 1.0
+            self.declines = self.declines * self.decay + 1.0
+            if self.plain_run == 0:                  # (after plain steps it carries a catch-up over them)
+                self.c_decline = 0.8 * self.c_decline + 0.2 * draft_s if self.c_decline else draft_s
+            self.plain_run = 0
+            return
         if k == 0:
             self.plain_run += 1
             d, n = self.PLAIN_DECAY, self.PRIOR_COUNT                   # age the estimates toward the prior
             self.tried = [t * d + (1 - d) * n for t in self.tried]
             self.hit = [h * d + (1 - d) * n * self.prior for h in self.hit]
+            self.asks = self.asks * d + (1 - d) * n
+            self.declines = self.declines * d
             return
+        self.asks = self.asks * self.decay + 1.0
+        self.declines = self.declines * self.decay
         for v, a in zip(valid.tolist(), accepted.tolist()):
             for i in range(min(v, a + 1)):           # positions reached
                 self.tried[i] = self.tried[i] * self.decay + 1.0

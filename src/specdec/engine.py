@@ -334,6 +334,7 @@ class Engine:
         """One step of the active batch: propose (at most k drafts) -> score -> verify -> commit."""
         batch = self._batch(seqs)
         pending = torch.tensor([s.tokens[-1] for s in seqs], device=self.target.device)   # [B] not yet scored
+        k = max(0, min(k, min(self._room(s) for s in seqs)))                     # what the proposer is asked for
         t0 = time.perf_counter()
         draft = self._propose(seqs, batch, k)
         t1 = time.perf_counter()
@@ -348,7 +349,7 @@ class Engine:
             self.predictions.commit([s.row for s in seqs], [s.generated for s in seqs], num_new,
                                     draft.offered().masked_fill(~draft.predicted, 0).tolist())
         t3 = time.perf_counter()
-        self._record(seqs, draft, verdict, num_new, t1 - t0 + t3 - t2, t2 - t1)
+        self._record(seqs, k, draft, verdict, num_new, t1 - t0 + t3 - t2, t2 - t1)
         lengths = self.cache.lengths.tolist()
         for s, first in zip(seqs, first_new):
             self._check_end(s, first)
@@ -454,9 +455,10 @@ class Engine:
                 rows = logits[b, path[b, :n]]                                              # [n, V]
                 s.logprobs += token_logprobs(rows, s.tokens[-n:], s.request.top_logprobs)
 
-    def _record(self, seqs: list[SequenceState], draft: Draft, verdict: Verdict, num_new: list[int],
+    def _record(self, seqs: list[SequenceState], asked: int, draft: Draft, verdict: Verdict, num_new: list[int],
                 draft_s: float, target_s: float) -> None:
-        """Each sequence's counters and the draft-length policy learn the step's outcome."""
+        """Each sequence's counters and the draft-length policy learn the step's outcome (`asked`: the drafts the
+        proposer was asked for)."""
         offered = draft.offered()                                                          # [B]
         offered_n = offered.tolist()
         predicted = [p and v > 0 for p, v in zip(draft.predicted.tolist(), offered_n)]
@@ -465,7 +467,7 @@ class Engine:
             s.counters.draft_seconds += draft_s
             s.counters.target_seconds += target_s
         if not any(predicted):        # the policy learns the method's drafts, not the predictions'
-            self.policy.observe(len(seqs), draft.length, offered, verdict.num_accepted, draft_s, target_s)
+            self.policy.observe(len(seqs), draft.length, offered, verdict.num_accepted, draft_s, target_s, asked=asked)
 
     # ---- stopping and text --------------------------------------------------------
     def _check_end(self, s: SequenceState, first_new: int) -> None:
