@@ -205,3 +205,33 @@ def test_a_proposer_that_often_drafts_nothing_is_asked_only_where_asking_pays(de
             p.observe(1, k, k * one, n * one, 0.003 * k, 0.014 + 0.005 * k, asked=k)
     share = sum(asked[-300:]) / 300
     assert share > 0.9 if drafting else share < 0.1
+
+
+def test_a_long_catch_up_starts_the_heads_cache_afresh_on_its_last_window(monkeypatch):
+    """Where more pairs wait than CATCH_UP_WINDOW (a prompt, a run of plain steps), the head's cache holds only
+    the last window after catching up, drafts still happen and the output stays the target's, batched."""
+    import specdec.proposers.eagle as eagle_mod
+
+    monkeypatch.setattr(eagle_mod, "CATCH_UP_WINDOW", 3)
+    target = tiny_model(seed=8)
+    prop = EagleProposer(head_for(target), 1, 4, 4)
+    seen = []
+    catch_up = prop._catch_up
+
+    def watched(rows):
+        waiting = {r: len(prop.unfed[r][0]) for r in rows.tolist() if r in prop.unfed}
+        before = prop.cache.lengths[rows].tolist()
+        catch_up(rows)
+        seen.extend((n, b, int(prop.cache.lengths[r])) for (r, n), b in zip(waiting.items(), before))
+    prop._catch_up = watched
+    eng = Engine(target, prop, Alternating([0, 0, 0, 0, 2, 4, 1, 0, 0, 0, 0, 0, 3]), lambda ids: "", frozenset())
+    eng.allocate(len(PROMPTS), max(map(len, PROMPTS)) + 40)
+    seqs = [eng.add(Request(list(p), 25)) for p in PROMPTS]
+    with torch.inference_mode():
+        while eng.busy:
+            eng.step()
+    for p, s in zip(PROMPTS, seqs):
+        assert s.generated == reference_greedy(target, p, 25)
+    assert sum(s.counters.drafted for s in seqs) > 0
+    assert any(n > 3 for n, _, _ in seen) and any(n <= 3 and b > 0 for n, b, _ in seen)
+    assert all(after == (3 if n > 3 else b + n) for n, b, after in seen)
