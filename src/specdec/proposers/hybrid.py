@@ -68,8 +68,8 @@ class HybridProposer:
         if not need:
             return Draft(tokens)
         idx = torch.tensor(need, device=batch.rows.device)
-        sub = ActiveBatch(batch.rows[idx], [batch.tokens[i] for i in need], batch.sampling.select(idx),
-                          batch.seeds[idx])
+        sub = batch if len(need) == len(batch.tokens) else ActiveBatch(        # (the whole batch: nothing to select)
+            batch.rows[idx], [batch.tokens[i] for i in need], batch.sampling.select(idx), batch.seeds[idx])
         e = self.eagle.propose(sub, k)                               # tokens [b, <=k]
         tokens[idx] = PAD
         tokens[idx, :e.tokens.shape[1]] = e.tokens
