@@ -180,14 +180,7 @@ class Auto:
         rows = batch * (k + 1)
         old = self.c_target.get(rows)
         self.c_target[rows] = target_s if old is None else 0.8 * old + 0.2 * target_s
-        if k == 0 and asked > 0:                     # declined: proposing cost, nothing offered
-            self.asks = self.asks * self.decay + 1.0
-            self.declines = self.declines * self.decay + 1.0
-            if self.plain_run == 0:                  # (after plain steps it carries a catch-up over them)
-                self.c_decline = 0.8 * self.c_decline + 0.2 * draft_s if self.c_decline else draft_s
-            self.plain_run = 0
-            return
-        if k == 0:
+        if asked == 0:                               # a plain step
             self.plain_run += 1
             d, n = self.PLAIN_DECAY, self.PRIOR_COUNT                   # age the estimates toward the prior
             self.tried = [t * d + (1 - d) * n for t in self.tried]
@@ -195,8 +188,14 @@ class Auto:
             self.asks = self.asks * d + (1 - d) * n
             self.declines = self.declines * d
             return
+        declined = k == 0                            # proposing cost, nothing offered
         self.asks = self.asks * self.decay + 1.0
-        self.declines = self.declines * self.decay
+        self.declines = self.declines * self.decay + float(declined)
+        if declined:
+            if self.plain_run == 0:                  # (after plain steps it carries a catch-up over them)
+                self.c_decline = 0.8 * self.c_decline + 0.2 * draft_s if self.c_decline else draft_s
+            self.plain_run = 0
+            return
         for v, a in zip(valid.tolist(), accepted.tolist()):
             for i in range(min(v, a + 1)):           # positions reached
                 self.tried[i] = self.tried[i] * self.decay + 1.0

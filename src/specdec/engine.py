@@ -357,13 +357,12 @@ class Engine:
                 assert lengths[s.row] == len(s.tokens) - 1, "target cache out of step with tokens"
 
     def _propose(self, seqs: list[SequenceState], batch: ActiveBatch, k: int) -> Draft:
-        """The batch drafts k tokens, as the policy asked (rows with a prediction: from it); each row keeps
-        one fewer than its remaining tokens (a row that does not speculate: only its prediction's), and no step
-        drafts more nodes
-        than the cache has room for or than a forward scores exactly (MAX_TREE_BUDGET)."""
+        """The batch drafts k tokens (the policy's choice within the batch's room: `_speculate`; rows with a
+        prediction: from it); each row keeps one fewer than its remaining tokens (a row that does not speculate:
+        only its prediction's), and no step drafts more nodes than the cache has room for or than a forward scores
+        exactly (MAX_TREE_BUDGET)."""
         B, dev = len(seqs), self.target.device
         room = min(self._room(s) for s in seqs)
-        k = max(0, min(k, room))
         conts = self.predictions.continuations([s.row for s in seqs], min(PREDICTION_DRAFT_TOKENS, room))
         if k and not all(conts):
             draft = self.proposer.propose(batch, k)
